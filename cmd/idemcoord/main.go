@@ -1,0 +1,165 @@
+// Command idemcoord is the idempotency coordinator server. It serves the
+// idempotency.v1 gRPC API over a PostgreSQL database.
+//
+// Every flag can also be set through the environment variable named in its
+// help text. On SIGTERM or SIGINT it stops taking calls, finishes those in
+// flight, and exits 0.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+func main() {
+	if err := run(os.Args[1:], os.Stderr); err != nil {
+		fmt.Fprintln(os.Stderr, "idemcoord:", err)
+		os.Exit(1)
+	}
+}
+
+type config struct {
+	listen          string
+	httpListen      string
+	databaseURL     string
+	configPath      string
+	tlsCert         string
+	tlsKey          string
+	tlsClientCA     string
+	logFormat       string
+	logLevel        string
+	shutdownTimeout time.Duration
+}
+
+// env returns the value of the environment variable name, or def.
+func env(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok {
+		return v
+	}
+	return def
+}
+
+func parseFlags(args []string) (*config, error) {
+	c := &config{}
+	fs := flag.NewFlagSet("idemcoord", flag.ContinueOnError)
+	fs.StringVar(&c.listen, "listen", env("IDEMCOORD_LISTEN", "127.0.0.1:50051"), "gRPC listen address (IDEMCOORD_LISTEN)")
+	fs.StringVar(&c.httpListen, "http-listen", env("IDEMCOORD_HTTP_LISTEN", "127.0.0.1:9090"), "HTTP address for /metrics, /healthz, /readyz (IDEMCOORD_HTTP_LISTEN)")
+	fs.StringVar(&c.databaseURL, "database-url", env("DATABASE_URL", ""), "PostgreSQL URL (DATABASE_URL)")
+	fs.StringVar(&c.configPath, "config", env("IDEMCOORD_CONFIG", ""), "optional YAML policy file (IDEMCOORD_CONFIG)")
+	fs.StringVar(&c.tlsCert, "tls-cert", env("IDEMCOORD_TLS_CERT", ""), "TLS certificate file (IDEMCOORD_TLS_CERT)")
+	fs.StringVar(&c.tlsKey, "tls-key", env("IDEMCOORD_TLS_KEY", ""), "TLS key file (IDEMCOORD_TLS_KEY)")
+	fs.StringVar(&c.tlsClientCA, "tls-client-ca", env("IDEMCOORD_TLS_CLIENT_CA", ""), "CA file for client certificates (IDEMCOORD_TLS_CLIENT_CA)")
+	fs.StringVar(&c.logFormat, "log-format", env("IDEMCOORD_LOG_FORMAT", "text"), "log format: text or json (IDEMCOORD_LOG_FORMAT)")
+	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
+	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if c.databaseURL == "" {
+		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
+	}
+	if c.tlsCert != "" || c.tlsKey != "" || c.tlsClientCA != "" {
+		return nil, errors.New("TLS is not supported by this build yet (--tls-cert, --tls-key, --tls-client-ca)")
+	}
+	return c, nil
+}
+
+func newLogger(c *config, w *os.File) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: %w", c.logLevel, err)
+	}
+	hopts := &slog.HandlerOptions{Level: level}
+	switch c.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, hopts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, hopts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", c.logFormat)
+}
+
+func run(args []string, logOut *os.File) error {
+	c, err := parseFlags(args)
+	if err != nil {
+		return err
+	}
+	logger, err := newLogger(c, logOut)
+	if err != nil {
+		return err
+	}
+	policies := server.DefaultPolicies()
+	if c.configPath != "" {
+		if policies, err = server.LoadPolicies(c.configPath); err != nil {
+			return err
+		}
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	logger.Info("applying migrations")
+	if err := migrateWithRetry(ctx, logger, c.databaseURL); err != nil {
+		return err
+	}
+	store, err := ledger.Open(ctx, c.databaseURL, ledger.WithLogger(logger))
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+
+	srv, err := server.New(store, server.WithPolicies(policies), server.WithLogger(logger))
+	if err != nil {
+		return err
+	}
+	lis, err := net.Listen("tcp", c.listen)
+	if err != nil {
+		return err
+	}
+	logger.Info("auth disabled: every caller is tenant \"default\"", "listen", lis.Addr().String())
+	logger.Info("serving", "grpc", lis.Addr().String())
+
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(lis) }()
+	select {
+	case err := <-serveErr:
+		return err
+	case <-ctx.Done():
+	}
+	logger.Info("shutting down: finishing calls in flight", "timeout", c.shutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), c.shutdownTimeout)
+	defer cancel()
+	srv.Shutdown(sctx)
+	logger.Info("stopped")
+	return nil
+}
+
+// migrateWithRetry applies migrations, waiting for the database to come up
+// (for instance while it is still starting) until ctx ends.
+func migrateWithRetry(ctx context.Context, logger *slog.Logger, url string) error {
+	backoff := 200 * time.Millisecond
+	for {
+		err := ledger.Migrate(ctx, url)
+		if err == nil || !errors.Is(err, ledger.ErrUnavailable) {
+			return err
+		}
+		logger.Warn("database not reachable yet; retrying", "err", err, "in", backoff)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, 5*time.Second)
+	}
+}

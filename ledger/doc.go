@@ -1,0 +1,13 @@
+// Package ledger is idemcoord's PostgreSQL store: embedded migrations, the
+// queries and transactions that apply statemachine decisions to records, and
+// change notifications for waiting callers.
+//
+// The database decides every race: the primary key on (tenant, scope, key)
+// settles concurrent Begins of a new key, and every other write happens under
+// a row lock. Every write is committed before the method that made it
+// returns. Errors are the statemachine's refusals, ErrUnavailable when the
+// database cannot be reached, or context errors; no pgx type leaves the
+// package.
+//
+// It imports statemachine and pgx, never gRPC or the server.
+package ledger

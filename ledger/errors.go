@@ -1,0 +1,40 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrUnavailable wraps every failure to reach the database or to commit:
+// connection refused or lost, server shutting down, too many connections.
+// Callers may retry: a write that failed this way either committed entirely
+// or not at all.
+var ErrUnavailable = errors.New("database unavailable")
+
+// classify turns a pgx error into a context error, ErrUnavailable (wrapped
+// with the cause) or, for anything else, the error as is.
+func classify(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch {
+		case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08", // connection exception
+			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // shutdown, crash, cannot connect now
+			pgErr.Code == "53300",                        // too many connections
+			pgErr.Code == "40001", pgErr.Code == "40P01": // serialization failure, deadlock: retry
+			return fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
+		}
+		return err
+	}
+	// Anything that is not a server error is a transport failure: dial
+	// errors, broken connections, a closed pool.
+	return fmt.Errorf("%w: %v", ErrUnavailable, err)
+}

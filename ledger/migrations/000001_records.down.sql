@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS idempotency_records;
+DROP FUNCTION IF EXISTS idempotency_records_notify();

@@ -1,0 +1,190 @@
+package ledger
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// recordColumns are the columns scanned by scanRecord, in order.
+const recordColumns = `state, fingerprint, attempt, generation, lease_token, attempt_id,
+	acquired_from, ended_by, has_response, schema_version, content_type, status_code, body,
+	metadata, failure_reason, ttl_us, failure_ttl_us, created_at, updated_at,
+	lease_expires_at, expires_at`
+
+const insertColumns = `tenant, scope, key, ` + recordColumns
+
+const insertSQL = `INSERT INTO idempotency_records (` + insertColumns + `)
+	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
+	        $19, $20, $21, $22, $23, $24)
+	ON CONFLICT DO NOTHING`
+
+const updateSQL = `UPDATE idempotency_records SET
+	state = $4, fingerprint = $5, attempt = $6, generation = $7, lease_token = $8,
+	attempt_id = $9, acquired_from = $10, ended_by = $11, has_response = $12,
+	schema_version = $13, content_type = $14, status_code = $15, body = $16, metadata = $17,
+	failure_reason = $18, ttl_us = $19, failure_ttl_us = $20, created_at = $21,
+	updated_at = $22, lease_expires_at = $23, expires_at = $24
+	WHERE tenant = $1 AND scope = $2 AND key = $3`
+
+// beginSQL inserts a new IN_PROGRESS record or, when the key exists, returns
+// the existing row, in one round trip. Its first column says which. When a
+// concurrent insert committed after this statement's snapshot, it returns no
+// row and the caller takes the locked path.
+//
+// Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint, $5 lease token,
+// $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9 lease µs, $10 now or NULL.
+const beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
+ins AS (
+	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at)
+	SELECT $1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, clock.now, clock.now,
+		clock.now + $9 * interval '1 microsecond'
+	FROM clock
+	ON CONFLICT DO NOTHING
+	RETURNING ` + recordColumns + `
+)
+SELECT true, ins.*, clock.now FROM ins, clock
+UNION ALL
+SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
+	WHERE tenant = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)`
+
+// insertOrRead runs beginSQL. found is false when no row came back.
+func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+	fp := ev.Fingerprint
+	if fp == nil {
+		fp = []byte{}
+	}
+	rows, err := s.pool.Query(ctx, beginSQL, id.Tenant, id.Scope, id.Key, fp, ev.NewToken, ev.AttemptID,
+		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now())
+	if err != nil {
+		return rec, false, now, false, err
+	}
+	defer rows.Close()
+	if !rows.Next() {
+		return rec, false, now, false, rows.Err()
+	}
+	dest, fin := scanTargets(&rec)
+	if err := rows.Scan(append(append([]any{&inserted}, dest...), &now)...); err != nil {
+		return rec, false, now, false, err
+	}
+	if err := fin(); err != nil {
+		return rec, false, now, false, err
+	}
+	rows.Close()
+	return rec, inserted, now.UTC(), true, rows.Err()
+}
+
+// scanRecordNow scans recordColumns followed by the clock column.
+func scanRecordNow(row pgx.Row) (statemachine.Record, time.Time, error) {
+	var rec statemachine.Record
+	var now time.Time
+	dest, fin := scanTargets(&rec)
+	if err := row.Scan(append(dest, &now)...); err != nil {
+		return rec, now, err
+	}
+	if err := fin(); err != nil {
+		return rec, now, err
+	}
+	return rec, now.UTC(), nil
+}
+
+// scanTargets returns scan destinations for recordColumns and a function
+// that moves the scanned values into rec.
+func scanTargets(rec *statemachine.Record) ([]any, func() error) {
+	var (
+		state, acquiredFrom, endedBy int16
+		hasResponse                  bool
+		schemaVersion, contentType   string
+		statusCode                   int32
+		body, metadata               []byte
+		ttl, failureTTL              int64
+		leaseExpires, expires        *time.Time
+	)
+	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
+		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
+		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
+		&rec.UpdatedAt, &leaseExpires, &expires}
+	return dest, func() error {
+		rec.State = statemachine.State(state)
+		rec.AcquiredFrom = statemachine.State(acquiredFrom)
+		rec.EndedBy = statemachine.Ending(endedBy)
+		rec.TTL = time.Duration(ttl) * time.Microsecond
+		rec.FailureTTL = time.Duration(failureTTL) * time.Microsecond
+		rec.CreatedAt = rec.CreatedAt.UTC()
+		rec.UpdatedAt = rec.UpdatedAt.UTC()
+		if len(rec.Fingerprint) == 0 {
+			rec.Fingerprint = nil
+		}
+		if leaseExpires != nil {
+			rec.LeaseExpiresAt = leaseExpires.UTC()
+		}
+		if expires != nil {
+			rec.ExpiresAt = expires.UTC()
+		}
+		if hasResponse {
+			r := &statemachine.Response{SchemaVersion: schemaVersion, ContentType: contentType,
+				StatusCode: statusCode, Body: body}
+			if len(metadata) > 0 {
+				if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
+					return fmt.Errorf("ledger: decode stored metadata: %w", err)
+				}
+			}
+			rec.Response = r
+		}
+		return nil
+	}
+}
+
+// recordArgs returns the values of recordColumns for rec.
+func recordArgs(rec statemachine.Record) ([]any, error) {
+	var (
+		hasResponse                bool
+		schemaVersion, contentType string
+		statusCode                 int32
+		body, metadata             []byte
+	)
+	if r := rec.Response; r != nil {
+		hasResponse = true
+		schemaVersion, contentType, statusCode, body = r.SchemaVersion, r.ContentType, r.StatusCode, r.Body
+		if body == nil {
+			body = []byte{}
+		}
+		if len(r.Metadata) > 0 {
+			var err error
+			if metadata, err = json.Marshal(r.Metadata); err != nil {
+				return nil, fmt.Errorf("ledger: encode metadata: %w", err)
+			}
+		}
+	}
+	fp := rec.Fingerprint
+	if fp == nil {
+		fp = []byte{}
+	}
+	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
+		int16(rec.AcquiredFrom), int16(rec.EndedBy), hasResponse, schemaVersion, contentType,
+		statusCode, body, metadata, rec.FailureReason, rec.TTL.Microseconds(),
+		rec.FailureTTL.Microseconds(), rec.CreatedAt, rec.UpdatedAt, optTime(rec.LeaseExpiresAt),
+		optTime(rec.ExpiresAt)}, nil
+}
+
+// identityArgs returns the identity followed by recordArgs.
+func identityArgs(id Identity, rec statemachine.Record) ([]any, error) {
+	args, err := recordArgs(rec)
+	if err != nil {
+		return nil, err
+	}
+	return append([]any{id.Tenant, id.Scope, id.Key}, args...), nil
+}
+
+func optTime(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	return &t
+}

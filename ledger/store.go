@@ -1,0 +1,296 @@
+package ledger
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// Store keeps idempotency records in PostgreSQL. It is safe for concurrent
+// use by many goroutines and by many replicas sharing one database.
+type Store struct {
+	pool     *pgxpool.Pool
+	clock    func() time.Time
+	logger   *slog.Logger
+	notifier *notifier
+}
+
+// Option configures a Store.
+type Option func(*options)
+
+type options struct {
+	clock    func() time.Time
+	logger   *slog.Logger
+	maxConns int32
+}
+
+// WithClock makes the Store take "now" from clock instead of the database's
+// clock. Tests use it to move time without sleeping; production leaves the
+// database as the one clock of every replica.
+func WithClock(clock func() time.Time) Option {
+	return func(o *options) { o.clock = clock }
+}
+
+// WithLogger sets the logger for background work (the change listener).
+func WithLogger(l *slog.Logger) Option {
+	return func(o *options) { o.logger = l }
+}
+
+// WithMaxConns sets the connection pool size when the database URL does not
+// set pool_max_conns. The default is 32.
+func WithMaxConns(n int32) Option {
+	return func(o *options) { o.maxConns = n }
+}
+
+// Open connects to the database at databaseURL (which must already be
+// migrated, see Migrate). It does not fail when the database is down: calls
+// then fail with ErrUnavailable until it comes back.
+func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, error) {
+	o := options{logger: slog.New(slog.DiscardHandler), maxConns: 32}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	cfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: parse database URL: %w", err)
+	}
+	if cfg.ConnConfig.RuntimeParams == nil {
+		cfg.ConnConfig.RuntimeParams = map[string]string{}
+	}
+	// An acknowledged write must be durable whatever the server's default.
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
+	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if !hasParam(databaseURL, "pool_max_conns") {
+		cfg.MaxConns = o.maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: create pool: %w", err)
+	}
+	s := &Store{pool: pool, clock: o.clock, logger: o.logger}
+	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
+	return s, nil
+}
+
+// Close stops the change listener and closes every connection.
+func (s *Store) Close() {
+	s.notifier.close()
+	s.pool.Close()
+}
+
+// Ping checks that the database answers.
+func (s *Store) Ping(ctx context.Context) error {
+	return classify(s.pool.Ping(ctx))
+}
+
+// Identity names one record.
+type Identity struct {
+	Tenant string
+	Scope  string
+	Key    string
+}
+
+// BeginParams are the inputs of Begin. Event.Kind and Event.NewToken are set
+// by Begin.
+type BeginParams struct {
+	ID     Identity
+	Event  statemachine.Event
+	Policy statemachine.Policy
+}
+
+// FinishParams are the inputs of Complete, Fail and Heartbeat; Event.Kind
+// says which.
+type FinishParams struct {
+	ID    Identity
+	Event statemachine.Event
+}
+
+// Result is a decision that was applied (committed, when it wrote).
+type Result struct {
+	statemachine.Decision
+	// Now is the time the decision was taken at.
+	Now time.Time
+}
+
+// now returns the injected time (truncated to the database's microsecond
+// precision) or nil, which makes queries use the database clock.
+func (s *Store) now() *time.Time {
+	if s.clock == nil {
+		return nil
+	}
+	t := s.clock().UTC().Truncate(time.Microsecond)
+	return &t
+}
+
+// newToken returns a fresh opaque lease token.
+func newToken() string {
+	var b [18]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return "lt1." + base64.RawURLEncoding.EncodeToString(b[:])
+}
+
+// Begin applies a Begin event. A new key takes one round trip (an INSERT …
+// ON CONFLICT DO NOTHING that also reads the existing row); a decision that
+// changes an existing record is taken again under its row lock.
+func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
+	ev := p.Event
+	ev.Kind = statemachine.EventBegin
+	ev.NewToken = newToken()
+
+	rec, inserted, now, found, err := s.insertOrRead(ctx, p.ID, &ev)
+	if err != nil {
+		return nil, classify(err)
+	}
+	if inserted {
+		d := statemachine.Next(nil, ev, p.Policy, now)
+		d.Record = rec
+		return &Result{Decision: d, Now: now}, nil
+	}
+	if found {
+		d := statemachine.Next(&rec, ev, p.Policy, now)
+		if d.Err != nil {
+			return nil, d.Err
+		}
+		if d.Write == statemachine.WriteNone {
+			return &Result{Decision: d, Now: now}, nil
+		}
+	}
+	return s.locked(ctx, p.ID, ev, p.Policy)
+}
+
+// Complete, Fail and Heartbeat apply p.Event under the record's row lock.
+func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
+	return s.locked(ctx, p.ID, p.Event, statemachine.Policy{})
+}
+
+// Lookup returns the record as in effect now, or statemachine.ErrNotFound.
+func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, time.Time, error) {
+	row := s.pool.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
+		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
+		id.Tenant, id.Scope, id.Key, s.now())
+	rec, now, err := scanRecordNow(row)
+	if err == pgx.ErrNoRows {
+		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
+	}
+	if err != nil {
+		return statemachine.Record{}, time.Time{}, classify(err)
+	}
+	return statemachine.Effective(rec, now), now, nil
+}
+
+// maxRaceRetries bounds how often a locked decision restarts because the row
+// appeared or vanished between two statements.
+const maxRaceRetries = 8
+
+// locked takes the decision for ev under the row lock and applies it in the
+// same transaction.
+func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (*Result, error) {
+	for range maxRaceRetries {
+		res, retry, err := s.lockedOnce(ctx, id, ev, pol)
+		switch {
+		case err != nil:
+			return nil, classify(err)
+		case res != nil && res.Err != nil:
+			return nil, res.Err
+		case !retry:
+			return res, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: record %q changed too often under contention", ErrUnavailable, id.Key)
+}
+
+func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (res *Result, retry bool, err error) {
+	err = withTx(ctx, s.pool, func(tx pgx.Tx) error {
+		row := tx.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
+			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
+			id.Tenant, id.Scope, id.Key, s.now())
+		cur, now, err := scanRecordNow(row)
+		var curp *statemachine.Record
+		switch {
+		case err == pgx.ErrNoRows:
+			if now, err = s.txNow(ctx, tx); err != nil {
+				return err
+			}
+		case err != nil:
+			return err
+		default:
+			curp = &cur
+		}
+		d := statemachine.Next(curp, ev, pol, now)
+		res = &Result{Decision: d, Now: now}
+		if d.Err != nil {
+			return nil // a refusal writes nothing; committing releases the lock
+		}
+		switch d.Write {
+		case statemachine.WriteInsert:
+			args, err := identityArgs(id, d.Record)
+			if err != nil {
+				return err
+			}
+			tag, err := tx.Exec(ctx, insertSQL, args...)
+			if err != nil {
+				return err
+			}
+			if tag.RowsAffected() == 0 {
+				retry = true // another Begin created it meanwhile
+			}
+		case statemachine.WriteUpdate:
+			args, err := identityArgs(id, d.Record)
+			if err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, updateSQL, args...); err != nil {
+				return err
+			}
+		case statemachine.WriteDelete:
+			if _, err := tx.Exec(ctx, `DELETE FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
+				id.Tenant, id.Scope, id.Key); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, false, err
+	}
+	return res, retry, nil
+}
+
+// txNow reads "now" inside tx when there is no row to read it with.
+func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
+	if n := s.now(); n != nil {
+		return *n, nil
+	}
+	var now time.Time
+	err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now)
+	return now, err
+}
+
+// withTx runs fn in a transaction and commits it. On error it rolls back
+// under context.WithoutCancel, so a cancelled call still releases its locks
+// at once.
+func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// hasParam reports whether a URL or DSN sets the named parameter.
+func hasParam(databaseURL, name string) bool {
+	return strings.Contains(databaseURL, name+"=")
+}

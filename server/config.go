@@ -1,0 +1,318 @@
+package server
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// Config is the coordinator's YAML configuration file. Every part is
+// optional; an absent file means the built-in defaults.
+type Config struct {
+	// Defaults is the policy of scopes no entry of Scopes matches.
+	Defaults PolicyConfig `yaml:"defaults"`
+	// Scopes are per-scope overrides; the first entry whose Match matches
+	// the scope wins. In Match, `*` matches any run of bytes, `/` included.
+	Scopes []ScopeConfig `yaml:"scopes"`
+	// Limits bound request fields.
+	Limits LimitsConfig `yaml:"limits"`
+}
+
+// PolicyConfig is a policy as written in the file; unset fields inherit
+// (scope entries from defaults, defaults from the built-in defaults).
+type PolicyConfig struct {
+	TTL         *Duration `yaml:"ttl"`
+	FailureTTL  *Duration `yaml:"failure_ttl"`
+	Lease       *Duration `yaml:"lease"`
+	MaxTTL      *Duration `yaml:"max_ttl"`
+	OnExpired   *string   `yaml:"on_expired"`
+	OnUnknown   *string   `yaml:"on_unknown"`
+	MaxAttempts *int32    `yaml:"max_attempts"`
+}
+
+// ScopeConfig is one per-scope entry.
+type ScopeConfig struct {
+	Match        string `yaml:"match"`
+	PolicyConfig `yaml:",inline"`
+}
+
+// LimitsConfig overrides the built-in request limits (see DefaultLimits).
+type LimitsConfig struct {
+	MaxKeyBytes         *int      `yaml:"max_key_bytes"`
+	MaxScopeBytes       *int      `yaml:"max_scope_bytes"`
+	MaxFingerprintBytes *int      `yaml:"max_fingerprint_bytes"`
+	MaxReasonBytes      *int      `yaml:"max_reason_bytes"`
+	MaxResponseBytes    *int      `yaml:"max_response_bytes"`
+	MinLease            *Duration `yaml:"min_lease"`
+	MaxLease            *Duration `yaml:"max_lease"`
+	MaxWait             *Duration `yaml:"max_wait"`
+}
+
+// Duration is a time.Duration written in YAML as a Go duration string
+// ("24h", "300s", "1h30m").
+type Duration time.Duration
+
+// UnmarshalYAML parses a duration string.
+func (d *Duration) UnmarshalYAML(n *yaml.Node) error {
+	var s string
+	if err := n.Decode(&s); err != nil {
+		return fmt.Errorf("line %d: want a duration such as \"30s\" or \"24h\"", n.Line)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("line %d: %q is not a duration (write e.g. \"30s\", \"24h\")", n.Line, s)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// Policy is the resolved policy of one scope.
+type Policy struct {
+	TTL         time.Duration
+	FailureTTL  time.Duration
+	Lease       time.Duration
+	MaxTTL      time.Duration
+	OnExpired   statemachine.OnExpired
+	OnUnknown   statemachine.OnUnknown
+	MaxAttempts int32
+}
+
+// DefaultPolicy is the built-in policy: ttl 24h, failure_ttl 1h, lease 30s,
+// on_expired restart, on_unknown takeover, max_attempts 0 (unlimited),
+// max_ttl 720h.
+func DefaultPolicy() Policy {
+	return Policy{TTL: 24 * time.Hour, FailureTTL: time.Hour, Lease: 30 * time.Second,
+		MaxTTL: 720 * time.Hour, OnExpired: statemachine.ExpiredRestart,
+		OnUnknown: statemachine.UnknownTakeover}
+}
+
+// Limits bound the fields of requests.
+type Limits struct {
+	MaxKeyBytes         int
+	MaxScopeBytes       int
+	MaxFingerprintBytes int
+	MaxReasonBytes      int
+	MaxResponseBytes    int
+	MinLease            time.Duration
+	MaxLease            time.Duration
+	MaxWait             time.Duration
+}
+
+// DefaultLimits are the limits of DESIGN.md: key and scope ≤ 255 bytes,
+// fingerprint ≤ 64 bytes, reason ≤ 1 KiB, stored response ≤ 1 MiB, lease
+// 1 s – 1 h, wait ≤ 30 s.
+func DefaultLimits() Limits {
+	return Limits{MaxKeyBytes: 255, MaxScopeBytes: 255, MaxFingerprintBytes: 64,
+		MaxReasonBytes: 1024, MaxResponseBytes: 1 << 20, MinLease: time.Second,
+		MaxLease: time.Hour, MaxWait: 30 * time.Second}
+}
+
+// Policies is a validated, resolved configuration: the policy of every scope
+// and the limits. It is immutable.
+type Policies struct {
+	defaults Policy
+	scopes   []scopePolicy
+	limits   Limits
+}
+
+type scopePolicy struct {
+	match  string
+	policy Policy
+}
+
+// DefaultPolicies returns the configuration used without a file.
+func DefaultPolicies() *Policies {
+	return &Policies{defaults: DefaultPolicy(), limits: DefaultLimits()}
+}
+
+// For returns the policy of scope.
+func (p *Policies) For(scope string) Policy {
+	for _, s := range p.scopes {
+		if globMatch(s.match, scope) {
+			return s.policy
+		}
+	}
+	return p.defaults
+}
+
+// Limits returns the request limits.
+func (p *Policies) Limits() Limits { return p.limits }
+
+// LoadPolicies reads and validates the YAML file at path.
+func LoadPolicies(path string) (*Policies, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	p, err := ParsePolicies(data)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	return p, nil
+}
+
+// ParsePolicies parses and validates a YAML configuration. Unknown keys are
+// errors, so a misspelt setting is never silently ignored.
+func ParsePolicies(data []byte) (*Policies, error) {
+	var cfg Config
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(&cfg); err != nil && !errors.Is(err, io.EOF) { // io.EOF: an empty file
+		return nil, err
+	}
+	return cfg.Resolve()
+}
+
+// Resolve validates cfg and merges it over the built-in defaults.
+func (cfg *Config) Resolve() (*Policies, error) {
+	var errs []error
+	defaults, err := cfg.Defaults.apply(DefaultPolicy())
+	if err != nil {
+		errs = append(errs, fmt.Errorf("defaults: %w", err))
+	}
+	out := &Policies{defaults: defaults}
+	for i, s := range cfg.Scopes {
+		if s.Match == "" {
+			errs = append(errs, fmt.Errorf("scopes[%d]: match is required", i))
+			continue
+		}
+		p, err := s.PolicyConfig.apply(defaults)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("scopes[%d] (match %q): %w", i, s.Match, err))
+			continue
+		}
+		out.scopes = append(out.scopes, scopePolicy{match: s.Match, policy: p})
+	}
+	limits, err := cfg.Limits.apply(DefaultLimits())
+	if err != nil {
+		errs = append(errs, fmt.Errorf("limits: %w", err))
+	}
+	out.limits = limits
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c PolicyConfig) apply(p Policy) (Policy, error) {
+	set := func(dst *time.Duration, src *Duration) {
+		if src != nil {
+			*dst = time.Duration(*src)
+		}
+	}
+	set(&p.TTL, c.TTL)
+	set(&p.FailureTTL, c.FailureTTL)
+	set(&p.Lease, c.Lease)
+	set(&p.MaxTTL, c.MaxTTL)
+	if c.MaxAttempts != nil {
+		p.MaxAttempts = *c.MaxAttempts
+	}
+	var errs []error
+	if c.OnExpired != nil {
+		switch strings.ToLower(*c.OnExpired) {
+		case "restart":
+			p.OnExpired = statemachine.ExpiredRestart
+		case "reject":
+			p.OnExpired = statemachine.ExpiredReject
+		default:
+			errs = append(errs, fmt.Errorf("on_expired %q: want restart or reject", *c.OnExpired))
+		}
+	}
+	if c.OnUnknown != nil {
+		switch strings.ToLower(*c.OnUnknown) {
+		case "takeover":
+			p.OnUnknown = statemachine.UnknownTakeover
+		case "hold":
+			p.OnUnknown = statemachine.UnknownHold
+		default:
+			errs = append(errs, fmt.Errorf("on_unknown %q: want takeover or hold", *c.OnUnknown))
+		}
+	}
+	if p.MaxTTL <= 0 {
+		errs = append(errs, fmt.Errorf("max_ttl %v: must be positive", p.MaxTTL))
+	}
+	if p.TTL <= 0 || p.TTL > p.MaxTTL {
+		errs = append(errs, fmt.Errorf("ttl %v: must be positive and at most max_ttl (%v)", p.TTL, p.MaxTTL))
+	}
+	if p.FailureTTL <= 0 {
+		errs = append(errs, fmt.Errorf("failure_ttl %v: must be positive", p.FailureTTL))
+	}
+	if p.Lease < time.Second || p.Lease > time.Hour {
+		errs = append(errs, fmt.Errorf("lease %v: must be between 1s and 1h", p.Lease))
+	}
+	if p.MaxAttempts < 0 {
+		errs = append(errs, fmt.Errorf("max_attempts %d: must be 0 (unlimited) or more", p.MaxAttempts))
+	}
+	return p, errors.Join(errs...)
+}
+
+func (c LimitsConfig) apply(l Limits) (Limits, error) {
+	var errs []error
+	setInt := func(name string, dst *int, src *int) {
+		if src == nil {
+			return
+		}
+		if *src <= 0 {
+			errs = append(errs, fmt.Errorf("%s %d: must be positive", name, *src))
+			return
+		}
+		*dst = *src
+	}
+	setInt("max_key_bytes", &l.MaxKeyBytes, c.MaxKeyBytes)
+	setInt("max_scope_bytes", &l.MaxScopeBytes, c.MaxScopeBytes)
+	setInt("max_fingerprint_bytes", &l.MaxFingerprintBytes, c.MaxFingerprintBytes)
+	setInt("max_reason_bytes", &l.MaxReasonBytes, c.MaxReasonBytes)
+	setInt("max_response_bytes", &l.MaxResponseBytes, c.MaxResponseBytes)
+	if c.MinLease != nil {
+		l.MinLease = time.Duration(*c.MinLease)
+	}
+	if c.MaxLease != nil {
+		l.MaxLease = time.Duration(*c.MaxLease)
+	}
+	if c.MaxWait != nil {
+		l.MaxWait = time.Duration(*c.MaxWait)
+	}
+	if l.MinLease <= 0 || l.MaxLease < l.MinLease {
+		errs = append(errs, fmt.Errorf("min_lease %v / max_lease %v: want 0 < min_lease <= max_lease", l.MinLease, l.MaxLease))
+	}
+	if l.MaxWait < 0 {
+		errs = append(errs, fmt.Errorf("max_wait %v: must not be negative", l.MaxWait))
+	}
+	return l, errors.Join(errs...)
+}
+
+// globMatch reports whether name matches pattern, in which `*` matches any
+// run of bytes (including `/`) and every other byte matches itself.
+func globMatch(pattern, name string) bool {
+	// Iterative matcher with backtracking to the last star.
+	p, n := 0, 0
+	star, mark := -1, 0
+	for n < len(name) {
+		switch {
+		case p < len(pattern) && pattern[p] == '*':
+			star, mark = p, n
+			p++
+		case p < len(pattern) && pattern[p] == name[n]:
+			p++
+			n++
+		case star >= 0:
+			p = star + 1
+			mark++
+			n = mark
+		default:
+			return false
+		}
+	}
+	for p < len(pattern) && pattern[p] == '*' {
+		p++
+	}
+	return p == len(pattern)
+}

@@ -1,0 +1,193 @@
+package server
+
+import (
+	"context"
+	"time"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// DefaultTenant is the tenant of every caller while auth is disabled.
+const DefaultTenant = "default"
+
+// waitMargin is kept free before a caller's deadline when Begin waits, so
+// the IN_PROGRESS answer arrives before the deadline does.
+const waitMargin = 50 * time.Millisecond
+
+// leaseSlack is added to a lease expiry a waiting Begin wakes up at, so the
+// lease has surely run out when it looks again.
+const leaseSlack = 5 * time.Millisecond
+
+// tenantFrom returns the tenant the call is authenticated as.
+func tenantFrom(context.Context) string { return DefaultTenant }
+
+func identity(ctx context.Context, scope, key string) ledger.Identity {
+	return ledger.Identity{Tenant: tenantFrom(ctx), Scope: scope, Key: key}
+}
+
+// Begin claims a key; see idempotency.v1.Coordinator.
+func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*idempotencyv1.BeginResponse, error) {
+	pols := s.policies.Load()
+	pol := pols.For(req.GetScope())
+	if err := s.validateBegin(req, pol, pols.Limits()); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	ttl, lease := pol.TTL, pol.Lease
+	if req.GetTtl() != nil {
+		ttl = req.GetTtl().AsDuration()
+	}
+	if req.GetLease() != nil {
+		lease = req.GetLease().AsDuration()
+	}
+	p := &ledger.BeginParams{
+		ID: identity(ctx, req.GetScope(), req.GetKey()),
+		Event: statemachine.Event{
+			Fingerprint:          req.GetFingerprint(),
+			AttemptID:            req.GetAttemptId(),
+			AcceptSchemaVersions: req.GetAcceptSchemaVersions(),
+			TTL:                  ttl,
+			FailureTTL:           min(pol.FailureTTL, ttl),
+			Lease:                lease,
+		},
+		Policy: statemachine.Policy{OnExpired: pol.OnExpired, OnUnknown: pol.OnUnknown, MaxAttempts: pol.MaxAttempts},
+	}
+
+	wait := req.GetWait().AsDuration()
+	if dl, ok := ctx.Deadline(); ok {
+		wait = min(wait, time.Until(dl)-waitMargin)
+	}
+	if wait <= 0 {
+		res, err := s.store.Begin(ctx, p)
+		if err != nil {
+			return nil, s.status(ctx, err)
+		}
+		return beginResponse(req, res), nil
+	}
+	return s.beginWaiting(ctx, req, p, time.Now().Add(wait))
+}
+
+// beginWaiting repeats Begin while another attempt holds the key, waking on
+// every committed change of the record and at its lease expiry, until
+// giveUp. It holds no row lock or connection while it waits.
+func (s *Server) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, p *ledger.BeginParams, giveUp time.Time) (*idempotencyv1.BeginResponse, error) {
+	changed, unsubscribe := s.store.Subscribe(p.ID)
+	defer unsubscribe()
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	<-timer.C
+	for {
+		res, err := s.store.Begin(ctx, p)
+		if err != nil {
+			return nil, s.status(ctx, err)
+		}
+		left := time.Until(giveUp)
+		if res.Outcome != statemachine.OutcomeInProgress || left <= 0 {
+			return beginResponse(req, res), nil
+		}
+		sleep := left
+		if rec := res.Record; rec.State == statemachine.StateInProgress {
+			sleep = min(sleep, rec.LeaseExpiresAt.Sub(res.Now)+leaseSlack)
+		}
+		timer.Reset(max(sleep, 0))
+		select {
+		case <-changed:
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-timer.C:
+		case <-ctx.Done():
+			return nil, s.status(ctx, ctx.Err())
+		}
+	}
+}
+
+func beginResponse(req *idempotencyv1.BeginRequest, res *ledger.Result) *idempotencyv1.BeginResponse {
+	out := &idempotencyv1.BeginResponse{
+		Outcome: idempotencyv1.Outcome(res.Outcome),
+		Record:  recordToProto(req.GetScope(), req.GetKey(), res.Record),
+	}
+	switch res.Outcome {
+	case statemachine.OutcomeAcquired:
+		out.LeaseToken = res.Record.LeaseToken
+		out.PreviousState = idempotencyv1.State(res.PreviousState)
+	case statemachine.OutcomeInProgress:
+		out.RetryAfter = optDuration(res.RetryAfter)
+	}
+	return out
+}
+
+// Complete ends an attempt successfully; see idempotency.v1.Coordinator.
+func (s *Server) Complete(ctx context.Context, req *idempotencyv1.CompleteRequest) (*idempotencyv1.CompleteResponse, error) {
+	if err := s.validateComplete(req, s.policies.Load().Limits()); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	res, err := s.store.Finish(ctx, &ledger.FinishParams{
+		ID: identity(ctx, req.GetScope(), req.GetKey()),
+		Event: statemachine.Event{Kind: statemachine.EventComplete, Token: req.GetLeaseToken(),
+			Response: responseFromProto(req.GetResponse())},
+	})
+	if err != nil {
+		return nil, s.status(ctx, err)
+	}
+	return &idempotencyv1.CompleteResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
+}
+
+// Fail ends an attempt with a failure; see idempotency.v1.Coordinator.
+func (s *Server) Fail(ctx context.Context, req *idempotencyv1.FailRequest) (*idempotencyv1.FailResponse, error) {
+	if err := s.validateFail(req, s.policies.Load().Limits()); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	res, err := s.store.Finish(ctx, &ledger.FinishParams{
+		ID: identity(ctx, req.GetScope(), req.GetKey()),
+		Event: statemachine.Event{Kind: statemachine.EventFail, Token: req.GetLeaseToken(),
+			FailureKind: statemachine.FailureKind(req.GetKind()),
+			Response:    responseFromProto(req.GetResponse()), Reason: req.GetReason()},
+	})
+	if err != nil {
+		return nil, s.status(ctx, err)
+	}
+	out := &idempotencyv1.FailResponse{}
+	if res.Exists {
+		out.Record = recordToProto(req.GetScope(), req.GetKey(), res.Record)
+	}
+	return out, nil
+}
+
+// Lookup reads a record as in effect now; see idempotency.v1.Coordinator.
+func (s *Server) Lookup(ctx context.Context, req *idempotencyv1.LookupRequest) (*idempotencyv1.LookupResponse, error) {
+	if err := s.validateLookup(req, s.policies.Load().Limits()); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	rec, _, err := s.store.Lookup(ctx, identity(ctx, req.GetScope(), req.GetKey()))
+	if err != nil {
+		return nil, s.status(ctx, err)
+	}
+	return &idempotencyv1.LookupResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
+}
+
+// Heartbeat extends the current attempt's lease; see
+// idempotency.v1.Coordinator.
+func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequest) (*idempotencyv1.HeartbeatResponse, error) {
+	pols := s.policies.Load()
+	if err := s.validateHeartbeat(req, pols.Limits()); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	lease := pols.For(req.GetScope()).Lease
+	if req.GetLease() != nil {
+		lease = req.GetLease().AsDuration()
+	}
+	res, err := s.store.Finish(ctx, &ledger.FinishParams{
+		ID:    identity(ctx, req.GetScope(), req.GetKey()),
+		Event: statemachine.Event{Kind: statemachine.EventHeartbeat, Token: req.GetLeaseToken(), Lease: lease},
+	})
+	if err != nil {
+		return nil, s.status(ctx, err)
+	}
+	return &idempotencyv1.HeartbeatResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
+}
+
+func (s *Server) status(ctx context.Context, err error) error {
+	return toStatus(ctx, s.logger, err)
+}

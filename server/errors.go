@@ -1,0 +1,112 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
+
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// ErrorDomain is the domain of every google.rpc.ErrorInfo the server sends.
+const ErrorDomain = "idempotency.v1"
+
+// The ErrorInfo reasons the server sends.
+const (
+	ReasonFingerprintMismatch      = "FINGERPRINT_MISMATCH"
+	ReasonLeaseLost                = "LEASE_LOST"
+	ReasonSchemaVersionNotAccepted = "SCHEMA_VERSION_NOT_ACCEPTED"
+	ReasonKeyExpired               = "KEY_EXPIRED"
+	ReasonAlreadyFinished          = "ALREADY_FINISHED"
+	ReasonAttemptsExhausted        = "ATTEMPTS_EXHAUSTED"
+	ReasonResponseTooLarge         = "RESPONSE_TOO_LARGE"
+)
+
+// invalidError is a request that failed validation.
+type invalidError struct {
+	violations []*errdetails.BadRequest_FieldViolation
+	// reason, when set, is sent as an ErrorInfo reason too.
+	reason string
+}
+
+func (e *invalidError) Error() string {
+	if len(e.violations) == 0 {
+		return "invalid request"
+	}
+	v := e.violations[0]
+	msg := fmt.Sprintf("invalid %s: %s", v.GetField(), v.GetDescription())
+	if n := len(e.violations) - 1; n > 0 {
+		msg += fmt.Sprintf(" (and %d more)", n)
+	}
+	return msg
+}
+
+// refusals maps the statemachine's refusals to FAILED_PRECONDITION reasons.
+var refusals = []struct {
+	err    error
+	reason string
+}{
+	{statemachine.ErrFingerprintMismatch, ReasonFingerprintMismatch},
+	{statemachine.ErrLeaseLost, ReasonLeaseLost},
+	{statemachine.ErrSchemaVersionNotAccepted, ReasonSchemaVersionNotAccepted},
+	{statemachine.ErrKeyExpired, ReasonKeyExpired},
+	{statemachine.ErrAlreadyFinished, ReasonAlreadyFinished},
+	{statemachine.ErrAttemptsExhausted, ReasonAttemptsExhausted},
+}
+
+// toStatus is the one place where errors become gRPC statuses. Anything it
+// does not recognise is logged and answered INTERNAL without detail.
+func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	var inv *invalidError
+	if errors.As(err, &inv) {
+		br := &errdetails.BadRequest{FieldViolations: inv.violations}
+		st := status.New(codes.InvalidArgument, inv.Error())
+		if inv.reason != "" {
+			return withDetails(st, errorInfo(inv.reason), br)
+		}
+		return withDetails(st, br)
+	}
+	for _, r := range refusals {
+		if errors.Is(err, r.err) {
+			return withDetails(status.New(codes.FailedPrecondition, err.Error()), errorInfo(r.reason))
+		}
+	}
+	switch {
+	case errors.Is(err, statemachine.ErrNotFound):
+		return status.Error(codes.NotFound, "no such record")
+	case errors.Is(err, ledger.ErrUnavailable):
+		logger.WarnContext(ctx, "database unavailable", "err", err)
+		return status.Error(codes.Unavailable, "database unavailable, retry later")
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.Error(codes.DeadlineExceeded, "deadline exceeded")
+	case errors.Is(err, context.Canceled):
+		return status.Error(codes.Canceled, "call canceled")
+	}
+	logger.ErrorContext(ctx, "internal error", "err", err)
+	return status.Error(codes.Internal, "internal error")
+}
+
+func errorInfo(reason string) *errdetails.ErrorInfo {
+	return &errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}
+}
+
+func withDetails(st *status.Status, details ...protoadapt.MessageV1) error {
+	out, err := st.WithDetails(details...)
+	if err != nil {
+		return st.Err()
+	}
+	return out.Err()
+}

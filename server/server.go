@@ -1,0 +1,191 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"runtime/debug"
+	"sync/atomic"
+	"time"
+
+	"buf.build/go/protovalidate"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/ledger"
+)
+
+// Server is the coordinator: the idempotency.v1.Coordinator service, gRPC
+// health (NOT_SERVING while the database is unreachable) and reflection, on
+// one grpc.Server.
+type Server struct {
+	idempotencyv1.UnimplementedCoordinatorServer
+
+	store     *ledger.Store
+	policies  atomic.Pointer[Policies]
+	validator protovalidate.Validator
+	logger    *slog.Logger
+	grpc      *grpc.Server
+	health    *health.Server
+	opts      options
+}
+
+// Option configures a Server.
+type Option func(*options)
+
+type options struct {
+	policies       *Policies
+	logger         *slog.Logger
+	healthInterval time.Duration
+	grpcOptions    []grpc.ServerOption
+	unary          []grpc.UnaryServerInterceptor
+}
+
+// WithPolicies sets the per-scope policy and limits (default
+// DefaultPolicies()).
+func WithPolicies(p *Policies) Option { return func(o *options) { o.policies = p } }
+
+// WithLogger sets the logger for calls and background work.
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
+
+// WithHealthInterval sets how often the database is pinged to drive the gRPC
+// health status (default 1s).
+func WithHealthInterval(d time.Duration) Option { return func(o *options) { o.healthInterval = d } }
+
+// WithGRPCOptions adds options to the grpc.Server (TLS credentials, message
+// size limits, …).
+func WithGRPCOptions(opts ...grpc.ServerOption) Option {
+	return func(o *options) { o.grpcOptions = append(o.grpcOptions, opts...) }
+}
+
+// WithUnaryInterceptors adds interceptors that run inside logging and
+// recovery, before the service (authentication, for instance).
+func WithUnaryInterceptors(i ...grpc.UnaryServerInterceptor) Option {
+	return func(o *options) { o.unary = append(o.unary, i...) }
+}
+
+// HealthServices are the service names whose health the server reports:
+// the whole server ("") and the Coordinator.
+var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceName}
+
+// New builds a Server over store. Call Serve to accept calls.
+func New(store *ledger.Store, opts ...Option) (*Server, error) {
+	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	pv, err := protovalidate.New()
+	if err != nil {
+		return nil, fmt.Errorf("server: build validator: %w", err)
+	}
+	s := &Server{store: store, validator: pv, logger: o.logger, opts: o}
+	s.policies.Store(o.policies)
+
+	recoveryHandler := func(ctx context.Context, p any) error {
+		s.logger.ErrorContext(ctx, "panic in call", "panic", p, "stack", string(debug.Stack()))
+		return status.Error(codes.Internal, "internal error")
+	}
+	unary := append([]grpc.UnaryServerInterceptor{
+		logging.UnaryServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
+		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+	}, o.unary...)
+	gopts := append([]grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(
+			logging.StreamServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
+			recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+		),
+	}, o.grpcOptions...)
+	s.grpc = grpc.NewServer(gopts...)
+	idempotencyv1.RegisterCoordinatorServer(s.grpc, s)
+	s.health = health.NewServer()
+	for _, name := range healthServices {
+		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
+	}
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	reflection.Register(s.grpc)
+	return s, nil
+}
+
+// SetPolicies replaces the policy and limits for calls that start after it
+// returns.
+func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
+
+// GRPCServer returns the underlying grpc.Server, for registering more
+// services before Serve.
+func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
+
+// Serve accepts calls on lis until Shutdown, and keeps the health status in
+// step with the database meanwhile.
+func (s *Server) Serve(lis net.Listener) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go s.watchHealth(ctx)
+	return s.grpc.Serve(lis)
+}
+
+// Shutdown stops taking calls and waits for those in flight to finish, or
+// for ctx to end, after which it cancels them.
+func (s *Server) Shutdown(ctx context.Context) {
+	s.health.Shutdown()
+	done := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		s.grpc.Stop()
+		<-done
+	}
+}
+
+// watchHealth pings the database every interval and reports SERVING or
+// NOT_SERVING accordingly.
+func (s *Server) watchHealth(ctx context.Context) {
+	serving := false
+	t := time.NewTicker(s.opts.healthInterval)
+	defer t.Stop()
+	for {
+		pctx, cancel := context.WithTimeout(ctx, max(s.opts.healthInterval, time.Second))
+		err := s.store.Ping(pctx)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		if ok := err == nil; ok != serving {
+			serving = ok
+			st := healthpb.HealthCheckResponse_NOT_SERVING
+			if ok {
+				st = healthpb.HealthCheckResponse_SERVING
+				s.logger.Info("database reachable: serving")
+			} else {
+				s.logger.Warn("database unreachable: not serving", "err", err)
+			}
+			for _, name := range healthServices {
+				s.health.SetServingStatus(name, st)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// interceptorLogger adapts slog to go-grpc-middleware's logging interface.
+func interceptorLogger(l *slog.Logger) logging.Logger {
+	return logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
+		l.Log(ctx, slog.Level(lvl), msg, fields...)
+	})
+}

@@ -1,0 +1,335 @@
+package statemachine
+
+import (
+	"bytes"
+	"errors"
+	"slices"
+	"time"
+)
+
+// The refusals Next can decide. None of them changes the record.
+var (
+	// ErrNotFound: the event needs a record and there is none.
+	ErrNotFound = errors.New("no such record")
+	// ErrFingerprintMismatch: a Begin's fingerprint differs from the
+	// generation's.
+	ErrFingerprintMismatch = errors.New("fingerprint differs from the one the key was first used with")
+	// ErrLeaseLost: the token is not the latest acquisition's.
+	ErrLeaseLost = errors.New("lease token does not hold the lease")
+	// ErrAlreadyFinished: the acquisition already ended differently.
+	ErrAlreadyFinished = errors.New("the record already ended with this token")
+	// ErrAttemptsExhausted: the policy's max_attempts was reached.
+	ErrAttemptsExhausted = errors.New("the policy's max_attempts was reached")
+	// ErrSchemaVersionNotAccepted: the stored response's schema version is
+	// not among the accepted ones.
+	ErrSchemaVersionNotAccepted = errors.New("stored schema version is not accepted")
+	// ErrKeyExpired: the record expired and the policy rejects a restart.
+	ErrKeyExpired = errors.New("key expired and the policy rejects reuse")
+)
+
+// Retry hints for OUTCOME_IN_PROGRESS answers.
+const (
+	// MaxRetryAfter caps the retry_after of an in-progress answer.
+	MaxRetryAfter = time.Second
+	// MinRetryAfter is the smallest retry_after ever answered.
+	MinRetryAfter = 10 * time.Millisecond
+)
+
+// Decision is what an event does to a record.
+type Decision struct {
+	// Err is one of the package's errors when the event is refused; the
+	// record is then unchanged and Write is WriteNone.
+	Err error
+	// Outcome is the answer of a Begin (OutcomeOK for other events).
+	Outcome Outcome
+	// Write is what the store must do: insert or update Record, delete the
+	// record, or nothing.
+	Write Write
+	// Record is the record after the event, as in effect at now (after a
+	// delete, the zero Record with Exists false).
+	Record Record
+	// Exists reports whether a record exists after the event.
+	Exists bool
+	// PreviousState is the previous_state of an acquiring Begin.
+	PreviousState State
+	// RetryAfter is set for OutcomeInProgress.
+	RetryAfter time.Duration
+	// EnteredUnknown reports that this event moved the record into UNKNOWN
+	// (by Fail UNKNOWN, or by writing down a lease found lapsed).
+	EnteredUnknown bool
+	// FoundExpired reports that a Begin found the record expired, whether it
+	// restarted it or was refused with ErrKeyExpired.
+	FoundExpired bool
+}
+
+// Effective returns rec as in effect at now: an IN_PROGRESS record whose
+// lease ran out (now at or after LeaseExpiresAt) reads UNKNOWN, and a
+// COMPLETED or FAILED_* record at or after ExpiresAt reads EXPIRED with its
+// response dropped. An EXPIRED record never reads with a response.
+func Effective(rec Record, now time.Time) Record {
+	switch {
+	case rec.State == StateInProgress && !rec.LeaseExpiresAt.IsZero() && !now.Before(rec.LeaseExpiresAt):
+		rec.State = StateUnknown
+	case rec.State.Terminal() && !rec.ExpiresAt.IsZero() && !now.Before(rec.ExpiresAt):
+		rec.State = StateExpired
+		rec.Response = nil
+	case rec.State == StateExpired:
+		rec.Response = nil
+	}
+	return rec
+}
+
+// Next decides what ev does to the stored record cur (nil when the key has
+// no record) under pol at now. It never panics, whatever its input.
+func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
+	switch ev.Kind {
+	case EventBegin:
+		return begin(cur, ev, pol, now)
+	case EventComplete, EventFail, EventHeartbeat:
+		return finish(cur, ev, now)
+	default:
+		return Decision{Err: errors.New("unknown event kind")}
+	}
+}
+
+func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
+	if cur == nil {
+		rec := Record{
+			Generation: 1,
+			CreatedAt:  now,
+		}
+		acquire(&rec, ev, now, StateNone)
+		rec.Fingerprint = clone(ev.Fingerprint)
+		return Decision{Outcome: OutcomeAcquired, Write: WriteInsert, Record: rec, Exists: true, PreviousState: StateNone}
+	}
+	eff := Effective(*cur, now)
+	lapsed := cur.State == StateInProgress && eff.State == StateUnknown
+
+	if eff.State == StateExpired {
+		if pol.OnExpired == ExpiredReject {
+			d := refuse(ErrKeyExpired, eff)
+			d.FoundExpired = true
+			return d
+		}
+		rec := eff
+		rec.Generation++
+		rec.Attempt = 0
+		acquire(&rec, ev, now, StateExpired)
+		rec.Fingerprint = clone(ev.Fingerprint)
+		d := acquired(rec, StateExpired)
+		d.FoundExpired = true
+		return d
+	}
+	if len(ev.Fingerprint) > 0 && len(eff.Fingerprint) > 0 && !bytes.Equal(ev.Fingerprint, eff.Fingerprint) {
+		return refuse(ErrFingerprintMismatch, eff)
+	}
+	sameAttempt := ev.AttemptID != "" && ev.AttemptID == eff.AttemptID
+
+	switch eff.State {
+	case StateInProgress:
+		if sameAttempt {
+			// A repeated Begin of the holder's attempt: same token again.
+			return Decision{Outcome: OutcomeAcquired, Record: eff, Exists: true, PreviousState: eff.AcquiredFrom}
+		}
+		return inProgress(eff, eff.LeaseExpiresAt.Sub(now))
+
+	case StateUnknown:
+		if sameAttempt && eff.EndedBy == EndingNone {
+			// The holder's own Begin, retried after its lease ran out and
+			// before anyone took over: it keeps its token and gets a new lease.
+			rec := eff
+			rec.State = StateInProgress
+			rec.LeaseExpiresAt = now.Add(ev.Lease)
+			rec.UpdatedAt = now
+			return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: eff.AcquiredFrom}
+		}
+		if exhausted(eff, pol) {
+			return refuse(ErrAttemptsExhausted, eff)
+		}
+		if pol.OnUnknown == UnknownHold {
+			d := inProgress(eff, MaxRetryAfter)
+			if lapsed {
+				// Write the lapse down once, so it is counted once.
+				d.Record.UpdatedAt = now
+				d.Record.LeaseExpiresAt = time.Time{}
+				d.Write = WriteUpdate
+				d.EnteredUnknown = true
+			}
+			return d
+		}
+		return takeover(eff, ev, now, StateUnknown, lapsed)
+
+	case StateFailedRetryable:
+		if exhausted(eff, pol) {
+			return refuse(ErrAttemptsExhausted, eff)
+		}
+		return takeover(eff, ev, now, StateFailedRetryable, false)
+
+	case StateCompleted, StateFailedReplayable:
+		if len(ev.AcceptSchemaVersions) > 0 {
+			var v string
+			if eff.Response != nil {
+				v = eff.Response.SchemaVersion
+			}
+			if !slices.Contains(ev.AcceptSchemaVersions, v) {
+				return refuse(ErrSchemaVersionNotAccepted, eff)
+			}
+		}
+		return Decision{Outcome: OutcomeReplay, Record: eff, Exists: true}
+	}
+	return refuse(errors.New("record in an invalid state "+eff.State.String()), eff)
+}
+
+func finish(cur *Record, ev Event, now time.Time) Decision {
+	if cur == nil {
+		return Decision{Err: ErrNotFound}
+	}
+	eff := Effective(*cur, now)
+	if ev.Token == "" || ev.Token != cur.LeaseToken {
+		return refuse(ErrLeaseLost, eff)
+	}
+	lapsed := cur.State == StateInProgress && eff.State == StateUnknown
+	held := eff.State == StateInProgress || eff.State == StateUnknown
+
+	if !held {
+		// The acquisition already ended. Only a repeat of the very call
+		// that ended it is accepted, and it changes nothing.
+		if eff.State != StateExpired && ev.Kind != EventHeartbeat && sameEnding(eff, ev) {
+			return Decision{Record: eff, Exists: true}
+		}
+		return refuse(ErrAlreadyFinished, eff)
+	}
+
+	rec := eff
+	rec.UpdatedAt = now
+	switch ev.Kind {
+	case EventHeartbeat:
+		rec.State = StateInProgress
+		rec.EndedBy = EndingNone
+		rec.LeaseExpiresAt = now.Add(ev.Lease)
+		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+
+	case EventComplete:
+		resp := ev.Response
+		if resp == nil {
+			resp = &Response{}
+		}
+		end(&rec, StateCompleted, EndingCompleted, resp, "", now.Add(rec.TTL))
+		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+	}
+
+	// EventFail.
+	switch ev.FailureKind {
+	case FailureRetryable:
+		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, now.Add(rec.FailureTTL))
+	case FailureReplayable:
+		resp := ev.Response
+		if resp == nil {
+			resp = &Response{}
+		}
+		end(&rec, StateFailedReplayable, EndingReplayable, resp, ev.Reason, now.Add(rec.FailureTTL))
+	case FailureUnknown:
+		if eff.State == StateUnknown && sameEnding(eff, ev) {
+			return Decision{Record: eff, Exists: true}
+		}
+		end(&rec, StateUnknown, EndingUnknown, ev.Response, ev.Reason, time.Time{})
+		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
+	case FailureAbandoned:
+		if rec.Attempt <= 1 {
+			// This acquisition created the generation: forget it.
+			return Decision{Write: WriteDelete}
+		}
+		end(&rec, StateFailedRetryable, EndingAbandoned, nil, ev.Reason, now.Add(rec.FailureTTL))
+		rec.Fingerprint = nil
+	default:
+		return refuse(errors.New("unknown failure kind"), eff)
+	}
+	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+}
+
+// acquire makes rec the new acquisition of ev.
+func acquire(rec *Record, ev Event, now time.Time, from State) {
+	rec.State = StateInProgress
+	rec.Attempt++
+	rec.LeaseToken = ev.NewToken
+	rec.AttemptID = ev.AttemptID
+	rec.AcquiredFrom = from
+	rec.EndedBy = EndingNone
+	rec.Response = nil
+	rec.FailureReason = ""
+	rec.TTL = ev.TTL
+	rec.FailureTTL = min(ev.FailureTTL, ev.TTL)
+	rec.UpdatedAt = now
+	rec.LeaseExpiresAt = now.Add(ev.Lease)
+	rec.ExpiresAt = time.Time{}
+}
+
+func takeover(eff Record, ev Event, now time.Time, from State, lapsed bool) Decision {
+	rec := eff
+	acquire(&rec, ev, now, from)
+	if len(rec.Fingerprint) == 0 {
+		rec.Fingerprint = clone(ev.Fingerprint)
+	}
+	d := acquired(rec, from)
+	d.EnteredUnknown = lapsed
+	return d
+}
+
+func acquired(rec Record, from State) Decision {
+	return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: from}
+}
+
+func inProgress(eff Record, wait time.Duration) Decision {
+	return Decision{Outcome: OutcomeInProgress, Record: eff, Exists: true, RetryAfter: min(max(wait, MinRetryAfter), MaxRetryAfter)}
+}
+
+func refuse(err error, eff Record) Decision {
+	return Decision{Err: err, Record: eff, Exists: true}
+}
+
+func exhausted(eff Record, pol Policy) bool {
+	return pol.MaxAttempts > 0 && eff.Attempt >= pol.MaxAttempts
+}
+
+func end(rec *Record, st State, by Ending, resp *Response, reason string, expires time.Time) {
+	rec.State = st
+	rec.EndedBy = by
+	rec.Response = resp
+	rec.FailureReason = reason
+	rec.LeaseExpiresAt = time.Time{}
+	rec.ExpiresAt = expires
+}
+
+// sameEnding reports whether ev repeats the call that ended eff.
+func sameEnding(eff Record, ev Event) bool {
+	switch ev.Kind {
+	case EventComplete:
+		resp := ev.Response
+		if resp == nil {
+			resp = &Response{}
+		}
+		return eff.EndedBy == EndingCompleted && eff.Response.Equal(resp)
+	case EventFail:
+		if !ev.FailureKind.Valid() || eff.EndedBy != Ending(ev.FailureKind) || eff.FailureReason != ev.Reason {
+			return false
+		}
+		resp := ev.Response
+		switch ev.FailureKind {
+		case FailureAbandoned:
+			return true
+		case FailureReplayable:
+			if resp == nil {
+				resp = &Response{}
+			}
+		}
+		return eff.Response.Equal(resp)
+	}
+	return false
+}
+
+func clone(b []byte) []byte {
+	if len(b) == 0 {
+		return nil
+	}
+	return bytes.Clone(b)
+}

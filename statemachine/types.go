@@ -1,0 +1,213 @@
+package statemachine
+
+import (
+	"bytes"
+	"maps"
+	"strconv"
+	"time"
+)
+
+// State is the state of a record. The numbers match the State enum of the
+// idempotency.v1 API.
+type State uint8
+
+// The states of a record. StateNone stands for "no record".
+const (
+	StateNone             State = 0
+	StateInProgress       State = 1
+	StateCompleted        State = 2
+	StateFailedRetryable  State = 3
+	StateFailedReplayable State = 4
+	StateExpired          State = 5
+	StateUnknown          State = 6
+)
+
+var stateNames = [...]string{"NONE", "IN_PROGRESS", "COMPLETED", "FAILED_RETRYABLE", "FAILED_REPLAYABLE", "EXPIRED", "UNKNOWN"}
+
+// String returns the state's name as in the API without the prefix.
+func (s State) String() string {
+	if int(s) < len(stateNames) {
+		return stateNames[s]
+	}
+	return "State(" + strconv.Itoa(int(s)) + ")"
+}
+
+// Terminal reports whether s is an ended state that expires: COMPLETED or
+// FAILED_*.
+func (s State) Terminal() bool {
+	return s == StateCompleted || s == StateFailedRetryable || s == StateFailedReplayable
+}
+
+// Replayable reports whether Begin replays a record in state s.
+func (s State) Replayable() bool {
+	return s == StateCompleted || s == StateFailedReplayable
+}
+
+// FailureKind says what a failed attempt means. The numbers match the
+// FailureKind enum of the idempotency.v1 API.
+type FailureKind uint8
+
+// The kinds of failure.
+const (
+	FailureRetryable  FailureKind = 1
+	FailureReplayable FailureKind = 2
+	FailureUnknown    FailureKind = 3
+	FailureAbandoned  FailureKind = 4
+)
+
+// Valid reports whether k is one of the defined kinds.
+func (k FailureKind) Valid() bool { return k >= FailureRetryable && k <= FailureAbandoned }
+
+// Ending records which call ended the current acquisition, so a repeat of
+// that call can be recognised.
+type Ending uint8
+
+// The endings. The failure endings share the numbers of FailureKind.
+const (
+	EndingNone       Ending = 0
+	EndingRetryable  Ending = Ending(FailureRetryable)
+	EndingReplayable Ending = Ending(FailureReplayable)
+	EndingUnknown    Ending = Ending(FailureUnknown)
+	EndingAbandoned  Ending = Ending(FailureAbandoned)
+	EndingCompleted  Ending = 5
+)
+
+// OnExpired is the policy for a Begin that finds an expired record.
+type OnExpired uint8
+
+// The on_expired policies.
+const (
+	// ExpiredRestart starts a new generation.
+	ExpiredRestart OnExpired = iota
+	// ExpiredReject refuses with ErrKeyExpired.
+	ExpiredReject
+)
+
+// OnUnknown is the policy for a Begin that finds an UNKNOWN record.
+type OnUnknown uint8
+
+// The on_unknown policies.
+const (
+	// UnknownTakeover lets the next Begin acquire the key.
+	UnknownTakeover OnUnknown = iota
+	// UnknownHold keeps the key held until an operator resolves it.
+	UnknownHold
+)
+
+// Policy holds the parts of a scope's policy that decide transitions.
+// Durations a request may override are passed in the Event instead.
+type Policy struct {
+	OnExpired OnExpired
+	OnUnknown OnUnknown
+	// MaxAttempts > 0 refuses a takeover once that many attempts were made.
+	MaxAttempts int32
+}
+
+// Response is a stored operation result, kept and replayed byte for byte.
+type Response struct {
+	SchemaVersion string
+	ContentType   string
+	Body          []byte
+	StatusCode    int32
+	Metadata      map[string]string
+}
+
+// Equal reports whether r and o hold the same content. Two nil responses are
+// equal; a nil and a non-nil one are not (as with proto.Equal); nil and empty
+// byte slices and maps are equal.
+func (r *Response) Equal(o *Response) bool {
+	if r == nil || o == nil {
+		return r == nil && o == nil
+	}
+	return r.SchemaVersion == o.SchemaVersion && r.ContentType == o.ContentType &&
+		bytes.Equal(r.Body, o.Body) && r.StatusCode == o.StatusCode &&
+		maps.Equal(r.Metadata, o.Metadata)
+}
+
+// Record is one idempotency record. A zero time means "unset".
+type Record struct {
+	State       State
+	Fingerprint []byte
+	Attempt     int32
+	Generation  int32
+	// LeaseToken is the fencing token of the latest acquisition.
+	LeaseToken string
+	// AttemptID is the attempt_id of the latest acquisition.
+	AttemptID string
+	// AcquiredFrom is the state the latest acquisition found (the
+	// previous_state it answered).
+	AcquiredFrom State
+	// EndedBy is the call that ended the latest acquisition, if any.
+	EndedBy       Ending
+	Response      *Response
+	FailureReason string
+	// TTL and FailureTTL are the retention windows chosen at acquisition;
+	// they count from the ending call.
+	TTL            time.Duration
+	FailureTTL     time.Duration
+	CreatedAt      time.Time
+	UpdatedAt      time.Time
+	LeaseExpiresAt time.Time
+	ExpiresAt      time.Time
+}
+
+// EventKind names an event.
+type EventKind uint8
+
+// The events.
+const (
+	EventBegin EventKind = iota + 1
+	EventComplete
+	EventFail
+	EventHeartbeat
+)
+
+// Event is a call on a record. Fields that do not apply to its Kind are
+// ignored.
+type Event struct {
+	Kind EventKind
+
+	// Begin.
+	Fingerprint          []byte
+	AttemptID            string
+	AcceptSchemaVersions []string
+	// NewToken is the lease token an acquisition by this Begin gets.
+	NewToken string
+	// TTL and FailureTTL (Begin) are the retention windows for this
+	// acquisition, already resolved from the request and the policy.
+	TTL        time.Duration
+	FailureTTL time.Duration
+	// Lease (Begin, Heartbeat) is the lease length, already resolved.
+	Lease time.Duration
+
+	// Complete, Fail, Heartbeat.
+	Token string
+	// Fail.
+	FailureKind FailureKind
+	// Complete, Fail. A nil Response on Complete is stored as empty.
+	Response *Response
+	Reason   string
+}
+
+// Outcome is what Begin tells the caller. The numbers match the Outcome enum
+// of the idempotency.v1 API.
+type Outcome uint8
+
+// The outcomes. OutcomeOK is the answer of a successful non-Begin event.
+const (
+	OutcomeOK         Outcome = 0
+	OutcomeAcquired   Outcome = 1
+	OutcomeReplay     Outcome = 2
+	OutcomeInProgress Outcome = 3
+)
+
+// Write says what the store must do to apply a Decision.
+type Write uint8
+
+// The writes.
+const (
+	WriteNone Write = iota
+	WriteInsert
+	WriteUpdate
+	WriteDelete
+)
