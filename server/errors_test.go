@@ -237,8 +237,7 @@ func TestRestartKeepsCompletedRecords(t *testing.T) {
 		e.mustComplete("s", key, b.GetLeaseToken(), resp)
 		want[key] = resp
 	}
-	e.stop()
-	e.start(envOptions{})
+	e.coord.Restart()
 	for key, resp := range want {
 		r := e.mustBegin("s", key, replay)
 		if got := r.GetRecord().GetResponse(); string(got.GetBody()) != string(resp.GetBody()) {

@@ -2,136 +2,44 @@ package server_test
 
 import (
 	"context"
-	"log/slog"
-	"net"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
-	"github.com/idemcoord/idemcoord/internal/pgtest"
-	"github.com/idemcoord/idemcoord/ledger"
-	"github.com/idemcoord/idemcoord/server"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(pgtest.Main(m, ledger.Migrate))
+	os.Exit(coordtest.Main(m))
 }
 
-// fakeClock is a clock the test moves by hand.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func newFakeClock() *fakeClock {
-	return &fakeClock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
-}
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
-// testEnv is a coordinator on a loopback port over its own database.
+// testEnv is a coordinator on a loopback port over its own database, and a
+// client of it.
 type testEnv struct {
 	t      *testing.T
+	coord  *coordtest.Coordinator
+	clock  *coordtest.Clock
 	dbURL  string
-	clock  *fakeClock
-	store  *ledger.Store
-	srv    *server.Server
-	addr   string
-	conn   *grpc.ClientConn
 	client idempotencyv1.CoordinatorClient
 }
 
 type envOptions struct {
 	realClock bool
 	config    string
-	dbURL     string
 }
 
 func newEnv(t *testing.T, opts envOptions) *testEnv {
 	t.Helper()
-	e := &testEnv{t: t, dbURL: opts.dbURL, clock: newFakeClock()}
-	if e.dbURL == "" {
-		e.dbURL = pgtest.NewDatabase(t)
-	}
-	e.start(opts)
-	return e
-}
-
-func (e *testEnv) start(opts envOptions) {
-	t := e.t
-	t.Helper()
-	var sopts []ledger.Option
-	if !opts.realClock {
-		sopts = append(sopts, ledger.WithClock(e.clock.Now))
-	}
-	store, err := ledger.Open(context.Background(), e.dbURL, sopts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	policies := server.DefaultPolicies()
-	if opts.config != "" {
-		if policies, err = server.ParsePolicies([]byte(opts.config)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	logger := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	srv, err := server.New(store, server.WithPolicies(policies), server.WithLogger(logger),
-		server.WithHealthInterval(100*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(lis) }()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.store, e.srv, e.addr, e.conn = store, srv, lis.Addr().String(), conn
-	e.client = idempotencyv1.NewCoordinatorClient(conn)
-	t.Cleanup(e.stop)
-}
-
-// stop shuts the coordinator down (idempotent).
-func (e *testEnv) stop() {
-	if e.srv == nil {
-		return
-	}
-	_ = e.conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	e.srv.Shutdown(ctx)
-	e.store.Close()
-	e.srv = nil
-}
-
-type testWriter struct{ t *testing.T }
-
-func (w testWriter) Write(p []byte) (int, error) {
-	w.t.Logf("%s", p)
-	return len(p), nil
+	c := coordtest.Start(t, coordtest.Options{Config: opts.config, FakeClock: !opts.realClock})
+	return &testEnv{t: t, coord: c, clock: c.Clock, dbURL: c.DatabaseURL,
+		client: idempotencyv1.NewCoordinatorClient(c.Dial(t))}
 }
 
 func ctx(t *testing.T) context.Context {
