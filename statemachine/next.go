@@ -88,7 +88,11 @@ func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	case EventComplete, EventFail, EventHeartbeat:
 		return finish(cur, ev, now)
 	default:
-		return Decision{Err: errors.New("unknown event kind")}
+		d := Decision{Err: errors.New("unknown event kind")}
+		if cur != nil {
+			d.Record, d.Exists = Effective(*cur, now), true
+		}
+		return d
 	}
 }
 

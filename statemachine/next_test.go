@@ -1,0 +1,1092 @@
+package statemachine
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"maps"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The fixture every row is built from. A stored record was acquired with
+// tokHeld/attHeld and retention windows recTTL/recFailureTTL; a Begin offers
+// tokNew/attNew and the (different) windows evTTL/evFailureTTL, so a row
+// can tell which ones a result used.
+const (
+	tokHeld  = "tok-held"
+	tokStale = "tok-stale"
+	tokNew   = "tok-new"
+	attHeld  = "att-held"
+	attNew   = "att-new"
+
+	recTTL        = 2 * time.Hour
+	recFailureTTL = 10 * time.Minute
+	evTTL         = 24 * time.Hour
+	evFailureTTL  = time.Hour
+	evLease       = 30 * time.Second
+	hbLease       = 45 * time.Second
+)
+
+var (
+	t0  = time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC) // "now" in every row
+	fpA = []byte("fp-A")
+	fpB = []byte("fp-B")
+)
+
+// Responses are built fresh each time, so equal content never means the same
+// pointer.
+func respOK() *Response {
+	return &Response{SchemaVersion: "pay.v1.ChargeResponse/3", ContentType: "application/x-protobuf",
+		Body: []byte("charged"), Metadata: map[string]string{"x-charge-id": "42"}}
+}
+
+func respOther() *Response {
+	r := respOK()
+	r.Body = []byte("charged twice")
+	return r
+}
+
+func respNotFound() *Response {
+	return &Response{SchemaVersion: "pay.v1.ChargeResponse/3", Body: []byte("no such card"), StatusCode: 5}
+}
+
+// A mod changes a record: to build a stored one, or the one a row expects.
+type mod func(*Record)
+
+func st(s State) mod            { return func(r *Record) { r.State = s } }
+func attempt(n int32) mod       { return func(r *Record) { r.Attempt = n } }
+func gen(n int32) mod           { return func(r *Record) { r.Generation = n } }
+func fp(b []byte) mod           { return func(r *Record) { r.Fingerprint = bytes.Clone(b) } }
+func from(s State) mod          { return func(r *Record) { r.AcquiredFrom = s } }
+func endedBy(e Ending) mod      { return func(r *Record) { r.EndedBy = e } }
+func resp(x *Response) mod      { return func(r *Record) { r.Response = x } }
+func reason(s string) mod       { return func(r *Record) { r.FailureReason = s } }
+func leaseAt(t time.Time) mod   { return func(r *Record) { r.LeaseExpiresAt = t } }
+func expiresAt(t time.Time) mod { return func(r *Record) { r.ExpiresAt = t } }
+func updated(t time.Time) mod   { return func(r *Record) { r.UpdatedAt = t } }
+func attID(s string) mod        { return func(r *Record) { r.AttemptID = s } }
+func tok(s string) mod          { return func(r *Record) { r.LeaseToken = s } }
+
+// acquisition is what any acquisition by evBegin does to a record (DESIGN.md
+// "Tokens and counters", "Time"): IN_PROGRESS with the new token and a lease
+// from now, the event's retention windows, nothing left of the previous end.
+// Attempt, generation and fingerprint are set by each row.
+func acquisition(attemptID string, prev State) mod {
+	return func(r *Record) {
+		r.State = StateInProgress
+		r.LeaseToken = tokNew
+		r.AttemptID = attemptID
+		r.AcquiredFrom = prev
+		r.EndedBy = EndingNone
+		r.Response = nil
+		r.FailureReason = ""
+		r.TTL = evTTL
+		r.FailureTTL = evFailureTTL
+		r.UpdatedAt = t0
+		r.LeaseExpiresAt = t0.Add(evLease)
+		r.ExpiresAt = time.Time{}
+	}
+}
+
+// ending is what an ending call at t0 does: the lease is gone and the record
+// expires ttl after now.
+func ending(s State, by Ending, x *Response, why string, ttl time.Duration) mod {
+	return func(r *Record) {
+		r.State = s
+		r.EndedBy = by
+		r.Response = x
+		r.FailureReason = why
+		r.UpdatedAt = t0
+		r.LeaseExpiresAt = time.Time{}
+		r.ExpiresAt = t0.Add(ttl)
+	}
+}
+
+// failedUnknown is what Fail UNKNOWN at t0 does: UNKNOWN never expires.
+func failedUnknown(why string) mod {
+	return func(r *Record) {
+		r.State = StateUnknown
+		r.EndedBy = EndingUnknown
+		r.Response = nil
+		r.FailureReason = why
+		r.UpdatedAt = t0
+		r.LeaseExpiresAt = time.Time{}
+		r.ExpiresAt = time.Time{}
+	}
+}
+
+// stored is a record of generation 1, attempt 1, fingerprint fpA, held by
+// tokHeld/attHeld, in state s.
+func stored(s State, mods ...mod) *Record {
+	r := &Record{State: s, Fingerprint: bytes.Clone(fpA), Attempt: 1, Generation: 1,
+		LeaseToken: tokHeld, AttemptID: attHeld, TTL: recTTL, FailureTTL: recFailureTTL,
+		CreatedAt: t0.Add(-3 * time.Hour), UpdatedAt: t0.Add(-time.Minute)}
+	for _, m := range mods {
+		m(r)
+	}
+	return r
+}
+
+// The states of the table, as stored.
+func fxInProgress(m ...mod) *Record {
+	return stored(StateInProgress, append([]mod{leaseAt(t0.Add(20 * time.Second))}, m...)...)
+}
+
+// fxLapsed's lease ran out exactly now: now >= lease_expires_at.
+func fxLapsed(m ...mod) *Record {
+	return stored(StateInProgress, append([]mod{leaseAt(t0)}, m...)...)
+}
+
+func fxCompleted(m ...mod) *Record {
+	return stored(StateCompleted, append([]mod{endedBy(EndingCompleted), resp(respOK()),
+		updated(t0.Add(-time.Hour)), expiresAt(t0.Add(time.Hour))}, m...)...)
+}
+
+// fxCompletedPast expires exactly now: now >= expires_at.
+func fxCompletedPast(m ...mod) *Record {
+	return fxCompleted(append([]mod{expiresAt(t0)}, m...)...)
+}
+
+func fxFailedRetryable(m ...mod) *Record {
+	return stored(StateFailedRetryable, append([]mod{endedBy(EndingRetryable), reason("upstream unavailable"),
+		updated(t0.Add(-5 * time.Minute)), expiresAt(t0.Add(5 * time.Minute))}, m...)...)
+}
+
+// fxAbandoned is FAILED_RETRYABLE after Fail ABANDONED of attempt 2: no
+// fingerprint.
+func fxAbandoned(m ...mod) *Record {
+	return fxFailedRetryable(append([]mod{endedBy(EndingAbandoned), attempt(2), from(StateFailedRetryable),
+		fp(nil), reason("bad request")}, m...)...)
+}
+
+func fxFailedRetryablePast(m ...mod) *Record {
+	return fxFailedRetryable(append([]mod{expiresAt(t0.Add(-time.Second))}, m...)...)
+}
+
+func fxFailedReplayable(m ...mod) *Record {
+	return stored(StateFailedReplayable, append([]mod{endedBy(EndingReplayable), resp(respNotFound()),
+		reason("no such card"), updated(t0.Add(-5 * time.Minute)), expiresAt(t0.Add(5 * time.Minute))}, m...)...)
+}
+
+func fxFailedReplayablePast(m ...mod) *Record {
+	return fxFailedReplayable(append([]mod{expiresAt(t0)}, m...)...)
+}
+
+// fxExpired was written down as EXPIRED (by the reaper): attempt 2 of
+// generation 3, response dropped.
+func fxExpired(m ...mod) *Record {
+	return stored(StateExpired, append([]mod{endedBy(EndingCompleted), attempt(2), gen(3),
+		updated(t0.Add(-time.Hour)), expiresAt(t0.Add(-time.Hour))}, m...)...)
+}
+
+// fxUnknownFailed is UNKNOWN by Fail UNKNOWN of its holder.
+func fxUnknownFailed(m ...mod) *Record {
+	return stored(StateUnknown, append([]mod{endedBy(EndingUnknown), reason("deadline exceeded")}, m...)...)
+}
+
+// fxUnknownLapsed is UNKNOWN written down after its lease ran out (by the
+// reaper or a held Begin): not ended by its holder.
+func fxUnknownLapsed(m ...mod) *Record {
+	return stored(StateUnknown, append([]mod{leaseAt(t0.Add(-time.Minute))}, m...)...)
+}
+
+// with returns a copy of r changed by mods.
+func with(r *Record, mods ...mod) Record {
+	c := *r
+	for _, m := range mods {
+		m(&c)
+	}
+	return c
+}
+
+// Event builders.
+func evBegin(fingerprint []byte, mods ...func(*Event)) Event {
+	e := Event{Kind: EventBegin, Fingerprint: bytes.Clone(fingerprint), AttemptID: attNew, NewToken: tokNew,
+		TTL: evTTL, FailureTTL: evFailureTTL, Lease: evLease}
+	for _, m := range mods {
+		m(&e)
+	}
+	return e
+}
+
+func sameAttemptID(e *Event) { e.AttemptID = attHeld }
+func noAttemptID(e *Event)   { e.AttemptID = "" }
+
+func accept(vs ...string) func(*Event) {
+	return func(e *Event) { e.AcceptSchemaVersions = vs }
+}
+
+func evComplete(token string, x *Response) Event {
+	return Event{Kind: EventComplete, Token: token, Response: x}
+}
+
+func evFail(token string, k FailureKind, x *Response, why string) Event {
+	return Event{Kind: EventFail, Token: token, FailureKind: k, Response: x, Reason: why}
+}
+
+func evHeartbeat(token string) Event {
+	return Event{Kind: EventHeartbeat, Token: token, Lease: hbLease}
+}
+
+// Policies.
+var (
+	polDefault  = Policy{} // on_expired restart, on_unknown takeover, no max_attempts
+	polReject   = Policy{OnExpired: ExpiredReject}
+	polHold     = Policy{OnUnknown: UnknownHold}
+	polMax1     = Policy{MaxAttempts: 1}
+	polMax2     = Policy{MaxAttempts: 2}
+	polHoldMax1 = Policy{OnUnknown: UnknownHold, MaxAttempts: 1}
+	polHoldMax2 = Policy{OnUnknown: UnknownHold, MaxAttempts: 2}
+	polStrict   = Policy{OnExpired: ExpiredReject, OnUnknown: UnknownHold, MaxAttempts: 1}
+)
+
+// Expected decisions.
+func wantAcquired(prev State, r Record) Decision {
+	return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: r, Exists: true, PreviousState: prev}
+}
+
+func wantRefused(err error, r Record) Decision { return Decision{Err: err, Record: r, Exists: true} }
+
+func wantReplay(r Record) Decision { return Decision{Outcome: OutcomeReplay, Record: r, Exists: true} }
+
+func wantInProgress(r Record, retry time.Duration) Decision {
+	return Decision{Outcome: OutcomeInProgress, Record: r, Exists: true, RetryAfter: retry}
+}
+
+func wantUpdated(r Record) Decision   { return Decision{Write: WriteUpdate, Record: r, Exists: true} }
+func wantUnchanged(r Record) Decision { return Decision{Record: r, Exists: true} }
+
+// errAny stands for an error that is none of the package's sentinels (bad
+// input the server rejects before Next).
+var errAny = errors.New("any non-sentinel error")
+
+type row struct {
+	name string // "<state>/<event>/<DESIGN.md rule>"
+	cur  *Record
+	ev   Event
+	pol  Policy
+	want Decision
+}
+
+// ended is the set of ending calls with the latest token, used on records
+// whose acquisition already ended.
+func endingCalls(x *Response) []struct {
+	name string
+	ev   Event
+} {
+	return []struct {
+		name string
+		ev   Event
+	}{
+		{"Complete", evComplete(tokHeld, x)},
+		{"Fail RETRYABLE", evFail(tokHeld, FailureRetryable, nil, "again")},
+		{"Fail REPLAYABLE", evFail(tokHeld, FailureReplayable, respNotFound(), "again")},
+		{"Fail UNKNOWN", evFail(tokHeld, FailureUnknown, nil, "again")},
+		{"Fail ABANDONED", evFail(tokHeld, FailureAbandoned, nil, "again")},
+	}
+}
+
+func nextRows() []row {
+	rows := []row{
+		// ---- (none) ----
+		{"none/Begin/new key: inserted IN_PROGRESS attempt 1 generation 1, fingerprint taken, ACQUIRED",
+			nil, evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteInsert, Exists: true, PreviousState: StateNone,
+				Record: Record{State: StateInProgress, Fingerprint: fpA, Attempt: 1, Generation: 1,
+					LeaseToken: tokNew, AttemptID: attNew, TTL: evTTL, FailureTTL: evFailureTTL,
+					CreatedAt: t0, UpdatedAt: t0, LeaseExpiresAt: t0.Add(evLease)}}},
+		{"none/Begin empty fingerprint/new key keeps no fingerprint",
+			nil, evBegin(nil, noAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteInsert, Exists: true,
+				Record: Record{State: StateInProgress, Attempt: 1, Generation: 1,
+					LeaseToken: tokNew, TTL: evTTL, FailureTTL: evFailureTTL,
+					CreatedAt: t0, UpdatedAt: t0, LeaseExpiresAt: t0.Add(evLease)}}},
+		{"none/Begin failure_ttl > ttl/failure_ttl is never more than ttl",
+			nil, evBegin(fpA, func(e *Event) { e.TTL = 30 * time.Minute }), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteInsert, Exists: true,
+				Record: Record{State: StateInProgress, Fingerprint: fpA, Attempt: 1, Generation: 1,
+					LeaseToken: tokNew, AttemptID: attNew, TTL: 30 * time.Minute, FailureTTL: 30 * time.Minute,
+					CreatedAt: t0, UpdatedAt: t0, LeaseExpiresAt: t0.Add(evLease)}}},
+		{"none/Begin accept_schema_versions, strict policy/a new key is acquired whatever the policy",
+			nil, evBegin(fpA, accept("other/1")), polStrict,
+			Decision{Outcome: OutcomeAcquired, Write: WriteInsert, Exists: true,
+				Record: Record{State: StateInProgress, Fingerprint: fpA, Attempt: 1, Generation: 1,
+					LeaseToken: tokNew, AttemptID: attNew, TTL: evTTL, FailureTTL: evFailureTTL,
+					CreatedAt: t0, UpdatedAt: t0, LeaseExpiresAt: t0.Add(evLease)}}},
+
+		// ---- IN_PROGRESS, lease live ----
+		{"IN_PROGRESS live/Begin same fingerprint/unchanged, IN_PROGRESS, retry_after capped at MaxRetryAfter",
+			fxInProgress(), evBegin(fpA), polDefault, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Begin empty fingerprint/check skipped, IN_PROGRESS",
+			fxInProgress(), evBegin(nil), polDefault, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Begin without attempt_id/IN_PROGRESS",
+			fxInProgress(), evBegin(fpA, noAttemptID), polDefault, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Begin different fingerprint/FINGERPRINT_MISMATCH, unchanged",
+			fxInProgress(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxInProgress())},
+		{"IN_PROGRESS live/Begin 300ms before lease end/retry_after is the rest of the lease",
+			fxInProgress(leaseAt(t0.Add(300 * time.Millisecond))), evBegin(fpA), polDefault,
+			wantInProgress(*fxInProgress(leaseAt(t0.Add(300 * time.Millisecond))), 300*time.Millisecond)},
+		{"IN_PROGRESS live/Begin 1ns before lease end/lease still live; retry_after at least MinRetryAfter",
+			fxInProgress(leaseAt(t0.Add(1))), evBegin(fpA), polDefault,
+			wantInProgress(*fxInProgress(leaseAt(t0.Add(1))), MinRetryAfter)},
+		{"IN_PROGRESS live/Begin same attempt_id/ACQUIRED again with the same token, no write",
+			fxInProgress(), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(), Exists: true, PreviousState: StateNone}},
+		{"IN_PROGRESS live/Begin same attempt_id, empty fingerprint/ACQUIRED again",
+			fxInProgress(), evBegin(nil, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(), Exists: true, PreviousState: StateNone}},
+		{"IN_PROGRESS live/Begin same attempt_id of a takeover/ACQUIRED again keeps previous_state UNKNOWN",
+			fxInProgress(attempt(3), from(StateUnknown)), evBegin(fpA, sameAttemptID), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(attempt(3), from(StateUnknown)),
+				Exists: true, PreviousState: StateUnknown}},
+		{"IN_PROGRESS live/Begin same attempt_id, different fingerprint/FINGERPRINT_MISMATCH",
+			fxInProgress(), evBegin(fpB, sameAttemptID), polDefault, wantRefused(ErrFingerprintMismatch, *fxInProgress())},
+		{"IN_PROGRESS live/Begin accept_schema_versions miss/not checked while in progress",
+			fxInProgress(), evBegin(fpA, accept("other/1")), polDefault, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Begin max_attempts reached/ATTEMPTS_EXHAUSTED only for FAILED_RETRYABLE and UNKNOWN",
+			fxInProgress(), evBegin(fpA), polMax1, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Begin strict policy/IN_PROGRESS",
+			fxInProgress(), evBegin(fpA), polStrict, wantInProgress(*fxInProgress(), MaxRetryAfter)},
+		{"IN_PROGRESS live/Complete/COMPLETED, response stored, expires ttl after the call",
+			fxInProgress(), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxInProgress(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+		{"IN_PROGRESS live/Complete without response/an empty response is stored",
+			fxInProgress(), evComplete(tokHeld, nil), polDefault,
+			wantUpdated(with(fxInProgress(), ending(StateCompleted, EndingCompleted, &Response{}, "", recTTL)))},
+		{"IN_PROGRESS live/Fail RETRYABLE/FAILED_RETRYABLE, expires failure_ttl after the call, fingerprint kept",
+			fxInProgress(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
+			wantUpdated(with(fxInProgress(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+		{"IN_PROGRESS live/Fail REPLAYABLE/FAILED_REPLAYABLE, response stored, expires failure_ttl after the call",
+			fxInProgress(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
+			wantUpdated(with(fxInProgress(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+		{"IN_PROGRESS live/Fail REPLAYABLE without response/an empty response is stored",
+			fxInProgress(), evFail(tokHeld, FailureReplayable, nil, "404"), polDefault,
+			wantUpdated(with(fxInProgress(), ending(StateFailedReplayable, EndingReplayable, &Response{}, "404", recFailureTTL)))},
+		{"IN_PROGRESS live/Fail UNKNOWN/UNKNOWN, no expiry, counted as entering UNKNOWN",
+			fxInProgress(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxInProgress(), failedUnknown("timeout"))}},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 1/the record this acquisition created is deleted",
+			fxInProgress(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 1 of generation 4/a restart's first attempt deletes too",
+			fxInProgress(gen(4), from(StateExpired)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteDelete}},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 2/FAILED_RETRYABLE with its fingerprint cleared",
+			fxInProgress(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, respOK(), "400"), polDefault,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateFailedRetryable)),
+				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 3 taken over from UNKNOWN/FAILED_RETRYABLE with its fingerprint cleared",
+			fxInProgress(attempt(3), from(StateUnknown)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			wantUpdated(with(fxInProgress(attempt(3), from(StateUnknown)),
+				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
+		{"IN_PROGRESS live/Fail of no defined kind/refused, nothing written",
+			fxInProgress(), evFail(tokHeld, 0, nil, ""), polDefault, wantRefused(errAny, *fxInProgress())},
+		{"IN_PROGRESS live/Heartbeat/lease extended from now",
+			fxInProgress(), evHeartbeat(tokHeld), polDefault,
+			wantUpdated(with(fxInProgress(), leaseAt(t0.Add(hbLease)), updated(t0)))},
+
+		// ---- IN_PROGRESS, lease ran out: reads UNKNOWN ----
+		{"IN_PROGRESS lapsed/Begin same fingerprint, takeover/ACQUIRED attempt+1, previous_state UNKNOWN, lapse counted",
+			fxLapsed(), evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+		{"IN_PROGRESS lapsed/Begin empty fingerprint, takeover/the generation keeps its fingerprint",
+			fxLapsed(), evBegin(nil), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+		{"IN_PROGRESS lapsed/Begin different fingerprint/FINGERPRINT_MISMATCH, reads UNKNOWN, nothing written",
+			fxLapsed(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, with(fxLapsed(), st(StateUnknown)))},
+		{"IN_PROGRESS lapsed/Begin accept_schema_versions miss, reject policy/takeover (neither applies)",
+			fxLapsed(), evBegin(fpA, accept("other/1")), polReject,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+		{"IN_PROGRESS lapsed/Begin same attempt_id/holder's retried Begin keeps its token, lease renewed",
+			fxLapsed(), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"IN_PROGRESS lapsed/Begin same attempt_id, hold, max_attempts reached/holder's retried Begin still renews",
+			fxLapsed(), evBegin(fpA, sameAttemptID), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"IN_PROGRESS lapsed/Begin, hold/IN_PROGRESS with record UNKNOWN, the lapse written down once",
+			fxLapsed(), evBegin(fpA), polHold,
+			Decision{Outcome: OutcomeInProgress, Write: WriteUpdate, Exists: true, RetryAfter: MaxRetryAfter, EnteredUnknown: true,
+				Record: with(fxLapsed(), st(StateUnknown), leaseAt(time.Time{}), updated(t0))}},
+		{"IN_PROGRESS lapsed/Begin, max_attempts reached/ATTEMPTS_EXHAUSTED, nothing written",
+			fxLapsed(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown)))},
+		{"IN_PROGRESS lapsed/Begin, hold, max_attempts reached/ATTEMPTS_EXHAUSTED is checked before hold",
+			fxLapsed(), evBegin(fpA), polHoldMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown)))},
+		{"IN_PROGRESS lapsed/Begin, max_attempts not reached/takeover",
+			fxLapsed(), evBegin(fpA), polMax2,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+		{"IN_PROGRESS lapsed/Complete/the latest token still completes past the lease",
+			fxLapsed(), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+		{"IN_PROGRESS lapsed/Fail RETRYABLE/FAILED_RETRYABLE past the lease",
+			fxLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
+			wantUpdated(with(fxLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+		{"IN_PROGRESS lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE past the lease",
+			fxLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
+			wantUpdated(with(fxLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+		{"IN_PROGRESS lapsed/Fail UNKNOWN/UNKNOWN, counted (the lapse was never written)",
+			fxLapsed(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true, Record: with(fxLapsed(), failedUnknown("timeout"))}},
+		{"IN_PROGRESS lapsed/Fail ABANDONED attempt 1/deleted",
+			fxLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+		{"IN_PROGRESS lapsed/Heartbeat/IN_PROGRESS again, lease extended from now",
+			fxLapsed(), evHeartbeat(tokHeld), polDefault,
+			wantUpdated(with(fxLapsed(), leaseAt(t0.Add(hbLease)), updated(t0)))},
+
+		// ---- COMPLETED ----
+		{"COMPLETED/Begin same fingerprint/REPLAY with the stored response, unchanged",
+			fxCompleted(), evBegin(fpA), polDefault, wantReplay(*fxCompleted())},
+		{"COMPLETED/Begin empty fingerprint/REPLAY",
+			fxCompleted(), evBegin(nil), polDefault, wantReplay(*fxCompleted())},
+		{"COMPLETED/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxCompleted(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxCompleted())},
+		{"COMPLETED/Begin same attempt_id/REPLAY (only a holder re-acquires)",
+			fxCompleted(), evBegin(fpA, sameAttemptID), polDefault, wantReplay(*fxCompleted())},
+		{"COMPLETED/Begin accept_schema_versions hit/REPLAY",
+			fxCompleted(), evBegin(fpA, accept("pay.v1.ChargeResponse/2", "pay.v1.ChargeResponse/3")), polDefault,
+			wantReplay(*fxCompleted())},
+		{"COMPLETED/Begin accept_schema_versions miss/SCHEMA_VERSION_NOT_ACCEPTED, record untouched",
+			fxCompleted(), evBegin(fpA, accept("pay.v1.ChargeResponse/4")), polDefault,
+			wantRefused(ErrSchemaVersionNotAccepted, *fxCompleted())},
+		{"COMPLETED without schema version/Begin accept_schema_versions/SCHEMA_VERSION_NOT_ACCEPTED",
+			fxCompleted(resp(&Response{})), evBegin(fpA, accept("pay.v1.ChargeResponse/3")), polDefault,
+			wantRefused(ErrSchemaVersionNotAccepted, *fxCompleted(resp(&Response{})))},
+		{"COMPLETED/Begin different fingerprint, accept miss/FINGERPRINT_MISMATCH first",
+			fxCompleted(), evBegin(fpB, accept("x/1")), polDefault, wantRefused(ErrFingerprintMismatch, *fxCompleted())},
+		{"COMPLETED/Begin max_attempts reached/REPLAY",
+			fxCompleted(), evBegin(fpA), polMax1, wantReplay(*fxCompleted())},
+		{"COMPLETED/Begin strict policy/REPLAY",
+			fxCompleted(), evBegin(fpA), polStrict, wantReplay(*fxCompleted())},
+		{"COMPLETED 1ns before expires_at/Begin/not yet expired: REPLAY",
+			fxCompleted(expiresAt(t0.Add(1))), evBegin(fpA), polDefault, wantReplay(*fxCompleted(expiresAt(t0.Add(1))))},
+		{"COMPLETED/Complete same token, equal content/repeat is OK and writes nothing",
+			fxCompleted(), evComplete(tokHeld, respOK()), polDefault, wantUnchanged(*fxCompleted())},
+		{"COMPLETED/Complete same token, content equal but for nil vs empty map and body/repeat is OK",
+			fxCompleted(resp(&Response{SchemaVersion: "v/1", Metadata: map[string]string{}, Body: []byte{}})),
+			evComplete(tokHeld, &Response{SchemaVersion: "v/1"}), polDefault,
+			wantUnchanged(*fxCompleted(resp(&Response{SchemaVersion: "v/1", Metadata: map[string]string{}, Body: []byte{}})))},
+		{"COMPLETED with empty response/Complete without response/repeat is OK",
+			fxCompleted(resp(&Response{})), evComplete(tokHeld, nil), polDefault, wantUnchanged(*fxCompleted(resp(&Response{})))},
+		{"COMPLETED/Complete same token, different content/ALREADY_FINISHED",
+			fxCompleted(), evComplete(tokHeld, respOther()), polDefault, wantRefused(ErrAlreadyFinished, *fxCompleted())},
+		{"COMPLETED/Complete same token, no response/ALREADY_FINISHED",
+			fxCompleted(), evComplete(tokHeld, nil), polDefault, wantRefused(ErrAlreadyFinished, *fxCompleted())},
+		{"COMPLETED/Heartbeat/ALREADY_FINISHED",
+			fxCompleted(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxCompleted())},
+
+		// ---- COMPLETED past expires_at: reads EXPIRED ----
+		{"COMPLETED past expires_at/Begin same fingerprint, restart/new generation attempt 1, previous_state EXPIRED",
+			fxCompletedPast(), evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"COMPLETED past expires_at/Begin different fingerprint, restart/a restart takes the new fingerprint",
+			fxCompletedPast(), evBegin(fpB), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attNew, StateExpired), gen(2), attempt(1), fp(fpB))}},
+		{"COMPLETED past expires_at/Begin empty fingerprint, restart/the new generation has no fingerprint",
+			fxCompletedPast(), evBegin(nil), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attNew, StateExpired), gen(2), attempt(1), fp(nil))}},
+		{"COMPLETED past expires_at/Begin same attempt_id, restart/a new token (the old acquisition ended)",
+			fxCompletedPast(), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attHeld, StateExpired), gen(2), attempt(1))}},
+		{"COMPLETED past expires_at/Begin accept_schema_versions miss, restart/nothing to replay: acquired",
+			fxCompletedPast(), evBegin(fpA, accept("x/1")), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"COMPLETED past expires_at/Begin, restart, hold, max_attempts reached/restart is not a takeover",
+			fxCompletedPast(), evBegin(fpA), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxCompletedPast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"COMPLETED past expires_at/Begin, reject/KEY_EXPIRED, reads EXPIRED without response, counted as found expired",
+			fxCompletedPast(), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true,
+				Record: with(fxCompletedPast(), st(StateExpired), resp(nil))}},
+		{"COMPLETED past expires_at/Begin different fingerprint, reject/KEY_EXPIRED (no fingerprint check on EXPIRED)",
+			fxCompletedPast(), evBegin(fpB), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true,
+				Record: with(fxCompletedPast(), st(StateExpired), resp(nil))}},
+		{"COMPLETED past expires_at/Complete same token, equal content/ALREADY_FINISHED once expired",
+			fxCompletedPast(), evComplete(tokHeld, respOK()), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxCompletedPast(), st(StateExpired), resp(nil)))},
+		{"COMPLETED past expires_at/Heartbeat/ALREADY_FINISHED",
+			fxCompletedPast(), evHeartbeat(tokHeld), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxCompletedPast(), st(StateExpired), resp(nil)))},
+
+		// ---- FAILED_RETRYABLE ----
+		{"FAILED_RETRYABLE/Begin same fingerprint/takeover: attempt+1, new token, previous_state FAILED_RETRYABLE",
+			fxFailedRetryable(), evBegin(fpA), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attNew, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE/Begin empty fingerprint/takeover keeps the generation's fingerprint",
+			fxFailedRetryable(), evBegin(nil), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attNew, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxFailedRetryable(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxFailedRetryable())},
+		{"FAILED_RETRYABLE/Begin same attempt_id/takeover with a new token (the acquisition ended)",
+			fxFailedRetryable(), evBegin(fpA, sameAttemptID), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attHeld, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE/Begin accept_schema_versions miss/takeover (nothing to replay)",
+			fxFailedRetryable(), evBegin(fpA, accept("x/1")), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attNew, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE/Begin max_attempts reached/ATTEMPTS_EXHAUSTED, unchanged",
+			fxFailedRetryable(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, *fxFailedRetryable())},
+		{"FAILED_RETRYABLE attempt 2/Begin max_attempts 2/ATTEMPTS_EXHAUSTED",
+			fxFailedRetryable(attempt(2)), evBegin(fpA), polMax2, wantRefused(ErrAttemptsExhausted, *fxFailedRetryable(attempt(2)))},
+		{"FAILED_RETRYABLE/Begin max_attempts not reached/takeover",
+			fxFailedRetryable(), evBegin(fpA), polMax2,
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attNew, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE/Begin different fingerprint, max_attempts reached/FINGERPRINT_MISMATCH first",
+			fxFailedRetryable(), evBegin(fpB), polMax1, wantRefused(ErrFingerprintMismatch, *fxFailedRetryable())},
+		{"FAILED_RETRYABLE/Begin hold, reject/takeover (neither applies)",
+			fxFailedRetryable(), evBegin(fpA), Policy{OnExpired: ExpiredReject, OnUnknown: UnknownHold},
+			wantAcquired(StateFailedRetryable, with(fxFailedRetryable(), acquisition(attNew, StateFailedRetryable), attempt(2)))},
+		{"FAILED_RETRYABLE by ABANDONED/Begin fingerprint B/takeover takes the new fingerprint",
+			fxAbandoned(), evBegin(fpB), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxAbandoned(), acquisition(attNew, StateFailedRetryable), attempt(3), fp(fpB)))},
+		{"FAILED_RETRYABLE by ABANDONED/Begin empty fingerprint/takeover leaves it unset",
+			fxAbandoned(), evBegin(nil), polDefault,
+			wantAcquired(StateFailedRetryable, with(fxAbandoned(), acquisition(attNew, StateFailedRetryable), attempt(3)))},
+		{"FAILED_RETRYABLE/Fail RETRYABLE same token, same reason/repeat is OK and writes nothing",
+			fxFailedRetryable(), evFail(tokHeld, FailureRetryable, nil, "upstream unavailable"), polDefault,
+			wantUnchanged(*fxFailedRetryable())},
+		{"FAILED_RETRYABLE/Fail RETRYABLE same token, other reason/ALREADY_FINISHED",
+			fxFailedRetryable(), evFail(tokHeld, FailureRetryable, nil, "other"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxFailedRetryable())},
+		{"FAILED_RETRYABLE/Fail RETRYABLE same token, same reason plus a response/ALREADY_FINISHED",
+			fxFailedRetryable(), evFail(tokHeld, FailureRetryable, respOK(), "upstream unavailable"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxFailedRetryable())},
+		{"FAILED_RETRYABLE by ABANDONED/Fail ABANDONED same token, same reason/repeat is OK",
+			fxAbandoned(), evFail(tokHeld, FailureAbandoned, nil, "bad request"), polDefault, wantUnchanged(*fxAbandoned())},
+		{"FAILED_RETRYABLE by ABANDONED/Fail ABANDONED same token, other reason/ALREADY_FINISHED",
+			fxAbandoned(), evFail(tokHeld, FailureAbandoned, nil, "other"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxAbandoned())},
+		{"FAILED_RETRYABLE by ABANDONED/Fail RETRYABLE same token, same reason/ALREADY_FINISHED (another ending)",
+			fxAbandoned(), evFail(tokHeld, FailureRetryable, nil, "bad request"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxAbandoned())},
+		{"FAILED_RETRYABLE/Heartbeat/ALREADY_FINISHED",
+			fxFailedRetryable(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxFailedRetryable())},
+
+		// ---- FAILED_REPLAYABLE ----
+		{"FAILED_REPLAYABLE/Begin same fingerprint/REPLAY with the stored response",
+			fxFailedReplayable(), evBegin(fpA), polDefault, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin empty fingerprint/REPLAY",
+			fxFailedReplayable(), evBegin(nil), polDefault, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxFailedReplayable(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin same attempt_id/REPLAY",
+			fxFailedReplayable(), evBegin(fpA, sameAttemptID), polDefault, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin accept_schema_versions hit/REPLAY",
+			fxFailedReplayable(), evBegin(fpA, accept("pay.v1.ChargeResponse/3")), polDefault, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin accept_schema_versions miss/SCHEMA_VERSION_NOT_ACCEPTED",
+			fxFailedReplayable(), evBegin(fpA, accept("pay.v1.ChargeResponse/2")), polDefault,
+			wantRefused(ErrSchemaVersionNotAccepted, *fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin max_attempts reached/REPLAY",
+			fxFailedReplayable(), evBegin(fpA), polMax1, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Begin strict policy/REPLAY",
+			fxFailedReplayable(), evBegin(fpA), polStrict, wantReplay(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Fail REPLAYABLE same token, equal content/repeat is OK and writes nothing",
+			fxFailedReplayable(), evFail(tokHeld, FailureReplayable, respNotFound(), "no such card"), polDefault,
+			wantUnchanged(*fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Fail REPLAYABLE same token, other response/ALREADY_FINISHED",
+			fxFailedReplayable(), evFail(tokHeld, FailureReplayable, respOK(), "no such card"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Fail REPLAYABLE same token, other reason/ALREADY_FINISHED",
+			fxFailedReplayable(), evFail(tokHeld, FailureReplayable, respNotFound(), "other"), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxFailedReplayable())},
+		{"FAILED_REPLAYABLE with empty response/Fail REPLAYABLE without response/repeat is OK",
+			fxFailedReplayable(resp(&Response{})), evFail(tokHeld, FailureReplayable, nil, "no such card"), polDefault,
+			wantUnchanged(*fxFailedReplayable(resp(&Response{})))},
+		{"FAILED_REPLAYABLE/Complete with the stored response/ALREADY_FINISHED (another ending)",
+			fxFailedReplayable(), evComplete(tokHeld, respNotFound()), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxFailedReplayable())},
+		{"FAILED_REPLAYABLE/Heartbeat/ALREADY_FINISHED",
+			fxFailedReplayable(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxFailedReplayable())},
+
+		// ---- FAILED_* past expires_at: reads EXPIRED ----
+		{"FAILED_RETRYABLE past expires_at/Begin, restart/new generation attempt 1, previous_state EXPIRED",
+			fxFailedRetryablePast(), evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"FAILED_RETRYABLE past expires_at/Begin different fingerprint, restart/takes the new fingerprint",
+			fxFailedRetryablePast(), evBegin(fpB), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1), fp(fpB))}},
+		{"FAILED_RETRYABLE past expires_at/Begin, max_attempts reached/restart resets attempts",
+			fxFailedRetryablePast(), evBegin(fpA), polMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"FAILED_RETRYABLE past expires_at/Begin, reject/KEY_EXPIRED",
+			fxFailedRetryablePast(), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: with(fxFailedRetryablePast(), st(StateExpired))}},
+		{"FAILED_RETRYABLE past expires_at/Fail RETRYABLE same token, same reason/ALREADY_FINISHED once expired",
+			fxFailedRetryablePast(), evFail(tokHeld, FailureRetryable, nil, "upstream unavailable"), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxFailedRetryablePast(), st(StateExpired)))},
+		{"FAILED_RETRYABLE past expires_at/Heartbeat/ALREADY_FINISHED",
+			fxFailedRetryablePast(), evHeartbeat(tokHeld), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxFailedRetryablePast(), st(StateExpired)))},
+		{"FAILED_REPLAYABLE past expires_at/Begin, restart/new generation, response dropped",
+			fxFailedReplayablePast(), evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedReplayablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"FAILED_REPLAYABLE past expires_at/Begin accept_schema_versions miss, restart/acquired (nothing to replay)",
+			fxFailedReplayablePast(), evBegin(fpA, accept("x/1")), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedReplayablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"FAILED_REPLAYABLE past expires_at/Begin, reject/KEY_EXPIRED, reads EXPIRED without response",
+			fxFailedReplayablePast(), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true,
+				Record: with(fxFailedReplayablePast(), st(StateExpired), resp(nil))}},
+		{"FAILED_REPLAYABLE past expires_at/Fail REPLAYABLE same token, equal content/ALREADY_FINISHED once expired",
+			fxFailedReplayablePast(), evFail(tokHeld, FailureReplayable, respNotFound(), "no such card"), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxFailedReplayablePast(), st(StateExpired), resp(nil)))},
+		{"FAILED_REPLAYABLE past expires_at/Heartbeat/ALREADY_FINISHED",
+			fxFailedReplayablePast(), evHeartbeat(tokHeld), polDefault,
+			wantRefused(ErrAlreadyFinished, with(fxFailedReplayablePast(), st(StateExpired), resp(nil)))},
+
+		// ---- EXPIRED, stored ----
+		{"EXPIRED/Begin same fingerprint, restart/generation+1, attempt 1, previous_state EXPIRED",
+			fxExpired(), evBegin(fpA), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(), acquisition(attNew, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED/Begin different fingerprint, restart/takes the new fingerprint",
+			fxExpired(), evBegin(fpB), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(), acquisition(attNew, StateExpired), gen(4), attempt(1), fp(fpB))}},
+		{"EXPIRED/Begin empty fingerprint, restart/the new generation has no fingerprint",
+			fxExpired(), evBegin(nil), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(), acquisition(attNew, StateExpired), gen(4), attempt(1), fp(nil))}},
+		{"EXPIRED/Begin same attempt_id, restart/new token",
+			fxExpired(), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(), acquisition(attHeld, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED/Begin accept miss, hold, max_attempts reached, restart/restart is not a takeover",
+			fxExpired(), evBegin(fpA, accept("x/1")), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(), acquisition(attNew, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED/Begin, reject/KEY_EXPIRED, unchanged",
+			fxExpired(), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: *fxExpired()}},
+		{"EXPIRED/Begin different fingerprint, reject/KEY_EXPIRED",
+			fxExpired(), evBegin(fpB), polStrict,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: *fxExpired()}},
+		{"EXPIRED holding a leftover response/Begin, reject/an EXPIRED answer carries no response",
+			fxExpired(resp(respOK())), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: *fxExpired()}},
+		{"EXPIRED holding a leftover response/Complete/ALREADY_FINISHED, no response in the answer",
+			fxExpired(resp(respOK())), evComplete(tokHeld, respOK()), polDefault,
+			wantRefused(ErrAlreadyFinished, *fxExpired())},
+		{"EXPIRED/Heartbeat/ALREADY_FINISHED",
+			fxExpired(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxExpired())},
+
+		// ---- UNKNOWN by Fail UNKNOWN ----
+		{"UNKNOWN by Fail/Begin, takeover/ACQUIRED attempt+1, previous_state UNKNOWN, not counted again",
+			fxUnknownFailed(), evBegin(fpA), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN by Fail/Begin empty fingerprint, takeover/fingerprint kept",
+			fxUnknownFailed(), evBegin(nil), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN by Fail/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxUnknownFailed(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxUnknownFailed())},
+		{"UNKNOWN by Fail/Begin same attempt_id, takeover/the holder ended it: a new token",
+			fxUnknownFailed(), evBegin(fpA, sameAttemptID), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attHeld, StateUnknown), attempt(2)))},
+		{"UNKNOWN by Fail/Begin accept miss, reject, takeover/takeover (neither applies)",
+			fxUnknownFailed(), evBegin(fpA, accept("x/1")), polReject,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN by Fail/Begin, hold/IN_PROGRESS with record UNKNOWN, nothing written",
+			fxUnknownFailed(), evBegin(fpA), polHold, wantInProgress(*fxUnknownFailed(), MaxRetryAfter)},
+		{"UNKNOWN by Fail/Begin same attempt_id, hold/IN_PROGRESS",
+			fxUnknownFailed(), evBegin(fpA, sameAttemptID), polHold, wantInProgress(*fxUnknownFailed(), MaxRetryAfter)},
+		{"UNKNOWN by Fail/Begin, max_attempts reached/ATTEMPTS_EXHAUSTED",
+			fxUnknownFailed(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, *fxUnknownFailed())},
+		{"UNKNOWN by Fail/Begin, hold, max_attempts reached/ATTEMPTS_EXHAUSTED before hold",
+			fxUnknownFailed(), evBegin(fpA), polHoldMax1, wantRefused(ErrAttemptsExhausted, *fxUnknownFailed())},
+		{"UNKNOWN by Fail/Begin, max_attempts not reached/takeover",
+			fxUnknownFailed(), evBegin(fpA), polMax2,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN by Fail/Begin, hold, max_attempts not reached/IN_PROGRESS",
+			fxUnknownFailed(), evBegin(fpA), polHoldMax2, wantInProgress(*fxUnknownFailed(), MaxRetryAfter)},
+		{"UNKNOWN by Fail/Complete/as from IN_PROGRESS: COMPLETED, reason cleared",
+			fxUnknownFailed(), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxUnknownFailed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+		{"UNKNOWN by Fail/Fail RETRYABLE/as from IN_PROGRESS: FAILED_RETRYABLE",
+			fxUnknownFailed(), evFail(tokHeld, FailureRetryable, nil, "checked: nothing happened"), polDefault,
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "checked: nothing happened", recFailureTTL)))},
+		{"UNKNOWN by Fail/Fail REPLAYABLE/as from IN_PROGRESS: FAILED_REPLAYABLE",
+			fxUnknownFailed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+		{"UNKNOWN by Fail/Fail UNKNOWN same token, same reason/repeat is OK, not counted again",
+			fxUnknownFailed(), evFail(tokHeld, FailureUnknown, nil, "deadline exceeded"), polDefault,
+			wantUnchanged(*fxUnknownFailed())},
+		{"UNKNOWN by Fail/Fail UNKNOWN same token, other reason/reason updated, not counted again",
+			fxUnknownFailed(), evFail(tokHeld, FailureUnknown, nil, "still unsure"), polDefault,
+			wantUpdated(with(fxUnknownFailed(), failedUnknown("still unsure")))},
+		{"UNKNOWN by Fail/Fail ABANDONED attempt 1/deleted",
+			fxUnknownFailed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+		{"UNKNOWN by Fail attempt 2/Fail ABANDONED/FAILED_RETRYABLE with its fingerprint cleared",
+			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)),
+				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
+		{"UNKNOWN by Fail/Heartbeat/IN_PROGRESS, lease extended",
+			fxUnknownFailed(), evHeartbeat(tokHeld), polDefault,
+			wantUpdated(with(fxUnknownFailed(), st(StateInProgress), endedBy(EndingNone), leaseAt(t0.Add(hbLease)), updated(t0)))},
+
+		// ---- UNKNOWN written down after a lapse ----
+		{"UNKNOWN lapsed/Begin, takeover/ACQUIRED attempt+1, not counted again",
+			fxUnknownLapsed(), evBegin(fpA), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownLapsed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN lapsed/Begin empty fingerprint, takeover/fingerprint kept",
+			fxUnknownLapsed(), evBegin(nil), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownLapsed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN lapsed/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxUnknownLapsed(), evBegin(fpB), polHold, wantRefused(ErrFingerprintMismatch, *fxUnknownLapsed())},
+		{"UNKNOWN lapsed/Begin, hold/IN_PROGRESS, nothing written (already written down)",
+			fxUnknownLapsed(), evBegin(fpA), polHold, wantInProgress(*fxUnknownLapsed(), MaxRetryAfter)},
+		{"UNKNOWN lapsed/Begin same attempt_id/holder's retried Begin keeps its token, lease renewed",
+			fxUnknownLapsed(), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxUnknownLapsed(), st(StateInProgress), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"UNKNOWN lapsed/Begin same attempt_id, hold, max_attempts reached/renewed all the same",
+			fxUnknownLapsed(from(StateFailedRetryable), attempt(2)), evBegin(fpA, sameAttemptID), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateFailedRetryable,
+				Record: with(fxUnknownLapsed(from(StateFailedRetryable), attempt(2)), st(StateInProgress), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"UNKNOWN lapsed/Begin, max_attempts reached/ATTEMPTS_EXHAUSTED",
+			fxUnknownLapsed(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, *fxUnknownLapsed())},
+		{"UNKNOWN lapsed/Begin accept miss, reject/takeover",
+			fxUnknownLapsed(), evBegin(fpA, accept("x/1")), polReject,
+			wantAcquired(StateUnknown, with(fxUnknownLapsed(), acquisition(attNew, StateUnknown), attempt(2)))},
+		{"UNKNOWN lapsed/Complete/as from IN_PROGRESS: COMPLETED",
+			fxUnknownLapsed(), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+		{"UNKNOWN lapsed/Fail RETRYABLE/FAILED_RETRYABLE",
+			fxUnknownLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+		{"UNKNOWN lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE",
+			fxUnknownLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+		{"UNKNOWN lapsed/Fail UNKNOWN/ended by its holder, not counted again",
+			fxUnknownLapsed(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), failedUnknown("timeout")))},
+		{"UNKNOWN lapsed/Fail ABANDONED attempt 1/deleted",
+			fxUnknownLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+		{"UNKNOWN lapsed/Heartbeat/IN_PROGRESS, lease extended",
+			fxUnknownLapsed(), evHeartbeat(tokHeld), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), st(StateInProgress), leaseAt(t0.Add(hbLease)), updated(t0)))},
+
+		// ---- not an event ----
+		{"COMPLETED/event of no defined kind/refused, nothing written, the record still reported",
+			fxCompleted(), Event{Kind: 99, Token: tokHeld}, polDefault, wantRefused(errAny, *fxCompleted())},
+		{"none/event of no defined kind/refused, nothing written",
+			nil, Event{Kind: 0}, polDefault, Decision{Err: errAny}},
+	}
+
+	// Every ending call with the latest token on a record whose acquisition
+	// ended (and that is not repeated with equal content) fails
+	// ALREADY_FINISHED; on an expired record even a repeat does.
+	for _, s := range []struct {
+		name  string
+		rec   func(...mod) *Record
+		reads Record
+	}{
+		{"COMPLETED", fxCompleted, *fxCompleted()},
+		{"COMPLETED past expires_at", fxCompletedPast, with(fxCompletedPast(), st(StateExpired), resp(nil))},
+		{"FAILED_RETRYABLE", fxFailedRetryable, *fxFailedRetryable()},
+		{"FAILED_RETRYABLE by ABANDONED", fxAbandoned, *fxAbandoned()},
+		{"FAILED_REPLAYABLE", fxFailedReplayable, *fxFailedReplayable()},
+		{"FAILED_RETRYABLE past expires_at", fxFailedRetryablePast, with(fxFailedRetryablePast(), st(StateExpired))},
+		{"FAILED_REPLAYABLE past expires_at", fxFailedReplayablePast, with(fxFailedReplayablePast(), st(StateExpired), resp(nil))},
+		{"EXPIRED", fxExpired, *fxExpired()},
+	} {
+		for _, c := range endingCalls(respOther()) {
+			rows = append(rows, row{s.name + "/" + c.name + " latest token, other content/ALREADY_FINISHED",
+				s.rec(), c.ev, polDefault, wantRefused(ErrAlreadyFinished, s.reads)})
+		}
+	}
+
+	// Any token but the latest acquisition's fails LEASE_LOST and changes
+	// nothing, in every state; with no record, every non-Begin call is
+	// NOT_FOUND.
+	calls := func(token string) []struct {
+		name string
+		ev   Event
+	} {
+		return []struct {
+			name string
+			ev   Event
+		}{
+			{"Complete", evComplete(token, respOK())},
+			{"Fail RETRYABLE", evFail(token, FailureRetryable, nil, "x")},
+			{"Fail REPLAYABLE", evFail(token, FailureReplayable, respNotFound(), "x")},
+			{"Fail UNKNOWN", evFail(token, FailureUnknown, nil, "x")},
+			{"Fail ABANDONED", evFail(token, FailureAbandoned, nil, "x")},
+			{"Heartbeat", evHeartbeat(token)},
+		}
+	}
+	for _, token := range []struct{ name, tok string }{{"stale token", tokStale}, {"empty token", ""}} {
+		for _, s := range fixtureStates() {
+			for _, c := range calls(token.tok) {
+				rows = append(rows, row{s.name + "/" + c.name + " " + token.name + "/LEASE_LOST, nothing written",
+					s.rec(), c.ev, polDefault, wantRefused(ErrLeaseLost, s.reads)})
+			}
+		}
+	}
+	for _, token := range []struct{ name, tok string }{{"latest token", tokHeld}, {"stale token", tokStale}} {
+		for _, c := range calls(token.tok) {
+			rows = append(rows, row{"none/" + c.name + " " + token.name + "/NOT_FOUND",
+				nil, c.ev, polDefault, Decision{Err: ErrNotFound}})
+		}
+	}
+	return rows
+}
+
+// fixtureStates lists every stored state of the table with how it reads at
+// t0 (DESIGN.md "Reads report the state in effect now").
+func fixtureStates() []struct {
+	name  string
+	rec   func(...mod) *Record
+	reads Record
+} {
+	return []struct {
+		name  string
+		rec   func(...mod) *Record
+		reads Record
+	}{
+		{"IN_PROGRESS live", fxInProgress, *fxInProgress()},
+		{"IN_PROGRESS lapsed", fxLapsed, with(fxLapsed(), st(StateUnknown))},
+		{"COMPLETED", fxCompleted, *fxCompleted()},
+		{"COMPLETED past expires_at", fxCompletedPast, with(fxCompletedPast(), st(StateExpired), resp(nil))},
+		{"FAILED_RETRYABLE", fxFailedRetryable, *fxFailedRetryable()},
+		{"FAILED_RETRYABLE by ABANDONED", fxAbandoned, *fxAbandoned()},
+		{"FAILED_REPLAYABLE", fxFailedReplayable, *fxFailedReplayable()},
+		{"FAILED_RETRYABLE past expires_at", fxFailedRetryablePast, with(fxFailedRetryablePast(), st(StateExpired))},
+		{"FAILED_REPLAYABLE past expires_at", fxFailedReplayablePast, with(fxFailedReplayablePast(), st(StateExpired), resp(nil))},
+		{"EXPIRED", fxExpired, *fxExpired()},
+		{"UNKNOWN by Fail", fxUnknownFailed, *fxUnknownFailed()},
+		{"UNKNOWN lapsed", fxUnknownLapsed, *fxUnknownLapsed()},
+	}
+}
+
+func TestNext(t *testing.T) {
+	rows := nextRows()
+	seen := make(map[string]bool, len(rows))
+	for _, r := range rows {
+		if seen[r.name] {
+			t.Fatalf("duplicate row name %q", r.name)
+		}
+		seen[r.name] = true
+	}
+	t.Logf("%d rows", len(rows))
+	for _, r := range rows {
+		t.Run(r.name, func(t *testing.T) {
+			var before *Record
+			if r.cur != nil {
+				before = copyRecord(r.cur)
+			}
+			got := Next(r.cur, r.ev, r.pol, t0)
+			checkDecision(t, got, r.want)
+			checkAlways(t, r.cur, r.ev, got)
+			if before != nil {
+				if d := diffRecord(*r.cur, *before); d != nil {
+					t.Errorf("Next changed its input record: %s", strings.Join(d, "; "))
+				}
+			}
+		})
+	}
+}
+
+func TestEffective(t *testing.T) {
+	for _, s := range fixtureStates() {
+		t.Run(s.name, func(t *testing.T) {
+			got := Effective(*s.rec(), t0)
+			if d := diffRecord(got, s.reads); d != nil {
+				t.Errorf("Effective: %s", strings.Join(d, "; "))
+			}
+			if d := diffRecord(Effective(got, t0), got); d != nil {
+				t.Errorf("Effective is not idempotent: %s", strings.Join(d, "; "))
+			}
+		})
+	}
+}
+
+// TestDiffRecordCoversRecord fails when Record gains a field diffRecord does
+// not compare.
+func TestDiffRecordCoversRecord(t *testing.T) {
+	if n := reflect.TypeFor[Record]().NumField(); n != 16 {
+		t.Fatalf("Record has %d fields; update diffRecord and copyRecord", n)
+	}
+}
+
+// checkDecision compares got with want field by field. want.Err == errAny
+// accepts any error that is none of the package's sentinels.
+func checkDecision(t *testing.T, got, want Decision) {
+	t.Helper()
+	switch {
+	case want.Err == errAny:
+		if got.Err == nil {
+			t.Errorf("Err = nil, want an error")
+		}
+		for _, s := range sentinels {
+			if errors.Is(got.Err, s) {
+				t.Errorf("Err = %v, want none of the sentinels", got.Err)
+			}
+		}
+	case want.Err == nil:
+		if got.Err != nil {
+			t.Errorf("Err = %v, want nil", got.Err)
+		}
+	case !errors.Is(got.Err, want.Err):
+		t.Errorf("Err = %v, want %v", got.Err, want.Err)
+	}
+	if got.Outcome != want.Outcome {
+		t.Errorf("Outcome = %s, want %s", outcomeNames[got.Outcome], outcomeNames[want.Outcome])
+	}
+	if got.Write != want.Write {
+		t.Errorf("Write = %s, want %s", writeNames[got.Write], writeNames[want.Write])
+	}
+	if got.Exists != want.Exists {
+		t.Errorf("Exists = %v, want %v", got.Exists, want.Exists)
+	}
+	if got.PreviousState != want.PreviousState {
+		t.Errorf("PreviousState = %v, want %v", got.PreviousState, want.PreviousState)
+	}
+	if got.RetryAfter != want.RetryAfter {
+		t.Errorf("RetryAfter = %v, want %v", got.RetryAfter, want.RetryAfter)
+	}
+	if got.EnteredUnknown != want.EnteredUnknown {
+		t.Errorf("EnteredUnknown = %v, want %v", got.EnteredUnknown, want.EnteredUnknown)
+	}
+	if got.FoundExpired != want.FoundExpired {
+		t.Errorf("FoundExpired = %v, want %v", got.FoundExpired, want.FoundExpired)
+	}
+	if d := diffRecord(got.Record, want.Record); d != nil {
+		t.Errorf("Record:\n\t%s", strings.Join(d, "\n\t"))
+	}
+}
+
+var (
+	outcomeNames = map[Outcome]string{OutcomeOK: "OK", OutcomeAcquired: "ACQUIRED", OutcomeReplay: "REPLAY", OutcomeInProgress: "IN_PROGRESS"}
+	writeNames   = map[Write]string{WriteNone: "none", WriteInsert: "insert", WriteUpdate: "update", WriteDelete: "delete"}
+)
+
+var sentinels = []error{ErrNotFound, ErrFingerprintMismatch, ErrLeaseLost, ErrAlreadyFinished,
+	ErrAttemptsExhausted, ErrSchemaVersionNotAccepted, ErrKeyExpired}
+
+// checkAlways checks what holds for every decision, whatever the row.
+func checkAlways(t *testing.T, cur *Record, ev Event, d Decision) {
+	t.Helper()
+	if d.Err != nil && d.Write != WriteNone {
+		t.Errorf("refused (%v) but Write = %v", d.Err, d.Write)
+	}
+	if d.Outcome == OutcomeInProgress {
+		if d.RetryAfter < MinRetryAfter || d.RetryAfter > MaxRetryAfter {
+			t.Errorf("RetryAfter = %v, want within [%v, %v]", d.RetryAfter, MinRetryAfter, MaxRetryAfter)
+		}
+	} else if d.RetryAfter != 0 {
+		t.Errorf("RetryAfter = %v on outcome %v", d.RetryAfter, d.Outcome)
+	}
+	if ev.Kind != EventBegin && d.Outcome != OutcomeOK {
+		t.Errorf("Outcome = %v for a non-Begin event", d.Outcome)
+	}
+	if d.Record.State == StateExpired && d.Record.Response != nil {
+		t.Errorf("an EXPIRED answer carries a response")
+	}
+}
+
+// diffRecord lists the fields in which got differs from want. Times compare
+// with Equal; responses with Response.Equal.
+func diffRecord(got, want Record) []string {
+	var d []string
+	add := func(field string, g, w any) { d = append(d, fmt.Sprintf("%s = %v, want %v", field, g, w)) }
+	if got.State != want.State {
+		add("State", got.State, want.State)
+	}
+	if !bytes.Equal(got.Fingerprint, want.Fingerprint) {
+		add("Fingerprint", fmt.Sprintf("%q", got.Fingerprint), fmt.Sprintf("%q", want.Fingerprint))
+	}
+	if got.Attempt != want.Attempt {
+		add("Attempt", got.Attempt, want.Attempt)
+	}
+	if got.Generation != want.Generation {
+		add("Generation", got.Generation, want.Generation)
+	}
+	if got.LeaseToken != want.LeaseToken {
+		add("LeaseToken", got.LeaseToken, want.LeaseToken)
+	}
+	if got.AttemptID != want.AttemptID {
+		add("AttemptID", got.AttemptID, want.AttemptID)
+	}
+	if got.AcquiredFrom != want.AcquiredFrom {
+		add("AcquiredFrom", got.AcquiredFrom, want.AcquiredFrom)
+	}
+	if got.EndedBy != want.EndedBy {
+		add("EndedBy", got.EndedBy, want.EndedBy)
+	}
+	if !got.Response.Equal(want.Response) {
+		add("Response", fmtResponse(got.Response), fmtResponse(want.Response))
+	}
+	if got.FailureReason != want.FailureReason {
+		add("FailureReason", got.FailureReason, want.FailureReason)
+	}
+	if got.TTL != want.TTL {
+		add("TTL", got.TTL, want.TTL)
+	}
+	if got.FailureTTL != want.FailureTTL {
+		add("FailureTTL", got.FailureTTL, want.FailureTTL)
+	}
+	for _, f := range []struct {
+		name   string
+		got, w time.Time
+	}{
+		{"CreatedAt", got.CreatedAt, want.CreatedAt},
+		{"UpdatedAt", got.UpdatedAt, want.UpdatedAt},
+		{"LeaseExpiresAt", got.LeaseExpiresAt, want.LeaseExpiresAt},
+		{"ExpiresAt", got.ExpiresAt, want.ExpiresAt},
+	} {
+		if !f.got.Equal(f.w) {
+			add(f.name, fmtTime(f.got), fmtTime(f.w))
+		}
+	}
+	return d
+}
+
+func fmtResponse(r *Response) string {
+	if r == nil {
+		return "nil"
+	}
+	return fmt.Sprintf("%+v", *r)
+}
+
+// fmtTime shows a time relative to t0, which reads better in a failure.
+func fmtTime(t time.Time) string {
+	if t.IsZero() {
+		return "unset"
+	}
+	if d := t.Sub(t0); d < 0 {
+		return "now" + d.String()
+	} else {
+		return "now+" + d.String()
+	}
+}
+
+// copyRecord returns a deep copy of r.
+func copyRecord(r *Record) *Record {
+	c := *r
+	c.Fingerprint = bytes.Clone(r.Fingerprint)
+	if r.Response != nil {
+		x := *r.Response
+		x.Body = bytes.Clone(x.Body)
+		x.Metadata = maps.Clone(x.Metadata)
+		c.Response = &x
+	}
+	return &c
+}
