@@ -119,6 +119,17 @@ func TestInvalidArgumentsWriteNothing(t *testing.T) {
 			r.Lease = &durationpb.Duration{Seconds: 5, Nanos: -1}
 		})},
 		{"65-byte attempt_id", "attempt_id", begin(func(r *idempotencyv1.BeginRequest) { r.AttemptId = strings.Repeat("a", 65) })},
+		{"attempt_id with control character", "attempt_id", begin(func(r *idempotencyv1.BeginRequest) { r.AttemptId = "a\tb" })},
+		{"schema_version with NUL", "response.schema_version", func() error {
+			_, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: "t",
+				Response: &idempotencyv1.StoredResponse{SchemaVersion: "v\x00"}})
+			return err
+		}},
+		{"reason with NUL", "reason", func() error {
+			_, err := e.client.Fail(ctx(t), &idempotencyv1.FailRequest{Scope: "s", Key: "k", LeaseToken: "t",
+				Kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, Reason: "a\x00b"})
+			return err
+		}},
 		{"complete without token", "lease_token", func() error {
 			_, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k"})
 			return err

@@ -3,8 +3,10 @@ package server
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"runtime/debug"
 	"sync/atomic"
 	"time"
@@ -35,6 +37,7 @@ type Server struct {
 	logger    *slog.Logger
 	grpc      *grpc.Server
 	health    *health.Server
+	ready     atomic.Bool
 	opts      options
 }
 
@@ -119,6 +122,26 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 // returns.
 func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
 
+// Ready reports whether the database answered the latest health check.
+func (s *Server) Ready() bool { return s.ready.Load() }
+
+// HTTPHandler serves /healthz (the process is up) and /readyz (the database
+// is reachable: 200, else 503).
+func (s *Server) HTTPHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, "ok\n")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !s.Ready() {
+			http.Error(w, "database unreachable", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = io.WriteString(w, "ready\n")
+	})
+	return mux
+}
+
 // GRPCServer returns the underlying grpc.Server, for registering more
 // services before Serve.
 func (s *Server) GRPCServer() *grpc.Server { return s.grpc }
@@ -136,6 +159,7 @@ func (s *Server) Serve(lis net.Listener) error {
 // for ctx to end, after which it cancels them.
 func (s *Server) Shutdown(ctx context.Context) {
 	s.health.Shutdown()
+	s.ready.Store(false)
 	done := make(chan struct{})
 	go func() {
 		s.grpc.GracefulStop()
@@ -164,6 +188,7 @@ func (s *Server) watchHealth(ctx context.Context) {
 		}
 		if ok := err == nil; ok != serving {
 			serving = ok
+			s.ready.Store(ok)
 			st := healthpb.HealthCheckResponse_NOT_SERVING
 			if ok {
 				st = healthpb.HealthCheckResponse_SERVING

@@ -124,6 +124,14 @@ func TestCompleteThenReplayByteForByte(t *testing.T) {
 	}
 	// An empty fingerprint skips the check.
 	e.mustBegin("pay", "k", replay)
+	// Any bytes in body and metadata come back as they were stored.
+	odd := &idempotencyv1.StoredResponse{Body: []byte{0, 0xc3, 0x28}, StatusCode: -1,
+		Metadata: map[string]string{"nul\x00key": "nul\x00value\n", "émoji": "✓"}}
+	b3 := e.mustBegin("pay", "odd", acquired)
+	e.mustComplete("pay", "odd", b3.GetLeaseToken(), odd)
+	if r := e.mustBegin("pay", "odd", replay); !proto.Equal(r.GetRecord().GetResponse(), odd) {
+		t.Fatalf("replayed %v, want %v", r.GetRecord().GetResponse(), odd)
+	}
 	// An empty response is a valid result and is replayed as such.
 	b2 := e.mustBegin("pay", "empty", acquired)
 	e.mustComplete("pay", "empty", b2.GetLeaseToken(), nil)

@@ -13,8 +13,10 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -37,6 +39,7 @@ type config struct {
 	tlsCert         string
 	tlsKey          string
 	tlsClientCA     string
+	allowNoAuth     bool
 	logFormat       string
 	logLevel        string
 	shutdownTimeout time.Duration
@@ -62,6 +65,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.tlsClientCA, "tls-client-ca", env("IDEMCOORD_TLS_CLIENT_CA", ""), "CA file for client certificates (IDEMCOORD_TLS_CLIENT_CA)")
 	fs.StringVar(&c.logFormat, "log-format", env("IDEMCOORD_LOG_FORMAT", "text"), "log format: text or json (IDEMCOORD_LOG_FORMAT)")
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
+	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -69,10 +73,32 @@ func parseFlags(args []string) (*config, error) {
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
 	}
+	if !c.allowNoAuth && !isLoopback(c.listen) {
+		return nil, fmt.Errorf("--listen %s is not a loopback address and auth is disabled (no tenants configured): "+
+			"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
+	}
 	if c.tlsCert != "" || c.tlsKey != "" || c.tlsClientCA != "" {
 		return nil, errors.New("TLS is not supported by this build yet (--tls-cert, --tls-key, --tls-client-ca)")
 	}
 	return c, nil
+}
+
+func envBool(name string) bool {
+	v, err := strconv.ParseBool(os.Getenv(name))
+	return err == nil && v
+}
+
+// isLoopback reports whether a listen address binds only to loopback.
+func isLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 func newLogger(c *config, w *os.File) (*slog.Logger, error) {
@@ -128,10 +154,20 @@ func run(args []string, logOut *os.File) error {
 		return err
 	}
 	logger.Info("auth disabled: every caller is tenant \"default\"", "listen", lis.Addr().String())
-	logger.Info("serving", "grpc", lis.Addr().String())
+	hlis, err := net.Listen("tcp", c.httpListen)
+	if err != nil {
+		return err
+	}
+	httpSrv := &http.Server{Handler: srv.HTTPHandler(), ReadHeaderTimeout: 10 * time.Second}
+	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
-	serveErr := make(chan error, 1)
+	serveErr := make(chan error, 2)
 	go func() { serveErr <- srv.Serve(lis) }()
+	go func() {
+		if err := httpSrv.Serve(hlis); !errors.Is(err, http.ErrServerClosed) {
+			serveErr <- err
+		}
+	}()
 	select {
 	case err := <-serveErr:
 		return err
@@ -141,6 +177,7 @@ func run(args []string, logOut *os.File) error {
 	sctx, cancel := context.WithTimeout(context.Background(), c.shutdownTimeout)
 	defer cancel()
 	srv.Shutdown(sctx)
+	_ = httpSrv.Shutdown(sctx)
 	logger.Info("stopped")
 	return nil
 }

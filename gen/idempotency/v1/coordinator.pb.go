@@ -217,9 +217,10 @@ func (FailureKind) EnumDescriptor() ([]byte, []int) {
 // Every field is optional: an empty response is a valid result.
 type StoredResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Version of the body's schema, e.g. "payments.v1.ChargeResponse/3".
+	// Version of the body's schema, e.g. "payments.v1.ChargeResponse/3"
+	// (printable: no control characters).
 	SchemaVersion string `protobuf:"bytes,1,opt,name=schema_version,json=schemaVersion,proto3" json:"schema_version,omitempty"`
-	// Media type of body, e.g. "application/x-protobuf".
+	// Media type of body, e.g. "application/x-protobuf" (printable).
 	ContentType string `protobuf:"bytes,2,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
 	// The serialized response.
 	Body []byte `protobuf:"bytes,3,opt,name=body,proto3" json:"body,omitempty"`
@@ -460,8 +461,9 @@ type BeginRequest struct {
 	// If set, a replay whose schema_version is not listed fails with
 	// SCHEMA_VERSION_NOT_ACCEPTED.
 	AcceptSchemaVersions []string `protobuf:"bytes,7,rep,name=accept_schema_versions,json=acceptSchemaVersions,proto3" json:"accept_schema_versions,omitempty"`
-	// Identifies this logical attempt (at most 64 bytes): a repeated Begin with
-	// the holder's attempt_id acquires again with the same lease token.
+	// Identifies this logical attempt (at most 64 printable bytes): a repeated
+	// Begin with the holder's attempt_id acquires again with the same lease
+	// token.
 	AttemptId     string `protobuf:"bytes,8,opt,name=attempt_id,json=attemptId,proto3" json:"attempt_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -768,7 +770,7 @@ type FailRequest struct {
 	Kind FailureKind `protobuf:"varint,4,opt,name=kind,proto3,enum=idempotency.v1.FailureKind" json:"kind,omitempty"`
 	// The response to store; required for FAILURE_KIND_REPLAYABLE.
 	Response *StoredResponse `protobuf:"bytes,5,opt,name=response,proto3" json:"response,omitempty"`
-	// Why, for people (at most 1 KiB).
+	// Why, for people (at most 1 KiB of text; no NUL characters).
 	Reason        string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1117,10 +1119,10 @@ var File_idempotency_v1_coordinator_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\n" +
-	" idempotency/v1/coordinator.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x96\x02\n" +
-	"\x0eStoredResponse\x12%\n" +
-	"\x0eschema_version\x18\x01 \x01(\tR\rschemaVersion\x12!\n" +
-	"\fcontent_type\x18\x02 \x01(\tR\vcontentType\x12\x12\n" +
+	" idempotency/v1/coordinator.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc0\x02\n" +
+	"\x0eStoredResponse\x12:\n" +
+	"\x0eschema_version\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e2\f^[^\\p{Cc}]*$R\rschemaVersion\x126\n" +
+	"\fcontent_type\x18\x02 \x01(\tB\x13\xbaH\x10r\x0e2\f^[^\\p{Cc}]*$R\vcontentType\x12\x12\n" +
 	"\x04body\x18\x03 \x01(\fR\x04body\x12\x1f\n" +
 	"\vstatus_code\x18\x04 \x01(\x05R\n" +
 	"statusCode\x12H\n" +
@@ -1146,7 +1148,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12D\n" +
 	"\x10lease_expires_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x129\n" +
 	"\n" +
-	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\"\xf1\x02\n" +
+	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\"\xff\x02\n" +
 	"\fBeginRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12 \n" +
@@ -1154,9 +1156,9 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x03ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12/\n" +
 	"\x05lease\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x05lease\x12-\n" +
 	"\x04wait\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x04wait\x124\n" +
-	"\x16accept_schema_versions\x18\a \x03(\tR\x14acceptSchemaVersions\x12&\n" +
+	"\x16accept_schema_versions\x18\a \x03(\tR\x14acceptSchemaVersions\x124\n" +
 	"\n" +
-	"attempt_id\x18\b \x01(\tB\a\xbaH\x04r\x02(@R\tattemptId\"\x8d\x02\n" +
+	"attempt_id\x18\b \x01(\tB\x15\xbaH\x12r\x10(@2\f^[^\\p{Cc}]*$R\tattemptId\"\x8d\x02\n" +
 	"\rBeginResponse\x121\n" +
 	"\aoutcome\x18\x01 \x01(\x0e2\x17.idempotency.v1.OutcomeR\aoutcome\x12.\n" +
 	"\x06record\x18\x02 \x01(\v2\x16.idempotency.v1.RecordR\x06record\x12\x1f\n" +
@@ -1173,7 +1175,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"leaseToken\x12:\n" +
 	"\bresponse\x18\x04 \x01(\v2\x1e.idempotency.v1.StoredResponseR\bresponse\"B\n" +
 	"\x10CompleteResponse\x12.\n" +
-	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xa1\x02\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xb4\x02\n" +
 	"\vFailRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12+\n" +
@@ -1182,8 +1184,9 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"leaseToken\x12;\n" +
 	"\x04kind\x18\x04 \x01(\x0e2\x1b.idempotency.v1.FailureKindB\n" +
 	"\xbaH\a\x82\x01\x04\x10\x01 \x00R\x04kind\x12:\n" +
-	"\bresponse\x18\x05 \x01(\v2\x1e.idempotency.v1.StoredResponseR\bresponse\x12\x16\n" +
-	"\x06reason\x18\x06 \x01(\tR\x06reason\">\n" +
+	"\bresponse\x18\x05 \x01(\v2\x1e.idempotency.v1.StoredResponseR\bresponse\x12)\n" +
+	"\x06reason\x18\x06 \x01(\tB\x11\xbaH\x0er\f2\n" +
+	"^[^\\x00]*$R\x06reason\">\n" +
 	"\fFailResponse\x12.\n" +
 	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"e\n" +
 	"\rLookupRequest\x12+\n" +
