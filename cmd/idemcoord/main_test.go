@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"net"
 	"net/http"
 	"os"
@@ -47,6 +48,67 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
+// proc is a running idemcoord binary.
+type proc struct {
+	t        *testing.T
+	cmd      *exec.Cmd
+	logs     *bytes.Buffer
+	grpcAddr string
+}
+
+// startBinary runs bin on fresh loopback ports over dbURL and waits until it
+// reports SERVING.
+func startBinary(t *testing.T, bin, dbURL, grpcAddr, httpAddr string) *proc {
+	t.Helper()
+	cmd := exec.Command(bin, "--listen", grpcAddr, "--http-listen", httpAddr)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
+	p := &proc{t: t, cmd: cmd, logs: &bytes.Buffer{}, grpcAddr: grpcAddr}
+	cmd.Stdout, cmd.Stderr = p.logs, p.logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h := healthpb.NewHealthClient(conn)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		r, err := h.Check(ctx, &healthpb.HealthCheckRequest{})
+		cancel()
+		if err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return p
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not serving after 60s: %v\n%s", err, p.logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// stop sends SIGTERM and requires exit status 0 within 30 s.
+func (p *proc) stop() {
+	t := p.t
+	t.Helper()
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v\n%s", err, p.logs)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no exit 30s after SIGTERM\n%s", p.logs)
+	}
+}
+
 // TestServeAndGracefulShutdown runs the real binary: it migrates a fresh
 // database, serves health, the API and /readyz, keeps a completed record
 // across a restart, and exits 0 on SIGTERM.
@@ -55,59 +117,14 @@ func TestServeAndGracefulShutdown(t *testing.T) {
 	dbURL := pgtest.NewDatabase(t)
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 
-	start := func() (*exec.Cmd, *bytes.Buffer) {
-		cmd := exec.Command(bin, "--listen", grpcAddr, "--http-listen", httpAddr)
-		cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
-		var logs bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &logs, &logs
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = cmd.Process.Kill() })
-		return cmd, &logs
-	}
-	stop := func(cmd *exec.Cmd, logs *bytes.Buffer) {
-		if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- cmd.Wait() }()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Fatalf("exit after SIGTERM: %v\n%s", err, logs)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatalf("no exit 30s after SIGTERM\n%s", logs)
-		}
-	}
-
 	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
 	client := idempotencyv1.NewCoordinatorClient(conn)
-	waitServing := func(logs *bytes.Buffer) {
-		t.Helper()
-		h := healthpb.NewHealthClient(conn)
-		deadline := time.Now().Add(60 * time.Second)
-		for {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			r, err := h.Check(ctx, &healthpb.HealthCheckRequest{})
-			cancel()
-			if err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("not serving after 60s: %v\n%s", err, logs)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
 
-	cmd, logs := start()
-	waitServing(logs)
+	p := startBinary(t, bin, dbURL, grpcAddr, httpAddr)
 	resp, err := http.Get("http://" + httpAddr + "/readyz")
 	if err != nil || resp.StatusCode != http.StatusOK {
 		t.Fatalf("/readyz: %v %v", resp, err)
@@ -124,15 +141,68 @@ func TestServeAndGracefulShutdown(t *testing.T) {
 		Response: &idempotencyv1.StoredResponse{Body: body}}); err != nil {
 		t.Fatal(err)
 	}
-	stop(cmd, logs)
+	p.stop()
 
-	cmd, logs = start()
-	waitServing(logs)
+	p = startBinary(t, bin, dbURL, grpcAddr, httpAddr)
 	r, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
 	if err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || !bytes.Equal(r.GetRecord().GetResponse().GetBody(), body) {
 		t.Fatalf("after restart: %v, %v", r, err)
 	}
-	stop(cmd, logs)
+	p.stop()
+}
+
+// TestGrpcurlReplay runs the README's grpcurl session against the binary.
+func TestGrpcurlReplay(t *testing.T) {
+	grpcurl, err := filepath.Abs("../../bin/grpcurl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(grpcurl); err != nil {
+		t.Skip("bin/grpcurl is not installed (run `make tools`); skipping the README's grpcurl session")
+	}
+	p := startBinary(t, buildBinary(t), pgtest.NewDatabase(t), freeAddr(t), freeAddr(t))
+	defer p.stop()
+	call := func(args ...string) []byte {
+		t.Helper()
+		out, err := exec.Command(grpcurl, append([]string{"-plaintext"}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("grpcurl %v: %v\n%s", args, err, out)
+		}
+		return out
+	}
+	if out := call(p.grpcAddr, "list"); !strings.Contains(string(out), "idempotency.v1.Coordinator\n") {
+		t.Fatalf("grpcurl list:\n%s", out)
+	}
+	const method = "idempotency.v1.Coordinator/"
+	var begin struct {
+		Outcome    string `json:"outcome"`
+		LeaseToken string `json:"leaseToken"`
+		Record     struct {
+			State    string `json:"state"`
+			Response struct {
+				Body       string            `json:"body"`
+				StatusCode int               `json:"statusCode"`
+				Metadata   map[string]string `json:"metadata"`
+			} `json:"response"`
+		} `json:"record"`
+	}
+	if err := json.Unmarshal(call("-d", `{"scope": "build", "key": "order-42"}`, p.grpcAddr, method+"Begin"), &begin); err != nil {
+		t.Fatal(err)
+	}
+	if begin.Outcome != "OUTCOME_ACQUIRED" || begin.LeaseToken == "" {
+		t.Fatalf("first Begin: %+v", begin)
+	}
+	call("-d", `{"scope": "build", "key": "order-42", "lease_token": "`+begin.LeaseToken+`",
+  "response": {"status_code": 201, "body": "aGVsbG8=", "metadata": {"location": "/builds/7"}}}`, p.grpcAddr, method+"Complete")
+	begin.LeaseToken = ""
+	if err := json.Unmarshal(call("-d", `{"scope": "build", "key": "order-42"}`, p.grpcAddr, method+"Begin"), &begin); err != nil {
+		t.Fatal(err)
+	}
+	r := begin.Record.Response
+	if begin.Outcome != "OUTCOME_REPLAY" || begin.Record.State != "STATE_COMPLETED" || r.Body != "aGVsbG8=" ||
+		r.StatusCode != 201 || r.Metadata["location"] != "/builds/7" || begin.LeaseToken != "" {
+		t.Fatalf("replay: %+v", begin)
+	}
 }
 
 func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
