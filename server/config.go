@@ -2,6 +2,8 @@ package server
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -24,6 +26,34 @@ type Config struct {
 	Scopes []ScopeConfig `yaml:"scopes"`
 	// Limits bound request fields.
 	Limits LimitsConfig `yaml:"limits"`
+	// Tenants lists who may call. No tenants means auth is disabled and
+	// every caller is tenant "default".
+	Tenants []TenantConfig `yaml:"tenants"`
+	// RateLimit, when set, limits every tenant's calls.
+	RateLimit *RateLimitConfig `yaml:"rate_limit"`
+}
+
+// TenantConfig is one tenant. A caller is this tenant when it presents a
+// bearer token whose SHA-256 is TokenSHA256, or a verified TLS client
+// certificate whose subject common name or a URI SAN equals Name.
+type TenantConfig struct {
+	Name string `yaml:"name"`
+	// TokenSHA256 is the hex SHA-256 of the tenant's bearer token (the
+	// token itself is never stored). Optional for certificate-only tenants.
+	TokenSHA256 string `yaml:"token_sha256"`
+	// Scopes are the scope globs the tenant may use (`*` matches any run of
+	// bytes); ["*"] allows all.
+	Scopes []string `yaml:"scopes"`
+	// Admin allows the tenant to call the Admin service.
+	Admin bool `yaml:"admin"`
+}
+
+// RateLimitConfig is a per-tenant token bucket.
+type RateLimitConfig struct {
+	// RequestsPerSecond is the sustained rate of calls per tenant.
+	RequestsPerSecond float64 `yaml:"requests_per_second"`
+	// Burst is how many calls may come at once (default: one second's worth).
+	Burst int `yaml:"burst"`
 }
 
 // PolicyConfig is a policy as written in the file; unset fields inherit
@@ -118,9 +148,19 @@ func DefaultLimits() Limits {
 // Policies is a validated, resolved configuration: the policy of every scope
 // and the limits. It is immutable.
 type Policies struct {
-	defaults Policy
-	scopes   []scopePolicy
-	limits   Limits
+	defaults  Policy
+	scopes    []scopePolicy
+	limits    Limits
+	tenants   []tenant
+	rateLimit *RateLimitConfig
+}
+
+// tenant is a validated TenantConfig.
+type tenant struct {
+	name   string
+	token  []byte // SHA-256 of the token, nil for certificate-only tenants
+	scopes []string
+	admin  bool
 }
 
 type scopePolicy struct {
@@ -142,6 +182,9 @@ func (p *Policies) For(scope string) Policy {
 	}
 	return p.defaults
 }
+
+// AuthEnabled reports whether tenants are configured.
+func (p *Policies) AuthEnabled() bool { return len(p.tenants) > 0 }
 
 // Limits returns the request limits.
 func (p *Policies) Limits() Limits { return p.limits }
@@ -196,10 +239,52 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		errs = append(errs, fmt.Errorf("limits: %w", err))
 	}
 	out.limits = limits
+	names := map[string]bool{}
+	for i, tc := range cfg.Tenants {
+		tn, err := tc.resolve()
+		if err == nil && names[tn.name] {
+			err = fmt.Errorf("name %q is used twice", tn.name)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, err))
+			continue
+		}
+		names[tn.name] = true
+		out.tenants = append(out.tenants, tn)
+	}
+	if rl := cfg.RateLimit; rl != nil {
+		if rl.RequestsPerSecond <= 0 || rl.Burst < 0 {
+			errs = append(errs, fmt.Errorf("rate_limit: requests_per_second must be positive and burst not negative"))
+		} else {
+			r := *rl
+			if r.Burst == 0 {
+				r.Burst = max(1, int(r.RequestsPerSecond))
+			}
+			out.rateLimit = &r
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return out, nil
+}
+
+func (tc TenantConfig) resolve() (tenant, error) {
+	tn := tenant{name: tc.Name, scopes: tc.Scopes, admin: tc.Admin}
+	if tc.Name == "" {
+		return tn, errors.New("name is required")
+	}
+	if tc.TokenSHA256 != "" {
+		sum, err := hex.DecodeString(tc.TokenSHA256)
+		if err != nil || len(sum) != sha256.Size {
+			return tn, fmt.Errorf("tenant %q: token_sha256 must be 64 hex digits (the SHA-256 of the token, e.g. from `printf %%s TOKEN | sha256sum`)", tc.Name)
+		}
+		tn.token = sum
+	}
+	if len(tc.Scopes) == 0 {
+		return tn, fmt.Errorf("tenant %q: scopes is required (use [\"*\"] to allow every scope)", tc.Name)
+	}
+	return tn, nil
 }
 
 func (c PolicyConfig) apply(p Policy) (Policy, error) {

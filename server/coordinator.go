@@ -20,9 +20,6 @@ const waitMargin = 50 * time.Millisecond
 // lease has surely run out when it looks again.
 const leaseSlack = 5 * time.Millisecond
 
-// tenantFrom returns the tenant the call is authenticated as.
-func tenantFrom(context.Context) string { return DefaultTenant }
-
 func identity(ctx context.Context, scope, key string) ledger.Identity {
 	return ledger.Identity{Tenant: tenantFrom(ctx), Scope: scope, Key: key}
 }
@@ -33,6 +30,9 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	pol := pols.For(req.GetScope())
 	if err := s.validateBegin(req, pol, pols.Limits()); err != nil {
 		return nil, s.status(ctx, err)
+	}
+	if err := authorizeScope(ctx, req.GetScope()); err != nil {
+		return nil, err
 	}
 	ttl, lease := pol.TTL, pol.Lease
 	if req.GetTtl() != nil {
@@ -123,6 +123,9 @@ func (s *Server) Complete(ctx context.Context, req *idempotencyv1.CompleteReques
 	if err := s.validateComplete(req, s.policies.Load().Limits()); err != nil {
 		return nil, s.status(ctx, err)
 	}
+	if err := authorizeScope(ctx, req.GetScope()); err != nil {
+		return nil, err
+	}
 	res, err := s.store.Finish(ctx, &ledger.FinishParams{
 		ID: identity(ctx, req.GetScope(), req.GetKey()),
 		Event: statemachine.Event{Kind: statemachine.EventComplete, Token: req.GetLeaseToken(),
@@ -138,6 +141,9 @@ func (s *Server) Complete(ctx context.Context, req *idempotencyv1.CompleteReques
 func (s *Server) Fail(ctx context.Context, req *idempotencyv1.FailRequest) (*idempotencyv1.FailResponse, error) {
 	if err := s.validateFail(req, s.policies.Load().Limits()); err != nil {
 		return nil, s.status(ctx, err)
+	}
+	if err := authorizeScope(ctx, req.GetScope()); err != nil {
+		return nil, err
 	}
 	res, err := s.store.Finish(ctx, &ledger.FinishParams{
 		ID: identity(ctx, req.GetScope(), req.GetKey()),
@@ -160,6 +166,9 @@ func (s *Server) Lookup(ctx context.Context, req *idempotencyv1.LookupRequest) (
 	if err := s.validateLookup(req, s.policies.Load().Limits()); err != nil {
 		return nil, s.status(ctx, err)
 	}
+	if err := authorizeScope(ctx, req.GetScope()); err != nil {
+		return nil, err
+	}
 	rec, _, err := s.store.Lookup(ctx, identity(ctx, req.GetScope(), req.GetKey()))
 	if err != nil {
 		return nil, s.status(ctx, err)
@@ -173,6 +182,9 @@ func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequ
 	pols := s.policies.Load()
 	if err := s.validateHeartbeat(req, pols.Limits()); err != nil {
 		return nil, s.status(ctx, err)
+	}
+	if err := authorizeScope(ctx, req.GetScope()); err != nil {
+		return nil, err
 	}
 	lease := pols.For(req.GetScope()).Lease
 	if req.GetLease() != nil {

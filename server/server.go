@@ -12,8 +12,12 @@ import (
 	"time"
 
 	"buf.build/go/protovalidate"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/auth"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/ratelimit"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
+	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -69,8 +73,8 @@ func WithGRPCOptions(opts ...grpc.ServerOption) Option {
 	return func(o *options) { o.grpcOptions = append(o.grpcOptions, opts...) }
 }
 
-// WithUnaryInterceptors adds interceptors that run inside logging and
-// recovery, before the service (authentication, for instance).
+// WithUnaryInterceptors adds interceptors that run inside logging,
+// recovery, authentication and rate limiting, just before the service.
 func WithUnaryInterceptors(i ...grpc.UnaryServerInterceptor) Option {
 	return func(o *options) { o.unary = append(o.unary, i...) }
 }
@@ -96,15 +100,20 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		s.logger.ErrorContext(ctx, "panic in call", "panic", p, "stack", string(debug.Stack()))
 		return status.Error(codes.Internal, "internal error")
 	}
+	needsAuth := selector.MatchFunc(unauthenticatedService)
+	limiter := &tenantLimiter{server: s, byKey: map[string]*rate.Limiter{}}
 	unary := append([]grpc.UnaryServerInterceptor{
 		logging.UnaryServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), needsAuth),
+		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), needsAuth),
 	}, o.unary...)
 	gopts := append([]grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(unary...),
 		grpc.ChainStreamInterceptor(
 			logging.StreamServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
 			recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+			selector.StreamServerInterceptor(auth.StreamServerInterceptor(s.authenticate), needsAuth),
 		),
 	}, o.grpcOptions...)
 	s.grpc = grpc.NewServer(gopts...)

@@ -8,6 +8,8 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -19,6 +21,9 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
@@ -73,14 +78,50 @@ func parseFlags(args []string) (*config, error) {
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
 	}
-	if !c.allowNoAuth && !isLoopback(c.listen) {
-		return nil, fmt.Errorf("--listen %s is not a loopback address and auth is disabled (no tenants configured): "+
-			"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
+	if (c.tlsCert == "") != (c.tlsKey == "") {
+		return nil, errors.New("--tls-cert and --tls-key go together")
 	}
-	if c.tlsCert != "" || c.tlsKey != "" || c.tlsClientCA != "" {
-		return nil, errors.New("TLS is not supported by this build yet (--tls-cert, --tls-key, --tls-client-ca)")
+	if c.tlsClientCA != "" && c.tlsCert == "" {
+		return nil, errors.New("--tls-client-ca needs --tls-cert and --tls-key")
 	}
 	return c, nil
+}
+
+// checkExposure refuses to serve without auth on an address others can
+// reach, unless the operator said so.
+func checkExposure(c *config, authEnabled bool) error {
+	if authEnabled || c.allowNoAuth || isLoopback(c.listen) {
+		return nil
+	}
+	return fmt.Errorf("--listen %s is not a loopback address and auth is disabled (no tenants in the config): "+
+		"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
+}
+
+// tlsCredentials builds the server's TLS credentials from the flags, or
+// returns nil without TLS. With a client CA, client certificates are
+// verified when given (callers may still use bearer tokens).
+func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
+	if c.tlsCert == "" {
+		return nil, nil
+	}
+	cert, err := tls.LoadX509KeyPair(c.tlsCert, c.tlsKey)
+	if err != nil {
+		return nil, fmt.Errorf("--tls-cert/--tls-key: %w", err)
+	}
+	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	if c.tlsClientCA != "" {
+		pem, err := os.ReadFile(c.tlsClientCA)
+		if err != nil {
+			return nil, fmt.Errorf("--tls-client-ca: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("--tls-client-ca %s: no PEM certificate in it", c.tlsClientCA)
+		}
+		cfg.ClientCAs = pool
+		cfg.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	return credentials.NewTLS(cfg), nil
 }
 
 func envBool(name string) bool {
@@ -132,6 +173,14 @@ func run(args []string, logOut *os.File) error {
 		}
 	}
 
+	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
+		return err
+	}
+	creds, err := tlsCredentials(c)
+	if err != nil {
+		return err
+	}
+
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
@@ -145,7 +194,11 @@ func run(args []string, logOut *os.File) error {
 	}
 	defer store.Close()
 
-	srv, err := server.New(store, server.WithPolicies(policies), server.WithLogger(logger))
+	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
+	if creds != nil {
+		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
+	}
+	srv, err := server.New(store, sopts...)
 	if err != nil {
 		return err
 	}
@@ -153,7 +206,9 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
-	logger.Info("auth disabled: every caller is tenant \"default\"", "listen", lis.Addr().String())
+	if !policies.AuthEnabled() {
+		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
+	}
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err

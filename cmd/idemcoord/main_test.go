@@ -208,19 +208,33 @@ func TestGrpcurlReplay(t *testing.T) {
 func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	t.Setenv("DATABASE_URL", "")
 	t.Setenv("IDEMCOORD_INSECURE_ALLOW_NO_AUTH", "")
-	_, err := parseFlags([]string{"--database-url", "postgres://x", "--listen", "0.0.0.0:50051"})
+	parse := func(args ...string) *config {
+		t.Helper()
+		c, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	err := checkExposure(parse("--listen", "0.0.0.0:50051"), false)
 	if err == nil || !strings.Contains(err.Error(), "--insecure-allow-no-auth") {
 		t.Fatalf("err = %v", err)
 	}
-	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--listen", "0.0.0.0:50051", "--insecure-allow-no-auth"}); err != nil {
+	if err := checkExposure(parse("--listen", "0.0.0.0:50051", "--insecure-allow-no-auth"), false); err != nil {
 		t.Fatal(err)
 	}
+	if err := checkExposure(parse("--listen", "0.0.0.0:50051"), true); err != nil {
+		t.Fatalf("with tenants configured: %v", err)
+	}
 	for _, addr := range []string{"127.0.0.1:1", "[::1]:1", "localhost:1"} {
-		if _, err := parseFlags([]string{"--database-url", "postgres://x", "--listen", addr}); err != nil {
+		if err := checkExposure(parse("--listen", addr), false); err != nil {
 			t.Fatalf("%s: %v", addr, err)
 		}
 	}
 	if _, err := parseFlags([]string{"--listen", "127.0.0.1:1"}); err == nil {
 		t.Fatal("no database URL accepted")
+	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--tls-cert", "a.pem"}); err == nil {
+		t.Fatal("--tls-cert without --tls-key accepted")
 	}
 }

@@ -1,0 +1,237 @@
+package server_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"fmt"
+	"math/big"
+	"net"
+	"net/url"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+func sha(token string) string {
+	sum := sha256.Sum256([]byte(token))
+	return hex.EncodeToString(sum[:])
+}
+
+func authConfig() string {
+	return fmt.Sprintf(`
+tenants:
+  - { name: payments, token_sha256: %s, scopes: ["/payments.v1.*", "build"] }
+  - { name: builds,   token_sha256: %s, scopes: ["build"] }
+  - { name: spiffe://example.org/ci, scopes: ["*"] }
+`, sha("pay-secret"), sha("build-secret"))
+}
+
+func withToken(token string) context.Context {
+	return metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token)
+}
+
+func TestTenantsAreIsolated(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig()})
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL, client: client}
+
+	pay, builds := withToken("pay-secret"), withToken("build-secret")
+	a, err := client.Begin(pay, &idempotencyv1.BeginRequest{Scope: "build", Key: "same"})
+	if err != nil || a.GetOutcome() != acquired {
+		t.Fatalf("tenant payments: %v, %v", a, err)
+	}
+	if _, err := client.Complete(pay, &idempotencyv1.CompleteRequest{Scope: "build", Key: "same", LeaseToken: a.GetLeaseToken(),
+		Response: sampleResponse()}); err != nil {
+		t.Fatal(err)
+	}
+	// The same scope and key is a different record for another tenant.
+	_, err = client.Lookup(builds, &idempotencyv1.LookupRequest{Scope: "build", Key: "same"})
+	wantCode(t, err, codes.NotFound, "")
+	b, err := client.Begin(builds, &idempotencyv1.BeginRequest{Scope: "build", Key: "same"})
+	if err != nil || b.GetOutcome() != acquired {
+		t.Fatalf("tenant builds: %v, %v", b, err)
+	}
+	// Another tenant's token is LEASE_LOST on its own record, never a
+	// way into the other one.
+	_, err = client.Complete(builds, &idempotencyv1.CompleteRequest{Scope: "build", Key: "same", LeaseToken: a.GetLeaseToken()})
+	wantCode(t, err, codes.FailedPrecondition, "LEASE_LOST")
+	r, err := client.Begin(pay, &idempotencyv1.BeginRequest{Scope: "build", Key: "same"})
+	if err != nil || r.GetOutcome() != replay {
+		t.Fatalf("tenant payments after tenant builds: %v, %v", r, err)
+	}
+
+	rows := env.rowCount()
+	// No credentials, a bad token, a wrong scheme: UNAUTHENTICATED, nothing written.
+	for name, cctx := range map[string]context.Context{
+		"none":      context.Background(),
+		"bad token": withToken("wrong"),
+		"basic":     metadata.AppendToOutgoingContext(context.Background(), "authorization", "Basic cGF5LXNlY3JldA=="),
+	} {
+		_, err := client.Begin(cctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "new-" + name})
+		wantCode(t, err, codes.Unauthenticated, "")
+	}
+	// A scope outside the tenant's list: PERMISSION_DENIED, nothing written.
+	_, err = client.Begin(builds, &idempotencyv1.BeginRequest{Scope: "/payments.v1.Payments/Charge", Key: "k"})
+	wantCode(t, err, codes.PermissionDenied, "")
+	_, err = client.Lookup(builds, &idempotencyv1.LookupRequest{Scope: "deploy", Key: "k"})
+	wantCode(t, err, codes.PermissionDenied, "")
+	if _, err := client.Begin(pay, &idempotencyv1.BeginRequest{Scope: "/payments.v1.Payments/Charge", Key: "k"}); err != nil {
+		t.Fatalf("glob scope: %v", err)
+	}
+	if got := env.rowCount(); got != rows+1 {
+		t.Fatalf("rows = %d, want %d: a refused call wrote", got, rows+1)
+	}
+	// Health needs no credentials.
+	if _, err := healthpb.NewHealthClient(c.Dial(t)).Check(context.Background(), &healthpb.HealthCheckRequest{}); err != nil {
+		t.Fatalf("health without credentials: %v", err)
+	}
+}
+
+func TestRateLimitPerTenant(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig() + "rate_limit: { requests_per_second: 1, burst: 3 }\n"})
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	var limited int
+	for i := range 6 {
+		_, err := client.Begin(withToken("pay-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: fmt.Sprint(i)})
+		switch {
+		case err == nil:
+		default:
+			wantCode(t, err, codes.ResourceExhausted, "")
+			limited++
+		}
+	}
+	if limited == 0 {
+		t.Fatal("6 calls at once with burst 3 were never limited")
+	}
+	// Another tenant has its own bucket.
+	if _, err := client.Begin(withToken("build-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "x"}); err != nil {
+		t.Fatalf("other tenant limited: %v", err)
+	}
+}
+
+func TestBadTenantConfigIsRefused(t *testing.T) {
+	for _, cfg := range []string{
+		"tenants: [{ name: a, token_sha256: abc, scopes: ['*'] }]",
+		"tenants: [{ name: a, token_sha256: " + sha("x") + " }]",
+		"tenants: [{ token_sha256: " + sha("x") + ", scopes: ['*'] }]",
+		"tenants: [{ name: a, scopes: ['*'] }, { name: a, scopes: ['*'] }]",
+		"rate_limit: { requests_per_second: 0 }",
+	} {
+		if _, err := server.ParsePolicies([]byte(cfg)); err == nil {
+			t.Errorf("accepted %s", cfg)
+		}
+	}
+}
+
+// pki is a throwaway CA issuing server and client certificates.
+type pki struct {
+	ca     *x509.Certificate
+	caKey  *ecdsa.PrivateKey
+	serial int64
+}
+
+func newPKI(t *testing.T) *pki {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &pki{ca: ca, caKey: key, serial: 1}
+}
+
+func (p *pki) issue(t *testing.T, cn string, uri string, server bool) tls.Certificate {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.serial++
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(p.serial), Subject: pkix.Name{CommonName: cn},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature}
+	if server {
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
+	} else {
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+	}
+	if uri != "" {
+		u, err := url.Parse(uri)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl.URIs = []*url.URL{u}
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.ca, &key.PublicKey, p.caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+func TestClientCertificateNamesTenant(t *testing.T) {
+	t.Parallel()
+	p := newPKI(t)
+	pool := x509.NewCertPool()
+	pool.AddCert(p.ca)
+	serverTLS := &tls.Config{Certificates: []tls.Certificate{p.issue(t, "idemcoord", "", true)},
+		ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
+		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
+
+	dial := func(certs ...tls.Certificate) idempotencyv1.CoordinatorClient {
+		conn, err := grpc.NewClient(c.Addr, grpc.WithTransportCredentials(credentials.NewTLS(
+			&tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12})))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		return idempotencyv1.NewCoordinatorClient(conn)
+	}
+	byCN := dial(p.issue(t, "builds", "", false))
+	byURI := dial(p.issue(t, "someone", "spiffe://example.org/ci", false))
+	stranger := dial(p.issue(t, "stranger", "", false))
+	tokenOnly := dial()
+
+	if _, err := byCN.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil {
+		t.Fatalf("certificate CN builds: %v", err)
+	}
+	_, err := byCN.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "deploy", Key: "k"})
+	wantCode(t, err, codes.PermissionDenied, "")
+	r, err := byURI.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	if err != nil || r.GetOutcome() != acquired {
+		t.Fatalf("certificate URI SAN tenant: %v %v (a separate tenant must acquire its own record)", r, err)
+	}
+	_, err = stranger.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+	r, err = tokenOnly.Begin(withToken("build-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	if err != nil || r.GetOutcome() != inProgress {
+		t.Fatalf("token over TLS, same tenant as the CN: %v %v", r, err)
+	}
+}
