@@ -1,0 +1,28 @@
+// Package pgtest gives tests real PostgreSQL databases.
+//
+// A test package hands its schema migration to Main once:
+//
+//	func TestMain(m *testing.M) { os.Exit(pgtest.Main(m, ledger.Migrate)) }
+//
+// Main uses the server named by TEST_DATABASE_URL when it is set, and
+// otherwise starts one throwaway cluster for the test binary from the
+// PostgreSQL server binaries on the machine (PG_BIN, else the newest
+// /usr/lib/postgresql/*/bin, else PATH). It migrates a template database
+// once; NewDatabase then clones that template for each test, so every test,
+// parallel or not, gets its own migrated database in a few milliseconds.
+//
+// StartCluster starts a separate cluster that a test owns and may stop,
+// kill and start again, for fault tests.
+//
+// Test clusters trade durability for speed (fsync=off, and /dev/shm for
+// their files when TMPDIR is unset and it has 1 GiB free) unless
+// ClusterOptions.Durable is set, listen on 127.0.0.1 only and trust every
+// local connection: they are for tests, never for data that matters. If the
+// test binary dies without cleaning up (a test timeout, say), a watchdog
+// process stops its clusters and deletes their files.
+// When the process runs as root, the server runs as the "postgres" system
+// user through runuser.
+//
+// pgtest is imported only by tests. It imports pgx and the standard
+// library, never idemcoord's own packages: the migration is passed in.
+package pgtest

@@ -1,0 +1,219 @@
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// environment is what Main sets up for NewDatabase.
+type environment struct {
+	base     *url.URL // a database on the server; NewDatabase swaps the path
+	template string   // migrated database that NewDatabase clones
+	cluster  *Cluster // nil when TEST_DATABASE_URL names the server
+}
+
+// current is the environment of the running Main. It is package state
+// because NewDatabase, called from tests, has nothing else to reach Main by.
+var current atomic.Pointer[environment]
+
+const (
+	migrateTimeout = 5 * time.Minute
+	adminTimeout   = time.Minute
+)
+
+// Main prepares PostgreSQL for a test binary, runs its tests and cleans up;
+// it returns the exit code for os.Exit:
+//
+//	func TestMain(m *testing.M) { os.Exit(pgtest.Main(m, ledger.Migrate)) }
+//
+// It uses the server that TEST_DATABASE_URL names (a postgres:// URL of any
+// database there, as a role that may create databases) or else starts a
+// throwaway cluster for this binary. It creates a template database, runs
+// migrate on it once and closes every connection to it, then runs the
+// tests. At the end it drops the template (TEST_DATABASE_URL) or stops and
+// deletes the cluster. If the test binary dies before that, a watchdog
+// process stops and deletes the cluster.
+//
+// When setup fails, Main reports why on standard error and returns 1
+// without running the tests.
+func Main(m *testing.M, migrate func(ctx context.Context, databaseURL string) error) (code int) {
+	env, err := setUp(migrate)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "pgtest: %v\n", err)
+		return 1
+	}
+	current.Store(env)
+	defer func() {
+		current.Store(nil)
+		if err := env.tearDown(); err != nil {
+			fmt.Fprintf(os.Stderr, "pgtest: %v\n", err)
+			if code == 0 {
+				code = 1
+			}
+		}
+	}()
+	return m.Run()
+}
+
+// setUp starts or connects to the server and migrates the template.
+func setUp(migrate func(ctx context.Context, databaseURL string) error) (_ *environment, err error) {
+	env := &environment{template: "pgtest_template_" + randomSuffix()}
+	if raw := os.Getenv("TEST_DATABASE_URL"); raw != "" {
+		u, err := url.Parse(raw)
+		if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+			return nil, errors.New("TEST_DATABASE_URL must be a postgres:// URL")
+		}
+		env.base = u
+	} else {
+		c, err := startCluster(ClusterOptions{})
+		if err != nil {
+			return nil, err
+		}
+		env.cluster = c
+		env.base, _ = url.Parse(c.URL("postgres"))
+	}
+	defer func() {
+		if err != nil {
+			_ = env.tearDown()
+		}
+	}()
+
+	ctx, cancel := context.WithTimeout(context.Background(), migrateTimeout)
+	defer cancel()
+	tmpl := pgx.Identifier{env.template}.Sanitize()
+	if err := env.exec(ctx, "CREATE DATABASE "+tmpl); err != nil {
+		return nil, fmt.Errorf("create template database: %w", err)
+	}
+	if err := migrate(ctx, env.url(env.template)); err != nil {
+		return nil, fmt.Errorf("migrate template database: %w", err)
+	}
+	// CREATE DATABASE … TEMPLATE fails while anyone is connected to the
+	// template: forbid new connections, then end any that migrate left.
+	if err := env.exec(ctx, "ALTER DATABASE "+tmpl+" WITH ALLOW_CONNECTIONS false"); err != nil {
+		return nil, fmt.Errorf("close template database: %w", err)
+	}
+	if err := env.exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()", env.template); err != nil {
+		return nil, fmt.Errorf("close connections to template database: %w", err)
+	}
+	return env, nil
+}
+
+// tearDown stops the cluster, or drops the template from the server named
+// by TEST_DATABASE_URL.
+func (env *environment) tearDown() error {
+	if env.cluster != nil {
+		return env.cluster.destroy()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+	if err := env.exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{env.template}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop template database: %w", err)
+	}
+	return nil
+}
+
+// url returns the URL of database dbname on the environment's server.
+func (env *environment) url(dbname string) string {
+	u := *env.base
+	u.Path, u.RawPath = "/"+dbname, ""
+	return u.String()
+}
+
+// exec runs one statement on a fresh connection to the base database.
+func (env *environment) exec(ctx context.Context, sql string, args ...any) error {
+	conn, err := pgx.Connect(ctx, env.base.String())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	_, err = conn.Exec(ctx, sql, args...)
+	return err
+}
+
+// NewDatabase creates a database for t, cloned from the template that Main
+// migrated, and returns its postgres:// URL. It is safe to call from
+// parallel tests. When t's cleanup runs the database is dropped, or, if t
+// failed, kept and its URL logged (a cluster that Main started is still
+// deleted when the test binary ends). NewDatabase fails t when Main is not
+// running.
+func NewDatabase(t testing.TB) string {
+	t.Helper()
+	env := current.Load()
+	if env == nil {
+		t.Fatal("pgtest: NewDatabase needs pgtest.Main; add to the package's tests: " +
+			"func TestMain(m *testing.M) { os.Exit(pgtest.Main(m, migrate)) }")
+	}
+	name := databaseName(t.Name())
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize() + " TEMPLATE " + pgx.Identifier{env.template}.Sanitize()
+	for attempt := 1; ; attempt++ {
+		err := env.exec(ctx, create)
+		if err == nil {
+			break
+		}
+		// 55006 object_in_use: "source database is being accessed by other
+		// users"; no one should be, but a straggler may not have gone yet.
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
+			t.Fatalf("pgtest: create database %s: %v", name, err)
+		}
+		time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
+	}
+	dbURL := env.url(name)
+	t.Cleanup(func() {
+		if t.Failed() {
+			if env.cluster != nil {
+				t.Logf("pgtest: kept the database of the failed test until the test binary exits (set TEST_DATABASE_URL to keep it longer): %s", dbURL)
+			} else {
+				t.Logf("pgtest: kept the database of the failed test: %s", dbURL)
+			}
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+		defer cancel()
+		if err := env.exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Errorf("pgtest: drop database %s: %v", name, err)
+		}
+	})
+	return dbURL
+}
+
+// databaseName makes a unique database name that starts with the test's
+// name, so that a kept database is easy to trace back.
+func databaseName(testName string) string {
+	var b strings.Builder
+	b.WriteString("pgtest_")
+	for _, r := range strings.ToLower(testName) {
+		if b.Len() >= 46 { // leave room for the suffix within PostgreSQL's 63 bytes
+			break
+		}
+		if (r >= 'a' && r <= 'z') || (r >= '0' && r <= '9') {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('_')
+		}
+	}
+	b.WriteByte('_')
+	b.WriteString(randomSuffix())
+	return b.String()
+}
+
+// randomSuffix returns 16 random hex digits.
+func randomSuffix() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
