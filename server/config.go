@@ -31,6 +31,29 @@ type Config struct {
 	Tenants []TenantConfig `yaml:"tenants"`
 	// RateLimit, when set, limits every tenant's calls.
 	RateLimit *RateLimitConfig `yaml:"rate_limit"`
+	// Reaper tunes background cleanup.
+	Reaper ReaperConfig `yaml:"reaper"`
+}
+
+// ReaperConfig tunes the reaper that every replica runs: it marks stale
+// leases UNKNOWN, expires terminal records past expires_at (dropping their
+// response) and deletes EXPIRED records after a retention period.
+type ReaperConfig struct {
+	// Interval between passes (default 10s); "0s" disables the reaper.
+	Interval *Duration `yaml:"interval"`
+	// BatchSize is the most rows one statement changes (default 500).
+	BatchSize int `yaml:"batch_size"`
+	// ExpiredRetention is how long EXPIRED records are kept after
+	// expires_at before deletion (default 24h). Under on_expired: reject,
+	// the key is new again once its record is deleted.
+	ExpiredRetention *Duration `yaml:"expired_retention"`
+}
+
+// ReaperSettings are the resolved reaper settings.
+type ReaperSettings struct {
+	Interval         time.Duration
+	BatchSize        int
+	ExpiredRetention time.Duration
 }
 
 // TenantConfig is one tenant. A caller is this tenant when it presents a
@@ -153,6 +176,7 @@ type Policies struct {
 	limits    Limits
 	tenants   []tenant
 	rateLimit *RateLimitConfig
+	reaper    ReaperSettings
 }
 
 // tenant is a validated TenantConfig.
@@ -170,7 +194,7 @@ type scopePolicy struct {
 
 // DefaultPolicies returns the configuration used without a file.
 func DefaultPolicies() *Policies {
-	return &Policies{defaults: DefaultPolicy(), limits: DefaultLimits()}
+	return &Policies{defaults: DefaultPolicy(), limits: DefaultLimits(), reaper: defaultReaper()}
 }
 
 // For returns the policy of scope.
@@ -182,6 +206,13 @@ func (p *Policies) For(scope string) Policy {
 	}
 	return p.defaults
 }
+
+func defaultReaper() ReaperSettings {
+	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour}
+}
+
+// Reaper returns the reaper settings.
+func (p *Policies) Reaper() ReaperSettings { return p.reaper }
 
 // AuthEnabled reports whether tenants are configured.
 func (p *Policies) AuthEnabled() bool { return len(p.tenants) > 0 }
@@ -262,6 +293,20 @@ func (cfg *Config) Resolve() (*Policies, error) {
 			}
 			out.rateLimit = &r
 		}
+	}
+	out.reaper = defaultReaper()
+	r := cfg.Reaper
+	if r.Interval != nil {
+		out.reaper.Interval = time.Duration(*r.Interval)
+	}
+	if r.ExpiredRetention != nil {
+		out.reaper.ExpiredRetention = time.Duration(*r.ExpiredRetention)
+	}
+	if r.BatchSize != 0 {
+		out.reaper.BatchSize = r.BatchSize
+	}
+	if out.reaper.Interval < 0 || out.reaper.ExpiredRetention < 0 || out.reaper.BatchSize < 0 {
+		errs = append(errs, errors.New("reaper: interval, batch_size and expired_retention must not be negative"))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err

@@ -1,0 +1,151 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ReapParams bound one reaper pass.
+type ReapParams struct {
+	// BatchSize is the most rows one statement touches (default 500).
+	BatchSize int
+	// MaxBatches bounds the statements of one pass per kind of work
+	// (default 20), so a pass over a large backlog ends and yields.
+	MaxBatches int
+	// Retention is how long EXPIRED rows are kept after their expires_at
+	// before they are deleted (0 deletes them at the first pass).
+	Retention time.Duration
+}
+
+// ReapResult counts what a pass did.
+type ReapResult struct {
+	// Unknown is the number of IN_PROGRESS records whose lease ran out,
+	// now UNKNOWN.
+	Unknown int
+	// Expired is the number of COMPLETED and FAILED_* records past
+	// expires_at, now EXPIRED with their response dropped.
+	Expired int
+	// Deleted is the number of EXPIRED records deleted after retention.
+	Deleted int
+}
+
+// The reaper's statements. Each takes $1 now (NULL: the database clock) and
+// $2 the batch size, locks its rows with SKIP LOCKED so replicas reaping at
+// the same time never touch the same row, and returns one row per record.
+const (
+	reapStaleSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+batch AS (
+	SELECT tenant, scope, key FROM idempotency_records, clock
+	WHERE state = 1 AND lease_expires_at <= clock.now
+	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+UPDATE idempotency_records r SET state = 6, lease_expires_at = NULL, updated_at = clock.now
+FROM batch, clock
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING 1`
+
+	reapExpiredSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+batch AS (
+	SELECT tenant, scope, key FROM idempotency_records, clock
+	WHERE state IN (2, 3, 4) AND expires_at <= clock.now
+	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+UPDATE idempotency_records r SET state = 5, has_response = false, body = NULL, metadata = NULL,
+	updated_at = clock.now
+FROM batch, clock
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING 1`
+
+	reapDeleteSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+batch AS (
+	SELECT tenant, scope, key FROM idempotency_records, clock
+	WHERE state = 5 AND expires_at <= clock.now - $3 * interval '1 microsecond'
+	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_records r USING batch
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING 1`
+)
+
+// Reap runs one reaper pass: stale leases become UNKNOWN, terminal records
+// past expires_at become EXPIRED without their response, and EXPIRED
+// records older than the retention are deleted. IN_PROGRESS and UNKNOWN
+// records are never deleted. Work is done in bounded batches, each its own
+// transaction; replicas may reap at the same time without doing the same
+// work twice.
+func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
+	batch, maxBatches := p.BatchSize, p.MaxBatches
+	if batch <= 0 {
+		batch = 500
+	}
+	if maxBatches <= 0 {
+		maxBatches = 20
+	}
+	var res ReapResult
+	steps := []struct {
+		sql   string
+		args  []any
+		count *int
+	}{
+		{reapStaleSQL, nil, &res.Unknown},
+		{reapExpiredSQL, nil, &res.Expired},
+		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted},
+	}
+	for _, st := range steps {
+		for range maxBatches {
+			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...))
+			*st.count += n
+			if err != nil {
+				return res, classify(err)
+			}
+			if n < batch {
+				break
+			}
+		}
+	}
+	return res, nil
+}
+
+func (s *Store) reapBatch(ctx context.Context, sql string, args []any) (int, error) {
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return 0, err
+	}
+	n, err := countRows(rows)
+	return n, err
+}
+
+func countRows(rows pgx.Rows) (int, error) {
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		n++
+	}
+	return n, rows.Err()
+}
+
+// RunReaper reaps every interval until ctx ends, calling report (if not
+// nil) after each pass that did something. Errors are logged and retried at
+// the next interval.
+func (s *Store) RunReaper(ctx context.Context, interval time.Duration, p *ReapParams, report func(ReapResult)) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		res, err := s.Reap(ctx, p)
+		switch {
+		case err != nil && !errors.Is(err, context.Canceled):
+			s.logger.Warn("reaper pass failed; retrying at the next interval", "err", err)
+		case res != (ReapResult{}):
+			s.logger.Debug("reaper pass", slog.Int("unknown", res.Unknown), slog.Int("expired", res.Expired), slog.Int("deleted", res.Deleted))
+			if report != nil {
+				report(res)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
