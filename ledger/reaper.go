@@ -2,11 +2,7 @@ package ledger
 
 import (
 	"context"
-	"errors"
-	"log/slog"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // ReapParams bound one reaper pass.
@@ -26,6 +22,8 @@ type ReapResult struct {
 	// Unknown is the number of IN_PROGRESS records whose lease ran out,
 	// now UNKNOWN.
 	Unknown int
+	// UnknownScopes lists the scope of each of them.
+	UnknownScopes []string
 	// Expired is the number of COMPLETED and FAILED_* records past
 	// expires_at, now EXPIRED with their response dropped.
 	Expired int
@@ -45,7 +43,7 @@ batch AS (
 UPDATE idempotency_records r SET state = 6, lease_expires_at = NULL, updated_at = clock.now
 FROM batch, clock
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING 1`
+RETURNING r.scope`
 
 	reapExpiredSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 batch AS (
@@ -84,17 +82,18 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 	}
 	var res ReapResult
 	steps := []struct {
-		sql   string
-		args  []any
-		count *int
+		sql    string
+		args   []any
+		count  *int
+		scopes *[]string
 	}{
-		{reapStaleSQL, nil, &res.Unknown},
-		{reapExpiredSQL, nil, &res.Expired},
-		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted},
+		{reapStaleSQL, nil, &res.Unknown, &res.UnknownScopes},
+		{reapExpiredSQL, nil, &res.Expired, nil},
+		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted, nil},
 	}
 	for _, st := range steps {
 		for range maxBatches {
-			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...))
+			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...), st.scopes)
 			*st.count += n
 			if err != nil {
 				return res, classify(err)
@@ -107,45 +106,24 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 	return res, nil
 }
 
-func (s *Store) reapBatch(ctx context.Context, sql string, args []any) (int, error) {
+// reapBatch runs one statement and counts its rows; with scopes set, it
+// also collects their first column.
+func (s *Store) reapBatch(ctx context.Context, sql string, args []any, scopes *[]string) (int, error) {
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
 		return 0, err
 	}
-	n, err := countRows(rows)
-	return n, err
-}
-
-func countRows(rows pgx.Rows) (int, error) {
 	defer rows.Close()
 	n := 0
 	for rows.Next() {
 		n++
+		if scopes != nil {
+			var scope string
+			if err := rows.Scan(&scope); err != nil {
+				return n, err
+			}
+			*scopes = append(*scopes, scope)
+		}
 	}
 	return n, rows.Err()
-}
-
-// RunReaper reaps every interval until ctx ends, calling report (if not
-// nil) after each pass that did something. Errors are logged and retried at
-// the next interval.
-func (s *Store) RunReaper(ctx context.Context, interval time.Duration, p *ReapParams, report func(ReapResult)) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		res, err := s.Reap(ctx, p)
-		switch {
-		case err != nil && !errors.Is(err, context.Canceled):
-			s.logger.Warn("reaper pass failed; retrying at the next interval", "err", err)
-		case res != (ReapResult{}):
-			s.logger.Debug("reaper pass", slog.Int("unknown", res.Unknown), slog.Int("expired", res.Expired), slog.Int("deleted", res.Deleted))
-			if report != nil {
-				report(res)
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
 }

@@ -294,3 +294,29 @@ func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) erro
 func hasParam(databaseURL, name string) bool {
 	return strings.Contains(databaseURL, name+"=")
 }
+
+// CountByState counts records by the state in effect now: an IN_PROGRESS
+// record past its lease counts as UNKNOWN, a terminal record past
+// expires_at as EXPIRED. It scans the whole table; call it sparingly.
+func (s *Store) CountByState(ctx context.Context) (map[statemachine.State]int64, error) {
+	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT CASE
+			WHEN state = 1 AND lease_expires_at <= clock.now THEN 6
+			WHEN state IN (2, 3, 4) AND expires_at <= clock.now THEN 5
+			ELSE state END AS effective, count(*)
+		FROM idempotency_records, clock GROUP BY effective`, s.now())
+	if err != nil {
+		return nil, classify(err)
+	}
+	defer rows.Close()
+	out := map[statemachine.State]int64{}
+	for rows.Next() {
+		var st int16
+		var n int64
+		if err := rows.Scan(&st, &n); err != nil {
+			return nil, classify(err)
+		}
+		out[statemachine.State(st)] = n
+	}
+	return out, classify(rows.Err())
+}

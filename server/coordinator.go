@@ -4,6 +4,8 @@ import (
 	"context"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -58,20 +60,25 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	if dl, ok := ctx.Deadline(); ok {
 		wait = min(wait, time.Until(dl)-waitMargin)
 	}
+	var res *ledger.Result
+	var err error
 	if wait <= 0 {
-		res, err := s.store.Begin(ctx, p)
-		if err != nil {
-			return nil, s.status(ctx, err)
-		}
-		return beginResponse(req, res), nil
+		res, err = s.store.Begin(ctx, p)
+	} else {
+		res, err = s.beginWaiting(ctx, p, time.Now().Add(wait))
 	}
-	return s.beginWaiting(ctx, req, p, time.Now().Add(wait))
+	s.metrics.observeBegin(req.GetScope(), res, err)
+	if err != nil {
+		return nil, s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope, "outcome", outcomeLabels[res.Outcome]})
+	return beginResponse(req, res), nil
 }
 
 // beginWaiting repeats Begin while another attempt holds the key, waking on
 // every committed change of the record and at its lease expiry, until
 // giveUp. It holds no row lock or connection while it waits.
-func (s *Server) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, p *ledger.BeginParams, giveUp time.Time) (*idempotencyv1.BeginResponse, error) {
+func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp time.Time) (*ledger.Result, error) {
 	changed, unsubscribe := s.store.Subscribe(p.ID)
 	defer unsubscribe()
 	timer := time.NewTimer(0)
@@ -80,11 +87,11 @@ func (s *Server) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 	for {
 		res, err := s.store.Begin(ctx, p)
 		if err != nil {
-			return nil, s.status(ctx, err)
+			return nil, err
 		}
 		left := time.Until(giveUp)
 		if res.Outcome != statemachine.OutcomeInProgress || left <= 0 {
-			return beginResponse(req, res), nil
+			return res, nil
 		}
 		sleep := left
 		if rec := res.Record; rec.State == statemachine.StateInProgress {
@@ -98,7 +105,7 @@ func (s *Server) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 			}
 		case <-timer.C:
 		case <-ctx.Done():
-			return nil, s.status(ctx, ctx.Err())
+			return nil, ctx.Err()
 		}
 	}
 }
@@ -126,13 +133,10 @@ func (s *Server) Complete(ctx context.Context, req *idempotencyv1.CompleteReques
 	if err := authorizeScope(ctx, req.GetScope()); err != nil {
 		return nil, err
 	}
-	res, err := s.store.Finish(ctx, &ledger.FinishParams{
-		ID: identity(ctx, req.GetScope(), req.GetKey()),
-		Event: statemachine.Event{Kind: statemachine.EventComplete, Token: req.GetLeaseToken(),
-			Response: responseFromProto(req.GetResponse())},
-	})
+	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), statemachine.Event{Kind: statemachine.EventComplete, Token: req.GetLeaseToken(),
+		Response: responseFromProto(req.GetResponse())})
 	if err != nil {
-		return nil, s.status(ctx, err)
+		return nil, err
 	}
 	return &idempotencyv1.CompleteResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
 }
@@ -145,14 +149,11 @@ func (s *Server) Fail(ctx context.Context, req *idempotencyv1.FailRequest) (*ide
 	if err := authorizeScope(ctx, req.GetScope()); err != nil {
 		return nil, err
 	}
-	res, err := s.store.Finish(ctx, &ledger.FinishParams{
-		ID: identity(ctx, req.GetScope(), req.GetKey()),
-		Event: statemachine.Event{Kind: statemachine.EventFail, Token: req.GetLeaseToken(),
-			FailureKind: statemachine.FailureKind(req.GetKind()),
-			Response:    responseFromProto(req.GetResponse()), Reason: req.GetReason()},
-	})
+	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), statemachine.Event{Kind: statemachine.EventFail,
+		Token: req.GetLeaseToken(), FailureKind: statemachine.FailureKind(req.GetKind()),
+		Response: responseFromProto(req.GetResponse()), Reason: req.GetReason()})
 	if err != nil {
-		return nil, s.status(ctx, err)
+		return nil, err
 	}
 	out := &idempotencyv1.FailResponse{}
 	if res.Exists {
@@ -190,14 +191,25 @@ func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequ
 	if req.GetLease() != nil {
 		lease = req.GetLease().AsDuration()
 	}
-	res, err := s.store.Finish(ctx, &ledger.FinishParams{
-		ID:    identity(ctx, req.GetScope(), req.GetKey()),
-		Event: statemachine.Event{Kind: statemachine.EventHeartbeat, Token: req.GetLeaseToken(), Lease: lease},
-	})
+	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), statemachine.Event{Kind: statemachine.EventHeartbeat,
+		Token: req.GetLeaseToken(), Lease: lease})
+	if err != nil {
+		return nil, err
+	}
+	return &idempotencyv1.HeartbeatResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
+}
+
+// finish applies a Complete, Fail or Heartbeat, counts it, and returns the
+// result or a gRPC status error.
+func (s *Server) finish(ctx context.Context, scope, key string, ev statemachine.Event) (*ledger.Result, error) {
+	id := identity(ctx, scope, key)
+	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev})
+	s.metrics.observeFinish(scope, res, err)
 	if err != nil {
 		return nil, s.status(ctx, err)
 	}
-	return &idempotencyv1.HeartbeatResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", scope})
+	return res, nil
 }
 
 func (s *Server) status(ctx context.Context, err error) error {

@@ -17,6 +17,7 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/ratelimit"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -42,6 +43,7 @@ type Server struct {
 	grpc      *grpc.Server
 	health    *health.Server
 	ready     atomic.Bool
+	metrics   *metrics
 	opts      options
 }
 
@@ -52,6 +54,7 @@ type options struct {
 	policies       *Policies
 	logger         *slog.Logger
 	healthInterval time.Duration
+	maxScopeLabels int
 	grpcOptions    []grpc.ServerOption
 	unary          []grpc.UnaryServerInterceptor
 }
@@ -66,6 +69,10 @@ func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l 
 // WithHealthInterval sets how often the database is pinged to drive the gRPC
 // health status (default 1s).
 func WithHealthInterval(d time.Duration) Option { return func(o *options) { o.healthInterval = d } }
+
+// WithMaxScopeLabels bounds the distinct scope label values of the domain
+// metrics (default 200); later scopes are counted as "other".
+func WithMaxScopeLabels(n int) Option { return func(o *options) { o.maxScopeLabels = n } }
 
 // WithGRPCOptions adds options to the grpc.Server (TLS credentials, message
 // size limits, …).
@@ -85,7 +92,7 @@ var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceN
 
 // New builds a Server over store. Call Serve to accept calls.
 func New(store *ledger.Store, opts ...Option) (*Server, error) {
-	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second}
+	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -93,7 +100,8 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("server: build validator: %w", err)
 	}
-	s := &Server{store: store, validator: pv, logger: o.logger, opts: o}
+	s := &Server{store: store, validator: pv, logger: o.logger, opts: o,
+		metrics: newMetrics(store, o.maxScopeLabels, o.logger)}
 	s.policies.Store(o.policies)
 
 	recoveryHandler := func(ctx context.Context, p any) error {
@@ -103,6 +111,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	needsAuth := selector.MatchFunc(unauthenticatedService)
 	limiter := &tenantLimiter{server: s, byKey: map[string]*rate.Limiter{}}
 	unary := append([]grpc.UnaryServerInterceptor{
+		s.metrics.grpc.UnaryServerInterceptor(),
 		logging.UnaryServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), needsAuth),
@@ -111,6 +120,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	gopts := append([]grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(unary...),
 		grpc.ChainStreamInterceptor(
+			s.metrics.grpc.StreamServerInterceptor(),
 			logging.StreamServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
 			recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
 			selector.StreamServerInterceptor(auth.StreamServerInterceptor(s.authenticate), needsAuth),
@@ -124,6 +134,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	}
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
+	s.metrics.grpc.InitializeMetrics(s.grpc)
 	return s, nil
 }
 
@@ -134,10 +145,11 @@ func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
 // Ready reports whether the database answered the latest health check.
 func (s *Server) Ready() bool { return s.ready.Load() }
 
-// HTTPHandler serves /healthz (the process is up) and /readyz (the database
-// is reachable: 200, else 503).
+// HTTPHandler serves /metrics (Prometheus), /healthz (the process is up)
+// and /readyz (the database is reachable: 200, else 503).
 func (s *Server) HTTPHandler() http.Handler {
 	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.registry, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "ok\n")
 	})
@@ -180,6 +192,40 @@ func (s *Server) Shutdown(ctx context.Context) {
 		s.grpc.Stop()
 		<-done
 	}
+}
+
+// RunReaper runs the reaper with the current policies' settings until ctx
+// ends (see ledger.Store.Reap). Every replica may run it.
+func (s *Server) RunReaper(ctx context.Context) {
+	rs := s.policies.Load().Reaper()
+	if rs.Interval <= 0 {
+		s.logger.Warn("reaper disabled (reaper.interval: 0s): stale leases and expired records stay until read")
+		return
+	}
+	t := time.NewTicker(rs.Interval)
+	defer t.Stop()
+	for {
+		if err := s.ReapOnce(ctx); err != nil && ctx.Err() == nil {
+			s.logger.Warn("reaper pass failed; retrying at the next interval", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// ReapOnce runs one reaper pass with the current settings and counts the
+// leases it found lapsed.
+func (s *Server) ReapOnce(ctx context.Context) error {
+	rs := s.policies.Load().Reaper()
+	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention})
+	s.metrics.observeReap(res)
+	if res.Unknown+res.Expired+res.Deleted > 0 {
+		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted)
+	}
+	return err
 }
 
 // watchHealth pings the database every interval and reports SERVING or

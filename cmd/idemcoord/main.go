@@ -209,11 +209,7 @@ func run(args []string, logOut *os.File) error {
 	if !policies.AuthEnabled() {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
-	if rs := policies.Reaper(); rs.Interval > 0 {
-		go store.RunReaper(ctx, rs.Interval, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention}, nil)
-	} else {
-		logger.Warn("reaper disabled (reaper.interval: 0s): stale leases and expired records stay until read")
-	}
+	go srv.RunReaper(ctx)
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err

@@ -1,0 +1,186 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// otherScope is the scope label of scopes seen after maxScopeLabels
+// distinct ones, so callers cannot grow the metrics without bound.
+const otherScope = "other"
+
+// metrics are the server's Prometheus collectors, on a registry of its own.
+type metrics struct {
+	registry *prometheus.Registry
+	grpc     *grpcprom.ServerMetrics
+
+	begin        *prometheus.CounterVec
+	replay       *prometheus.CounterVec
+	expiredRetry *prometheus.CounterVec
+	unknown      *prometheus.CounterVec
+	mismatch     *prometheus.CounterVec
+	leaseLost    *prometheus.CounterVec
+
+	scopes scopeLabels
+}
+
+// scopeLabels maps scopes to label values: the scope itself for the first
+// max distinct scopes, otherScope after that.
+type scopeLabels struct {
+	mu   sync.Mutex
+	seen map[string]struct{}
+	max  int
+}
+
+func (l *scopeLabels) label(scope string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.seen[scope]; ok {
+		return scope
+	}
+	if len(l.seen) >= l.max {
+		return otherScope
+	}
+	l.seen[scope] = struct{}{}
+	return scope
+}
+
+func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metrics {
+	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, labels)
+	}
+	m := &metrics{
+		registry: prometheus.NewRegistry(),
+		grpc: grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
+			grpcprom.WithHistogramBuckets([]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}))),
+		begin: counter("idempotency_begin_total",
+			"Begin answers by outcome (acquired, replay, in_progress).", "outcome", "scope"),
+		replay: counter("idempotency_replay_total",
+			"Begins answered with a stored response.", "scope"),
+		expiredRetry: counter("idempotency_expired_retry_total",
+			"Begins that found an expired record.", "scope"),
+		unknown: counter("idempotency_unknown_state_total",
+			"Records entering UNKNOWN (Fail UNKNOWN or a lapsed lease), once per record and acquisition.", "scope"),
+		mismatch: counter("idempotency_fingerprint_mismatch_total",
+			"Begins refused because the fingerprint differed.", "scope"),
+		leaseLost: counter("idempotency_lease_lost_total",
+			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
+		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
+	}
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost,
+		newRecordsCollector(store, logger),
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+var outcomeLabels = map[statemachine.Outcome]string{
+	statemachine.OutcomeAcquired:   "acquired",
+	statemachine.OutcomeReplay:     "replay",
+	statemachine.OutcomeInProgress: "in_progress",
+}
+
+// observeBegin counts a Begin's final answer or refusal.
+func (m *metrics) observeBegin(scope string, res *ledger.Result, err error) {
+	label := m.scopes.label(scope)
+	if err != nil {
+		switch {
+		case errors.Is(err, statemachine.ErrFingerprintMismatch):
+			m.mismatch.WithLabelValues(label).Inc()
+		case errors.Is(err, statemachine.ErrKeyExpired):
+			m.expiredRetry.WithLabelValues(label).Inc()
+		}
+		return
+	}
+	m.begin.WithLabelValues(outcomeLabels[res.Outcome], label).Inc()
+	if res.Outcome == statemachine.OutcomeReplay {
+		m.replay.WithLabelValues(label).Inc()
+	}
+	if res.FoundExpired {
+		m.expiredRetry.WithLabelValues(label).Inc()
+	}
+	if res.EnteredUnknown {
+		m.unknown.WithLabelValues(label).Inc()
+	}
+}
+
+// observeFinish counts what a Complete, Fail or Heartbeat did.
+func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
+	switch {
+	case errors.Is(err, statemachine.ErrLeaseLost):
+		m.leaseLost.WithLabelValues(m.scopes.label(scope)).Inc()
+	case err == nil && res.EnteredUnknown:
+		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+}
+
+// observeReap counts the leases a reaper pass found lapsed.
+func (m *metrics) observeReap(res ledger.ReapResult) {
+	for _, scope := range res.UnknownScopes {
+		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+}
+
+// recordsCollector reports idempotency_records{state}, the number of
+// records per state in effect now. The count scans the table, so it is
+// cached for recordsCacheFor between scrapes.
+type recordsCollector struct {
+	store  *ledger.Store
+	logger *slog.Logger
+	desc   *prometheus.Desc
+
+	mu     sync.Mutex
+	at     time.Time
+	counts map[statemachine.State]int64
+}
+
+const recordsCacheFor = 10 * time.Second
+
+func newRecordsCollector(store *ledger.Store, logger *slog.Logger) *recordsCollector {
+	return &recordsCollector{store: store, logger: logger, desc: prometheus.NewDesc("idempotency_records",
+		"Records per state in effect now (refreshed at most every 10s).", []string{"state"}, nil)}
+}
+
+func (c *recordsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *recordsCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.counts == nil || time.Since(c.at) >= recordsCacheFor {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		counts, err := c.store.CountByState(ctx)
+		cancel()
+		if err != nil {
+			c.logger.Warn("counting records per state failed", "err", err)
+			if c.counts == nil {
+				return
+			}
+		} else {
+			c.counts, c.at = counts, time.Now()
+		}
+	}
+	for st := statemachine.StateInProgress; st <= statemachine.StateUnknown; st++ {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(c.counts[st]), stateLabel(st))
+	}
+}
+
+// stateLabel is a state as written in the API without the prefix, lower
+// case: in_progress, completed, …
+func stateLabel(s statemachine.State) string {
+	b := []byte(s.String())
+	for i, c := range b {
+		if c >= 'A' && c <= 'Z' {
+			b[i] = c + ('a' - 'A')
+		}
+	}
+	return string(b)
+}

@@ -1,0 +1,84 @@
+package server_test
+
+import (
+	"context"
+	"io"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+// TestMetricsCountScriptedCalls runs a scripted sequence of calls and checks
+// every domain metric of DESIGN.md, the per-state gauge and the gRPC server
+// metrics on /metrics.
+func TestMetricsCountScriptedCalls(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+
+	b := e.mustBegin("s", "k1", acquired)
+	e.mustBegin("s", "k1", inProgress)
+	e.mustComplete("s", "k1", b.GetLeaseToken(), sampleResponse())
+	e.mustBegin("s", "k1", replay)
+
+	e.mustBegin("s", "k2", acquired, withFingerprint("a"))
+	_, err := e.begin("s", "k2", withFingerprint("b"))
+	wantCode(t, err, codes.FailedPrecondition, "FINGERPRINT_MISMATCH")
+
+	old := e.mustBegin("s", "k3", acquired, withLease(time.Second))
+	e.clock.Advance(2 * time.Second)
+	e.mustBegin("s", "k3", acquired) // takeover of a lapsed lease: enters UNKNOWN once
+	_, err = e.complete("s", "k3", old.GetLeaseToken(), nil)
+	wantCode(t, err, codes.FailedPrecondition, "LEASE_LOST")
+
+	b = e.mustBegin("s", "k4", acquired)
+	e.mustFail("s", "k4", b.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, nil)
+
+	b = e.mustBegin("other", "k5", acquired, withTTL(time.Second))
+	e.mustComplete("other", "k5", b.GetLeaseToken(), nil)
+	e.clock.Advance(2 * time.Second)
+	e.mustBegin("other", "k5", acquired) // found expired
+
+	e.mustBegin("s", "k6", acquired, withLease(time.Second))
+	e.clock.Advance(2 * time.Second) // k6's lease lapses; k2, k3 and k5 are still held (30s leases)
+	if err := e.coord.Server.ReapOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+
+	rec := httptest.NewRecorder()
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body, _ := io.ReadAll(rec.Body)
+	text := string(body)
+	for _, line := range []string{
+		`idempotency_begin_total{outcome="acquired",scope="s"} 6`,
+		`idempotency_begin_total{outcome="acquired",scope="other"} 2`,
+		`idempotency_begin_total{outcome="in_progress",scope="s"} 1`,
+		`idempotency_begin_total{outcome="replay",scope="s"} 1`,
+		`idempotency_replay_total{scope="s"} 1`,
+		`idempotency_fingerprint_mismatch_total{scope="s"} 1`,
+		`idempotency_lease_lost_total{scope="s"} 1`,
+		`idempotency_unknown_state_total{scope="s"} 3`,
+		`idempotency_expired_retry_total{scope="other"} 1`,
+		`idempotency_records{state="completed"} 1`,
+		`idempotency_records{state="in_progress"} 3`,
+		`idempotency_records{state="unknown"} 2`,
+		`idempotency_records{state="expired"} 0`,
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 10`,
+		`grpc_server_handled_total{grpc_code="FailedPrecondition",grpc_method="Complete",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
+	} {
+		if !strings.Contains(text, "\n"+line+"\n") {
+			t.Errorf("/metrics lacks %s", line)
+		}
+	}
+	if t.Failed() {
+		for _, l := range strings.Split(text, "\n") {
+			if strings.HasPrefix(l, "idempotency_") || strings.HasPrefix(l, "grpc_server_handled_total") {
+				t.Log(l)
+			}
+		}
+	}
+}
