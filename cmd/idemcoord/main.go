@@ -162,6 +162,8 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
+	hup := notifyHangup()
+	defer signal.Stop(hup)
 	logger, err := newLogger(c, logOut)
 	if err != nil {
 		return err
@@ -210,6 +212,7 @@ func run(args []string, logOut *os.File) error {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
 	go srv.RunReaper(ctx)
+	go watchConfig(ctx, logger, c.configPath, hup, srv)
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -52,17 +53,35 @@ func freeAddr(t *testing.T) string {
 type proc struct {
 	t        *testing.T
 	cmd      *exec.Cmd
-	logs     *bytes.Buffer
+	logs     *syncBuffer
 	grpcAddr string
+}
+
+// syncBuffer collects a child's output while the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // startBinary runs bin on fresh loopback ports over dbURL and waits until it
 // reports SERVING.
-func startBinary(t *testing.T, bin, dbURL, grpcAddr, httpAddr string) *proc {
+func startBinary(t *testing.T, bin, dbURL, grpcAddr, httpAddr string, args ...string) *proc {
 	t.Helper()
-	cmd := exec.Command(bin, "--listen", grpcAddr, "--http-listen", httpAddr)
+	cmd := exec.Command(bin, append([]string{"--listen", grpcAddr, "--http-listen", httpAddr}, args...)...)
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
-	p := &proc{t: t, cmd: cmd, logs: &bytes.Buffer{}, grpcAddr: grpcAddr}
+	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}, grpcAddr: grpcAddr}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -237,4 +256,91 @@ func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--tls-cert", "a.pem"}); err == nil {
 		t.Fatal("--tls-cert without --tls-key accepted")
 	}
+}
+
+// TestPolicyReload changes a scope's ttl in the config file: after SIGHUP,
+// and after a plain save, new records get the new expires_at without a
+// restart; a broken file is refused and the old policy stays.
+func TestPolicyReload(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "idemcoord.yaml")
+	write := func(content string) {
+		t.Helper()
+		// Write and rename, as editors and config maps do.
+		tmp := cfg + ".tmp"
+		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("scopes:\n  - { match: \"build\", ttl: 60s }\n")
+	p := startBinary(t, buildBinary(t), pgtest.NewDatabase(t), freeAddr(t), freeAddr(t), "--config", cfg)
+	defer p.stop()
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := idempotencyv1.NewCoordinatorClient(conn)
+	n := 0
+	ttlOfNewRecord := func() time.Duration {
+		t.Helper()
+		n++
+		key := "k" + strconv.Itoa(n)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		b, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "build", Key: key, LeaseToken: b.GetLeaseToken()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := c.GetRecord()
+		return r.GetExpiresAt().AsTime().Sub(r.GetUpdatedAt().AsTime()).Round(time.Second)
+	}
+	if got := ttlOfNewRecord(); got != 60*time.Second {
+		t.Fatalf("ttl = %v, want 60s from the file", got)
+	}
+
+	write("scopes:\n  - { match: \"build\", ttl: 300s }\n")
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitTTL := func(want time.Duration) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			got := ttlOfNewRecord()
+			if got == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("ttl stayed %v, want %v\n%s", got, want, p.logs)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	waitTTL(300 * time.Second)
+
+	write("scopes:\n  - { match: \"build\", ttl: forever }\n")
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(p.logs.String(), "config reload refused") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no refusal logged for a broken file\n%s", p.logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got := ttlOfNewRecord(); got != 300*time.Second {
+		t.Fatalf("after a broken file the ttl is %v, want the old policy's 300s", got)
+	}
+
+	write("scopes:\n  - { match: \"build\", ttl: 120s }\n")
+	waitTTL(120 * time.Second) // no signal: the file watch reloads it
 }

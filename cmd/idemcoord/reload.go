@@ -1,0 +1,86 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// reloadDebounce collapses the burst of file events one save makes.
+const reloadDebounce = 250 * time.Millisecond
+
+// notifyHangup starts catching SIGHUP (which would otherwise end the
+// process) as early as possible.
+func notifyHangup() chan os.Signal {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	return hup
+}
+
+// watchConfig reloads the policy file at path on SIGHUP and whenever the
+// file changes, until ctx ends. A file that fails to load or validate is
+// refused with a logged reason, and the policy in force stays. Without a
+// path, SIGHUP is logged and ignored.
+func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-chan os.Signal, srv *server.Server) {
+	if path == "" {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-hup:
+				logger.Info("SIGHUP ignored: no --config file to reload")
+			}
+		}
+	}
+
+	// Watch the directory, not the file: editors and config-map updates
+	// replace files by renaming, which a watch on the old inode misses.
+	var events <-chan fsnotify.Event
+	var watchErrs <-chan error
+	if w, err := fsnotify.NewWatcher(); err != nil {
+		logger.Warn("cannot watch the config file for changes; reload with SIGHUP", "err", err)
+	} else {
+		defer w.Close()
+		if err := w.Add(filepath.Dir(path)); err != nil {
+			logger.Warn("cannot watch the config file for changes; reload with SIGHUP", "err", err)
+		} else {
+			events, watchErrs = w.Events, w.Errors
+		}
+	}
+
+	reload := func(why string) {
+		p, err := server.LoadPolicies(path)
+		if err != nil {
+			logger.Error("config reload refused; keeping the policy in force", "why", why, "err", err)
+			return
+		}
+		srv.SetPolicies(p)
+		logger.Info("config reloaded", "why", why, "path", path)
+	}
+	var debounce <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			reload("SIGHUP")
+		case ev := <-events:
+			if filepath.Clean(ev.Name) == filepath.Clean(path) && ev.Op&(fsnotify.Write|fsnotify.Create|fsnotify.Rename) != 0 {
+				debounce = time.After(reloadDebounce)
+			}
+		case err := <-watchErrs:
+			logger.Warn("config watch error", "err", err)
+		case <-debounce:
+			debounce = nil
+			reload("file changed")
+		}
+	}
+}
