@@ -47,6 +47,7 @@ type config struct {
 	allowNoAuth     bool
 	logFormat       string
 	logLevel        string
+	otlpEndpoint    string
 	shutdownTimeout time.Duration
 }
 
@@ -71,6 +72,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logFormat, "log-format", env("IDEMCOORD_LOG_FORMAT", "text"), "log format: text or json (IDEMCOORD_LOG_FORMAT)")
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
+	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -199,6 +201,19 @@ func run(args []string, logOut *os.File) error {
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
+	}
+	tracing, stopTracing, err := setupTracing(ctx, c.otlpEndpoint)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = stopTracing(sctx)
+	}()
+	if tracing != nil {
+		sopts = append(sopts, server.WithGRPCOptions(tracing))
+		logger.Info("tracing calls over OTLP", "endpoint", c.otlpEndpoint)
 	}
 	srv, err := server.New(store, sopts...)
 	if err != nil {
