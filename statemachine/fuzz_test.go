@@ -3,6 +3,7 @@ package statemachine
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"math"
 	"testing"
 	"time"
@@ -46,6 +47,7 @@ const (
 	fzOnExpired
 	fzOnUnknown
 	fzMaxAttempts
+	fzResolveAs
 	fzFields
 )
 
@@ -104,6 +106,15 @@ func FuzzNext(f *testing.F) {
 		fzEventKind, int(EventFail), fzToken, selT2, fzFailureKind, int(FailureReplayable)))
 	// An event of no defined kind on a record.
 	f.Add(seed(fzHasRecord, 1, fzState, int(StateCompleted), fzResponse, selResp1, fzEventKind, 0))
+	// Resolve: UNKNOWN as COMPLETED, a lapsed lease as FAILED_RETRYABLE, a
+	// COMPLETED record refused, an undefined resolution.
+	f.Add(seed(fzHasRecord, 1, fzState, int(StateUnknown), fzEndedBy, int(EndingUnknown), fzEventKind, int(EventResolve),
+		fzEventResponse, selResp1, fzResolveAs, int(StateCompleted)))
+	f.Add(seed(fzHasRecord, 1, fzState, int(StateInProgress), fzLeaseExpiresAt, selTimeM1h,
+		fzEventKind, int(EventResolve), fzResolveAs, int(StateFailedRetryable)))
+	f.Add(seed(fzHasRecord, 1, fzState, int(StateCompleted), fzResponse, selResp1, fzExpiresAt, selTimeP1h,
+		fzEventKind, int(EventResolve), fzResolveAs, int(StateCompleted)))
+	f.Add(seed(fzHasRecord, 1, fzState, int(StateUnknown), fzEventKind, int(EventResolve), fzResolveAs, int(StateExpired)))
 
 	f.Fuzz(func(t *testing.T, data []byte) {
 		in := fuzzInput{data: data}
@@ -112,6 +123,7 @@ func FuzzNext(f *testing.F) {
 		rec := in.record(now)
 		ev := in.event()
 		pol := in.policy()
+		ev.ResolveAs = State(in.sel(8))
 		var cur *Record
 		if hasRecord {
 			cur = &rec
@@ -281,9 +293,22 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			}
 		}
 	}
+	resolvedLapse := ev.Kind == EventResolve && cur != nil && cur.State == StateInProgress
 	if d.EnteredUnknown && (d.Write != WriteUpdate ||
-		!(d.Record.State == StateUnknown || d.Outcome == OutcomeAcquired && d.PreviousState == StateUnknown)) {
-		fail("EnteredUnknown without writing UNKNOWN down or taking it over")
+		!(d.Record.State == StateUnknown || d.Outcome == OutcomeAcquired && d.PreviousState == StateUnknown || resolvedLapse)) {
+		fail("EnteredUnknown without writing UNKNOWN down, taking it over or resolving a lapse")
+	}
+
+	// Resolve ends only a record that reads UNKNOWN, as COMPLETED or
+	// FAILED_RETRYABLE, and revokes the holder's token.
+	if ev.Kind == EventResolve && cur != nil {
+		if eff.State != StateUnknown && !errors.Is(d.Err, ErrNotUnknown) {
+			fail("a Resolve of a record that reads %v is not NOT_UNKNOWN", eff.State)
+		}
+		if d.Err == nil && (d.Record.State != ev.ResolveAs || d.Record.LeaseToken != "" || d.Record.AttemptID != "" ||
+			d.Record.EndedBy != EndingResolved) {
+			fail("a Resolve wrote state %v, token %q, ended by %v", d.Record.State, d.Record.LeaseToken, d.Record.EndedBy)
+		}
 	}
 }
 

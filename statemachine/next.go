@@ -3,6 +3,7 @@ package statemachine
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"slices"
 	"time"
 )
@@ -25,7 +26,14 @@ var (
 	ErrSchemaVersionNotAccepted = errors.New("stored schema version is not accepted")
 	// ErrKeyExpired: the record expired and the policy rejects a restart.
 	ErrKeyExpired = errors.New("key expired and the policy rejects reuse")
+	// ErrNotUnknown: a Resolve found the record in a state other than
+	// UNKNOWN (as in effect now). The error names that state.
+	ErrNotUnknown = errors.New("only an UNKNOWN record can be resolved")
 )
+
+// ResolvedReason is the failure_reason of a record resolved as
+// FAILED_RETRYABLE.
+const ResolvedReason = "resolved as retryable by an operator"
 
 // Retry hints for OUTCOME_IN_PROGRESS answers.
 const (
@@ -55,7 +63,8 @@ type Decision struct {
 	// RetryAfter is set for OutcomeInProgress.
 	RetryAfter time.Duration
 	// EnteredUnknown reports that this event moved the record into UNKNOWN
-	// (by Fail UNKNOWN, or by writing down a lease found lapsed).
+	// (by Fail UNKNOWN, or by writing down a lease found lapsed), or is the
+	// first write after its lease was found lapsed (a takeover, a Resolve).
 	EnteredUnknown bool
 	// FoundExpired reports that a Begin found the record expired, whether it
 	// restarted it or was refused with ErrKeyExpired.
@@ -87,6 +96,8 @@ func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		return begin(cur, ev, pol, now)
 	case EventComplete, EventFail, EventHeartbeat:
 		return finish(cur, ev, now)
+	case EventResolve:
+		return resolve(cur, ev, now)
 	default:
 		d := Decision{Err: errors.New("unknown event kind")}
 		if cur != nil {
@@ -249,6 +260,40 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 		return refuse(errors.New("unknown failure kind"), eff)
 	}
 	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+}
+
+// resolve ends an UNKNOWN record (a lapsed lease included) as an operator
+// decided: COMPLETED with ev.Response, or FAILED_RETRYABLE, expiring after
+// the record's own ttl or failure_ttl like an ending call. The operator
+// takes the holder's place: its token and attempt_id stop being valid, so a
+// late Complete, Fail or Heartbeat of the vanished holder fails LEASE_LOST.
+func resolve(cur *Record, ev Event, now time.Time) Decision {
+	if cur == nil {
+		return Decision{Err: ErrNotFound}
+	}
+	eff := Effective(*cur, now)
+	if eff.State != StateUnknown {
+		return refuse(fmt.Errorf("%w: it is %v", ErrNotUnknown, eff.State), eff)
+	}
+	rec := eff
+	rec.UpdatedAt = now
+	rec.LeaseToken = ""
+	rec.AttemptID = ""
+	switch ev.ResolveAs {
+	case StateCompleted:
+		resp := ev.Response
+		if resp == nil {
+			resp = &Response{}
+		}
+		end(&rec, StateCompleted, EndingResolved, resp, "", now.Add(rec.TTL))
+	case StateFailedRetryable:
+		end(&rec, StateFailedRetryable, EndingResolved, nil, ResolvedReason, now.Add(rec.FailureTTL))
+	default:
+		return refuse(errors.New("a record can be resolved only as COMPLETED or FAILED_RETRYABLE"), eff)
+	}
+	// A lease found lapsed enters UNKNOWN with this write, as with a takeover.
+	lapsed := cur.State == StateInProgress
+	return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: lapsed}
 }
 
 // acquire makes rec the new acquisition of ev.

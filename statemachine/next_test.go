@@ -231,6 +231,20 @@ func evHeartbeat(token string) Event {
 	return Event{Kind: EventHeartbeat, Token: token, Lease: hbLease}
 }
 
+func evResolve(as State, x *Response) Event {
+	return Event{Kind: EventResolve, ResolveAs: as, Response: x}
+}
+
+// resolvedAs is what a Resolve at t0 does: an ending by the operator, who
+// takes the holder's place (its token and attempt_id are revoked).
+func resolvedAs(s State, x *Response, why string, ttl time.Duration) mod {
+	return func(r *Record) {
+		ending(s, EndingResolved, x, why, ttl)(r)
+		r.LeaseToken = ""
+		r.AttemptID = ""
+	}
+}
+
 // Policies.
 var (
 	polDefault  = Policy{} // on_expired restart, on_unknown takeover, no max_attempts
@@ -783,6 +797,45 @@ func nextRows() []row {
 			fxUnknownLapsed(), evHeartbeat(tokHeld), polDefault,
 			wantUpdated(with(fxUnknownLapsed(), st(StateInProgress), leaseAt(t0.Add(hbLease)), updated(t0)))},
 
+		// ---- Resolve (idempotency.v1.Admin) ----
+		{"UNKNOWN by Fail/Resolve COMPLETED/COMPLETED with the operator's response, expires ttl after, holder's token revoked",
+			fxUnknownFailed(), evResolve(StateCompleted, respOK()), polDefault,
+			wantUpdated(with(fxUnknownFailed(), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"UNKNOWN by Fail/Resolve COMPLETED without response/an empty response is stored",
+			fxUnknownFailed(), evResolve(StateCompleted, nil), polDefault,
+			wantUpdated(with(fxUnknownFailed(), resolvedAs(StateCompleted, &Response{}, "", recTTL)))},
+		{"UNKNOWN by Fail/Resolve FAILED_RETRYABLE/FAILED_RETRYABLE, expires failure_ttl after, reason says so",
+			fxUnknownFailed(), evResolve(StateFailedRetryable, nil), polDefault,
+			wantUpdated(with(fxUnknownFailed(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
+		{"UNKNOWN by Fail/Resolve FAILED_RETRYABLE with a response/the response is not stored",
+			fxUnknownFailed(), evResolve(StateFailedRetryable, respOK()), polDefault,
+			wantUpdated(with(fxUnknownFailed(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
+		{"UNKNOWN lapsed/Resolve COMPLETED, strict policy/policy does not apply to an operator, not counted again",
+			fxUnknownLapsed(), evResolve(StateCompleted, respOK()), polStrict,
+			wantUpdated(with(fxUnknownLapsed(), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"UNKNOWN lapsed/Resolve FAILED_RETRYABLE, hold/FAILED_RETRYABLE",
+			fxUnknownLapsed(), evResolve(StateFailedRetryable, nil), polHoldMax1,
+			wantUpdated(with(fxUnknownLapsed(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
+		{"UNKNOWN taken over from FAILED_RETRYABLE, attempt 2/Resolve COMPLETED/attempt and fingerprint kept",
+			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evResolve(StateCompleted, respOK()), polDefault,
+			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"IN_PROGRESS lapsed/Resolve COMPLETED/reads UNKNOWN so it resolves; the lapse is counted",
+			fxLapsed(), evResolve(StateCompleted, respOK()), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxLapsed(), resolvedAs(StateCompleted, respOK(), "", recTTL))}},
+		{"IN_PROGRESS lapsed/Resolve FAILED_RETRYABLE/the lapse is counted",
+			fxLapsed(), evResolve(StateFailedRetryable, nil), polHold,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxLapsed(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL))}},
+		{"UNKNOWN by Fail/Resolve as FAILED_REPLAYABLE/refused, nothing written",
+			fxUnknownFailed(), evResolve(StateFailedReplayable, respOK()), polDefault, wantRefused(errAny, *fxUnknownFailed())},
+		{"UNKNOWN by Fail/Resolve as IN_PROGRESS/refused, nothing written",
+			fxUnknownFailed(), evResolve(StateInProgress, nil), polDefault, wantRefused(errAny, *fxUnknownFailed())},
+		{"UNKNOWN lapsed/Resolve with no state/refused, nothing written",
+			fxUnknownLapsed(), evResolve(StateNone, nil), polDefault, wantRefused(errAny, *fxUnknownLapsed())},
+		{"none/Resolve COMPLETED/NOT_FOUND",
+			nil, evResolve(StateCompleted, respOK()), polDefault, Decision{Err: ErrNotFound}},
+
 		// ---- not an event ----
 		{"COMPLETED/event of no defined kind/refused, nothing written, the record still reported",
 			fxCompleted(), Event{Kind: 99, Token: tokHeld}, polDefault, wantRefused(errAny, *fxCompleted())},
@@ -810,6 +863,18 @@ func nextRows() []row {
 		for _, c := range endingCalls(respOther()) {
 			rows = append(rows, row{s.name + "/" + c.name + " latest token, other content/ALREADY_FINISHED",
 				s.rec(), c.ev, polDefault, wantRefused(ErrAlreadyFinished, s.reads)})
+		}
+	}
+
+	// Resolve refuses every record that does not read UNKNOWN, whatever the
+	// resolution, and changes nothing.
+	for _, s := range fixtureStates() {
+		if s.reads.State == StateUnknown {
+			continue
+		}
+		for _, as := range []State{StateCompleted, StateFailedRetryable} {
+			rows = append(rows, row{s.name + "/Resolve " + as.String() + "/NOT_UNKNOWN, nothing written",
+				s.rec(), evResolve(as, respOK()), polDefault, wantRefused(ErrNotUnknown, s.reads)})
 		}
 	}
 
@@ -979,7 +1044,7 @@ var (
 )
 
 var sentinels = []error{ErrNotFound, ErrFingerprintMismatch, ErrLeaseLost, ErrAlreadyFinished,
-	ErrAttemptsExhausted, ErrSchemaVersionNotAccepted, ErrKeyExpired}
+	ErrAttemptsExhausted, ErrSchemaVersionNotAccepted, ErrKeyExpired, ErrNotUnknown}
 
 // checkAlways checks what holds for every decision, whatever the row.
 func checkAlways(t *testing.T, cur *Record, ev Event, d Decision) {

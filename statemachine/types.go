@@ -70,6 +70,8 @@ const (
 	EndingUnknown    Ending = Ending(FailureUnknown)
 	EndingAbandoned  Ending = Ending(FailureAbandoned)
 	EndingCompleted  Ending = 5
+	// EndingResolved: an operator resolved the record (EventResolve).
+	EndingResolved Ending = 6
 )
 
 // OnExpired is the policy for a Begin that finds an expired record.
@@ -160,6 +162,10 @@ const (
 	EventComplete
 	EventFail
 	EventHeartbeat
+	// EventResolve is an operator's decision on an UNKNOWN record after
+	// checking the outside world: it ends the record as COMPLETED (with
+	// Event.Response) or FAILED_RETRYABLE, as Event.ResolveAs says.
+	EventResolve
 )
 
 // Event is a call on a record. Fields that do not apply to its Kind are
@@ -184,9 +190,14 @@ type Event struct {
 	Token string
 	// Fail.
 	FailureKind FailureKind
-	// Complete, Fail. A nil Response on Complete is stored as empty.
+	// Complete, Fail, Resolve. A nil Response on Complete, or on Resolve as
+	// COMPLETED, is stored as empty.
 	Response *Response
 	Reason   string
+
+	// Resolve. ResolveAs is the state an UNKNOWN record is resolved to:
+	// StateCompleted or StateFailedRetryable.
+	ResolveAs State
 }
 
 // Outcome is what Begin tells the caller. The numbers match the Outcome enum
