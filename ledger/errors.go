@@ -14,13 +14,18 @@ import (
 // or not at all.
 var ErrUnavailable = errors.New("database unavailable")
 
+// ErrUnreadable wraps failures to decode or decrypt a stored row (for
+// instance a row encrypted under a key no longer configured). Retrying does
+// not help.
+var ErrUnreadable = errors.New("stored record cannot be read")
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {
 	if err == nil {
 		return nil
 	}
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrUnreadable) {
 		return err
 	}
 	var pgErr *pgconn.PgError

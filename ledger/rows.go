@@ -15,13 +15,13 @@ import (
 const recordColumns = `state, fingerprint, attempt, generation, lease_token, attempt_id,
 	acquired_from, ended_by, has_response, schema_version, content_type, status_code, body,
 	metadata, failure_reason, ttl_us, failure_ttl_us, created_at, updated_at,
-	lease_expires_at, expires_at`
+	lease_expires_at, expires_at, enc_key_id`
 
 const insertColumns = `tenant, scope, key, ` + recordColumns
 
 const insertSQL = `INSERT INTO idempotency_records (` + insertColumns + `)
 	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-	        $19, $20, $21, $22, $23, $24)
+	        $19, $20, $21, $22, $23, $24, $25)
 	ON CONFLICT DO NOTHING`
 
 const updateSQL = `UPDATE idempotency_records SET
@@ -29,7 +29,7 @@ const updateSQL = `UPDATE idempotency_records SET
 	attempt_id = $9, acquired_from = $10, ended_by = $11, has_response = $12,
 	schema_version = $13, content_type = $14, status_code = $15, body = $16, metadata = $17,
 	failure_reason = $18, ttl_us = $19, failure_ttl_us = $20, created_at = $21,
-	updated_at = $22, lease_expires_at = $23, expires_at = $24
+	updated_at = $22, lease_expires_at = $23, expires_at = $24, enc_key_id = $25
 	WHERE tenant = $1 AND scope = $2 AND key = $3`
 
 // beginSQL inserts a new IN_PROGRESS record or, when the key exists, returns
@@ -69,7 +69,7 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 	if !rows.Next() {
 		return rec, false, now, false, rows.Err()
 	}
-	dest, fin := scanTargets(&rec)
+	dest, fin := s.scanTargets(&rec, &id)
 	if err := rows.Scan(append(append([]any{&inserted}, dest...), &now)...); err != nil {
 		return rec, false, now, false, err
 	}
@@ -80,11 +80,12 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 	return rec, inserted, now.UTC(), true, rows.Err()
 }
 
-// scanRecordNow scans recordColumns followed by the clock column.
-func scanRecordNow(row pgx.Row) (statemachine.Record, time.Time, error) {
+// scanRecordNow scans recordColumns of record id followed by the clock
+// column.
+func (s *Store) scanRecordNow(row pgx.Row, id Identity) (statemachine.Record, time.Time, error) {
 	var rec statemachine.Record
 	var now time.Time
-	dest, fin := scanTargets(&rec)
+	dest, fin := s.scanTargets(&rec, &id)
 	if err := row.Scan(append(dest, &now)...); err != nil {
 		return rec, now, err
 	}
@@ -95,8 +96,9 @@ func scanRecordNow(row pgx.Row) (statemachine.Record, time.Time, error) {
 }
 
 // scanTargets returns scan destinations for recordColumns and a function
-// that moves the scanned values into rec.
-func scanTargets(rec *statemachine.Record) ([]any, func() error) {
+// that moves the scanned values into rec, decrypting the response of the
+// record *id (which the same Scan may fill in).
+func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
 	var (
 		state, acquiredFrom, endedBy int16
 		hasResponse                  bool
@@ -105,12 +107,13 @@ func scanTargets(rec *statemachine.Record) ([]any, func() error) {
 		body, metadata               []byte
 		ttl, failureTTL              int64
 		leaseExpires, expires        *time.Time
+		keyID                        string
 	)
 	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
 		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
 		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
-		&rec.UpdatedAt, &leaseExpires, &expires}
-	return dest, func() error {
+		&rec.UpdatedAt, &leaseExpires, &expires, &keyID}
+	decode := func() error {
 		rec.State = statemachine.State(state)
 		rec.AcquiredFrom = statemachine.State(acquiredFrom)
 		rec.EndedBy = statemachine.Ending(endedBy)
@@ -128,6 +131,17 @@ func scanTargets(rec *statemachine.Record) ([]any, func() error) {
 			rec.ExpiresAt = expires.UTC()
 		}
 		if hasResponse {
+			if keyID != "" {
+				var err error
+				if body, err = s.keyring.open(keyID, *id, "body", body); err != nil {
+					return err
+				}
+				if metadata != nil {
+					if metadata, err = s.keyring.open(keyID, *id, "metadata", metadata); err != nil {
+						return err
+					}
+				}
+			}
 			r := &statemachine.Response{SchemaVersion: schemaVersion, ContentType: contentType,
 				StatusCode: statusCode, Body: body}
 			if len(metadata) > 0 {
@@ -139,10 +153,17 @@ func scanTargets(rec *statemachine.Record) ([]any, func() error) {
 		}
 		return nil
 	}
+	return dest, func() error {
+		if err := decode(); err != nil {
+			return fmt.Errorf("%w: %w", ErrUnreadable, err)
+		}
+		return nil
+	}
 }
 
-// recordArgs returns the values of recordColumns for rec.
-func recordArgs(rec statemachine.Record) ([]any, error) {
+// recordArgs returns the values of recordColumns for rec, the record id,
+// encrypting its response with the active key if there is a keyring.
+func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
 	var (
 		hasResponse                bool
 		schemaVersion, contentType string
@@ -162,6 +183,14 @@ func recordArgs(rec statemachine.Record) ([]any, error) {
 			}
 		}
 	}
+	var keyID string
+	if hasResponse && s.keyring != nil {
+		keyID = s.keyring.active
+		body = s.keyring.seal(id, "body", body)
+		if metadata != nil {
+			metadata = s.keyring.seal(id, "metadata", metadata)
+		}
+	}
 	fp := rec.Fingerprint
 	if fp == nil {
 		fp = []byte{}
@@ -170,12 +199,12 @@ func recordArgs(rec statemachine.Record) ([]any, error) {
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), hasResponse, schemaVersion, contentType,
 		statusCode, body, metadata, rec.FailureReason, rec.TTL.Microseconds(),
 		rec.FailureTTL.Microseconds(), rec.CreatedAt, rec.UpdatedAt, optTime(rec.LeaseExpiresAt),
-		optTime(rec.ExpiresAt)}, nil
+		optTime(rec.ExpiresAt), keyID}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.
-func identityArgs(id Identity, rec statemachine.Record) ([]any, error) {
-	args, err := recordArgs(rec)
+func (s *Store) identityArgs(id Identity, rec statemachine.Record) ([]any, error) {
+	args, err := s.recordArgs(id, rec)
 	if err != nil {
 		return nil, err
 	}

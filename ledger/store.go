@@ -22,6 +22,7 @@ type Store struct {
 	clock    func() time.Time
 	logger   *slog.Logger
 	notifier *notifier
+	keyring  *Keyring
 }
 
 // Option configures a Store.
@@ -31,6 +32,7 @@ type options struct {
 	clock    func() time.Time
 	logger   *slog.Logger
 	maxConns int32
+	keyring  *Keyring
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -43,6 +45,14 @@ func WithClock(clock func() time.Time) Option {
 // WithLogger sets the logger for background work (the change listener).
 func WithLogger(l *slog.Logger) Option {
 	return func(o *options) { o.logger = l }
+}
+
+// WithKeyring encrypts stored responses (body and metadata) at rest with
+// the keyring's active key and decrypts rows written under any of its keys.
+// Without it, responses are stored in clear, and encrypted rows cannot be
+// read (ErrUnknownKey).
+func WithKeyring(k *Keyring) Option {
+	return func(o *options) { o.keyring = k }
 }
 
 // WithMaxConns sets the connection pool size when the database URL does not
@@ -76,7 +86,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, clock: o.clock, logger: o.logger}
+	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
 	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
 	return s, nil
 }
@@ -177,7 +187,7 @@ func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, t
 	row := s.pool.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
 		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
 		id.Tenant, id.Scope, id.Key, s.now())
-	rec, now, err := scanRecordNow(row)
+	rec, now, err := s.scanRecordNow(row, id)
 	if err == pgx.ErrNoRows {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
@@ -213,7 +223,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		row := tx.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
 			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
 			id.Tenant, id.Scope, id.Key, s.now())
-		cur, now, err := scanRecordNow(row)
+		cur, now, err := s.scanRecordNow(row, id)
 		var curp *statemachine.Record
 		switch {
 		case err == pgx.ErrNoRows:
@@ -232,7 +242,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		}
 		switch d.Write {
 		case statemachine.WriteInsert:
-			args, err := identityArgs(id, d.Record)
+			args, err := s.identityArgs(id, d.Record)
 			if err != nil {
 				return err
 			}
@@ -244,7 +254,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 				retry = true // another Begin created it meanwhile
 			}
 		case statemachine.WriteUpdate:
-			args, err := identityArgs(id, d.Record)
+			args, err := s.identityArgs(id, d.Record)
 			if err != nil {
 				return err
 			}

@@ -3,6 +3,7 @@ package server
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -33,6 +35,26 @@ type Config struct {
 	RateLimit *RateLimitConfig `yaml:"rate_limit"`
 	// Reaper tunes background cleanup.
 	Reaper ReaperConfig `yaml:"reaper"`
+	// Encryption, when set, encrypts stored responses at rest. It is read
+	// at start-up; a reload does not change the keys in use.
+	Encryption *EncryptionConfig `yaml:"encryption"`
+}
+
+// EncryptionConfig encrypts stored bodies and metadata with AES-256-GCM.
+// New rows use ActiveKey; rows written under any listed key stay readable,
+// so a key is rotated by adding a new one, making it active, and removing
+// the old one only once no row uses it (after the longest ttl).
+type EncryptionConfig struct {
+	ActiveKey string                `yaml:"active_key"`
+	Keys      []EncryptionKeyConfig `yaml:"keys"`
+}
+
+// EncryptionKeyConfig names a 32-byte key, written base64-encoded in a file
+// or an environment variable (e.g. from `head -c 32 /dev/urandom | base64`).
+type EncryptionKeyConfig struct {
+	ID   string `yaml:"id"`
+	File string `yaml:"file"`
+	Env  string `yaml:"env"`
 }
 
 // ReaperConfig tunes the reaper that every replica runs: it marks stale
@@ -177,6 +199,7 @@ type Policies struct {
 	tenants   []tenant
 	rateLimit *RateLimitConfig
 	reaper    ReaperSettings
+	keyring   *ledger.Keyring
 }
 
 // tenant is a validated TenantConfig.
@@ -209,6 +232,44 @@ func (p *Policies) For(scope string) Policy {
 
 func defaultReaper() ReaperSettings {
 	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour}
+}
+
+// Keyring returns the keys that encrypt stored responses, or nil when
+// encryption is off.
+func (p *Policies) Keyring() *ledger.Keyring { return p.keyring }
+
+func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
+	keys := map[string][]byte{}
+	for i, kc := range e.Keys {
+		var text string
+		switch {
+		case kc.ID == "":
+			return nil, fmt.Errorf("keys[%d]: id is required", i)
+		case (kc.File == "") == (kc.Env == ""):
+			return nil, fmt.Errorf("key %q: give exactly one of file or env", kc.ID)
+		case kc.File != "":
+			data, err := os.ReadFile(kc.File)
+			if err != nil {
+				return nil, fmt.Errorf("key %q: %w", kc.ID, err)
+			}
+			text = string(data)
+		default:
+			v, ok := os.LookupEnv(kc.Env)
+			if !ok {
+				return nil, fmt.Errorf("key %q: environment variable %s is not set", kc.ID, kc.Env)
+			}
+			text = v
+		}
+		key, err := base64.StdEncoding.DecodeString(strings.TrimSpace(text))
+		if err != nil || len(key) != ledger.KeySize {
+			return nil, fmt.Errorf("key %q: want %d random bytes, base64-encoded (head -c 32 /dev/urandom | base64)", kc.ID, ledger.KeySize)
+		}
+		if _, dup := keys[kc.ID]; dup {
+			return nil, fmt.Errorf("key %q is listed twice", kc.ID)
+		}
+		keys[kc.ID] = key
+	}
+	return ledger.NewKeyring(e.ActiveKey, keys)
 }
 
 // Reaper returns the reaper settings.
@@ -307,6 +368,13 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	}
 	if out.reaper.Interval < 0 || out.reaper.ExpiredRetention < 0 || out.reaper.BatchSize < 0 {
 		errs = append(errs, errors.New("reaper: interval, batch_size and expired_retention must not be negative"))
+	}
+	if cfg.Encryption != nil {
+		k, err := cfg.Encryption.keyring()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("encryption: %w", err))
+		}
+		out.keyring = k
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err

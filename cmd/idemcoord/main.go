@@ -192,7 +192,12 @@ func run(args []string, logOut *os.File) error {
 	if err := migrateWithRetry(ctx, logger, c.databaseURL); err != nil {
 		return err
 	}
-	store, err := ledger.Open(ctx, c.databaseURL, ledger.WithLogger(logger))
+	lopts := []ledger.Option{ledger.WithLogger(logger)}
+	if k := policies.Keyring(); k != nil {
+		lopts = append(lopts, ledger.WithKeyring(k))
+		logger.Info("stored responses are encrypted at rest")
+	}
+	store, err := ledger.Open(ctx, c.databaseURL, lopts...)
 	if err != nil {
 		return err
 	}

@@ -92,19 +92,23 @@ func Start(t testing.TB, opts Options) *Coordinator {
 func (c *Coordinator) start(addr string) {
 	t := c.t
 	t.Helper()
+	policies := server.DefaultPolicies()
+	if c.opts.Config != "" {
+		var err error
+		if policies, err = server.ParsePolicies([]byte(c.opts.Config)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	var sopts []ledger.Option
 	if c.opts.FakeClock {
 		sopts = append(sopts, ledger.WithClock(c.Clock.Now))
 	}
+	if k := policies.Keyring(); k != nil {
+		sopts = append(sopts, ledger.WithKeyring(k))
+	}
 	store, err := ledger.Open(context.Background(), c.DatabaseURL, sopts...)
 	if err != nil {
 		t.Fatal(err)
-	}
-	policies := server.DefaultPolicies()
-	if c.opts.Config != "" {
-		if policies, err = server.ParsePolicies([]byte(c.opts.Config)); err != nil {
-			t.Fatal(err)
-		}
 	}
 	logger := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	srvOpts := append([]server.Option{server.WithPolicies(policies), server.WithLogger(logger),
@@ -143,6 +147,15 @@ func (c *Coordinator) Stop() {
 func (c *Coordinator) Restart() {
 	c.t.Helper()
 	c.Stop()
+	c.start(c.Addr)
+}
+
+// RestartWithConfig restarts the coordinator with another config (for
+// instance a rotated encryption key).
+func (c *Coordinator) RestartWithConfig(config string) {
+	c.t.Helper()
+	c.Stop()
+	c.opts.Config = config
 	c.start(c.Addr)
 }
 
