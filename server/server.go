@@ -118,6 +118,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), needsAuth),
 	}, o.unary...)
 	gopts := append([]grpc.ServerOption{
+		grpc.ForceServerCodecV2(newLenientCodec()),
 		grpc.ChainUnaryInterceptor(unary...),
 		grpc.ChainStreamInterceptor(
 			s.metrics.grpc.StreamServerInterceptor(),

@@ -41,6 +41,13 @@ func (v *violations) err() error {
 // returns an *invalidError listing every violation, or nil.
 func validate(pv protovalidate.Validator, msg proto.Message, check func(*violations)) error {
 	var v violations
+	for _, path := range invalidUTF8Paths(msg) {
+		if path == malformedMessage {
+			v.add("", "the request is not a well-formed protobuf message")
+			return v.err()
+		}
+		v.add(path, "must be valid UTF-8")
+	}
 	if err := pv.Validate(msg); err != nil {
 		var verr *protovalidate.ValidationError
 		if !errors.As(err, &verr) {
