@@ -1,0 +1,293 @@
+package clients
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/descriptorpb"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+// UnaryServerInterceptor makes the unary methods of a gRPC server
+// idempotent through the coordinator that c calls. Install it after
+// authentication and inside recovery:
+//
+//	grpc.ChainUnaryInterceptor(recovery, auth, clients.UnaryServerInterceptor(c))
+//
+// For each wrapped call with a key (see the options) it calls Begin on scope
+// = the full method name, and then:
+//
+//   - acquired: runs the handler (which can read AttemptFrom), heartbeating
+//     while it runs, stores its response message (deterministic proto
+//     encoding, schema version = the message's full name) with Complete and
+//     answers it with header "idempotency-result: created". If Complete
+//     cannot reach the coordinator, the response is still answered and
+//     Complete is retried in the background for up to one lease (see
+//     Client.Shutdown). A handler error is recorded by its code (see
+//     WithFailureKinds) and answered as is; a replayable one also gets the
+//     "created" header. A panicking handler is recorded UNKNOWN and the
+//     panic goes on to the recovery interceptor;
+//   - replay: answers the stored message (decoded into the method's response
+//     type) or the stored status, with "idempotency-result: replayed",
+//     without calling the handler;
+//   - in progress: ABORTED with google.rpc.RetryInfo and the
+//     grpc-retry-pushback-ms trailer, or waits for the result with
+//     WithWaitForResult; held UNKNOWN: FAILED_PRECONDITION with ErrorInfo
+//     reason UNKNOWN_HELD;
+//   - the coordinator's refusals (fingerprint mismatch, attempts exhausted,
+//     key expired, schema version not accepted: FAILED_PRECONDITION with its
+//     ErrorInfo; an invalid key: INVALID_ARGUMENT) are answered as they come;
+//   - coordinator unreachable (after c's retries): UNAVAILABLE, handler not
+//     run, unless WithFailOpen. Other coordinator errors (bad credentials,
+//     say) are INTERNAL: they are this server's problem, not the caller's.
+//
+// Calls without a key run the handler unprotected unless WithRequireKey.
+// Headers and trailers the handler sets itself are not stored or replayed;
+// a handler that sends its headers itself (grpc.SendHeader) gets no
+// idempotency-result header.
+func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServerInterceptor {
+	ic := &interceptor{c: c, o: defaultInterceptorOptions()}
+	for _, opt := range opts {
+		opt(&ic.o)
+	}
+	return ic.intercept
+}
+
+type interceptor struct {
+	c       *Client
+	o       interceptorOptions
+	methods sync.Map // full method name → *method
+}
+
+// method is what the interceptor knows of one full method name.
+type method struct {
+	wrapped bool
+	err     error // a selected method that cannot be wrapped
+	output  protoreflect.MessageType
+	schema  string
+}
+
+// result header values.
+const (
+	resultCreated  = "created"
+	resultReplayed = "replayed"
+)
+
+func (ic *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	m := ic.method(ctx, info.FullMethod)
+	if !m.wrapped {
+		return handler(ctx, req)
+	}
+	if m.err != nil {
+		return nil, m.err
+	}
+	key, err := ic.o.key(ctx, req)
+	if err != nil {
+		return nil, callError("key", err)
+	}
+	if key == "" {
+		if ic.o.requireKey {
+			return nil, status.Error(codes.InvalidArgument, "this method requires an idempotency-key")
+		}
+		return handler(ctx, req)
+	}
+	if ic.o.principal != nil {
+		p, err := ic.o.principal(ctx)
+		if err != nil {
+			return nil, callError("principal", err)
+		}
+		key = FoldPrincipal(p, key)
+	}
+	fp, err := ic.fingerprint(ctx, info.FullMethod, req)
+	if err != nil {
+		return nil, callError("fingerprint", err)
+	}
+	breq := &idempotencyv1.BeginRequest{
+		Scope:                ic.o.scope(info.FullMethod),
+		Key:                  key,
+		Fingerprint:          fp,
+		Lease:                ic.c.leaseRequest(),
+		AcceptSchemaVersions: []string{m.schema, SchemaVersionStatus},
+		AttemptId:            newAttemptID(),
+	}
+	res, err := ic.c.beginWaiting(ctx, breq, time.Now().Add(ic.o.wait))
+	if err != nil {
+		return ic.beginFailed(ctx, err, req, handler)
+	}
+	switch res.GetOutcome() {
+	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
+		return ic.run(ctx, m, req, handler, breq, res)
+	case idempotencyv1.Outcome_OUTCOME_REPLAY:
+		return ic.replay(ctx, m, res.GetRecord())
+	}
+	if res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
+		return nil, unknownHeldError()
+	}
+	retryAfter := res.GetRetryAfter().AsDuration()
+	_ = grpc.SetTrailer(ctx, metadata.Pairs(PushbackTrailer, pushbackMillis(retryAfter)))
+	return nil, inProgressError(retryAfter)
+}
+
+// beginFailed answers a Begin that failed.
+func (ic *interceptor) beginFailed(ctx context.Context, err error, req any, handler grpc.UnaryHandler) (any, error) {
+	if ctx.Err() != nil {
+		return nil, contextStatus(ctx)
+	}
+	switch code := status.Code(err); {
+	case code == codes.FailedPrecondition || code == codes.InvalidArgument:
+		return nil, err
+	case unreachable(err):
+		if ic.o.failOpen {
+			ic.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable; running the handler unprotected (fail open)", "err", err)
+			return handler(ctx, req)
+		}
+		return nil, status.Error(codes.Unavailable, "idempotency coordinator unavailable; retry later")
+	}
+	ic.c.logger.ErrorContext(ctx, "idempotency: coordinator refused Begin", "err", err)
+	return nil, status.Error(codes.Internal, "idempotency coordinator refused the call")
+}
+
+// run runs the handler under the acquired lease and records its outcome.
+func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc.UnaryHandler,
+	breq *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse) (any, error) {
+	l := ic.c.newLease(breq, res)
+	var resp any
+	var herr error
+	lost := l.run(ctx, res, func(ctx context.Context) { resp, herr = handler(ctx, req) })
+	if lost {
+		ic.c.logger.WarnContext(ctx, "idempotency: lease lost while the handler ran; its result is not stored",
+			"scope", l.scope, "key", l.key, "handler_err", herr)
+		if herr != nil {
+			return nil, status.Error(codes.Aborted, "the idempotency key was taken over by another attempt; retry")
+		}
+		return resp, nil
+	}
+	if herr == nil {
+		msg, ok := resp.(proto.Message)
+		var body []byte
+		var err error
+		if ok && msg != nil {
+			body, err = proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+		}
+		if !ok || msg == nil || err != nil {
+			_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN,
+				reason: "the handler's response could not be encoded for storage"})
+			return resp, nil
+		}
+		_ = l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
+			ContentType: ContentTypeProto, Body: body}})
+		setResult(ctx, resultCreated)
+		return resp, nil
+	}
+	e := ending{kind: failureKind(herr, ic.o.kinds), reason: failReason(herr.Error())}
+	if e.kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
+		stored, err := statusResponse(herr)
+		if err != nil {
+			e.kind = idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN
+		} else {
+			e.response = stored
+			setResult(ctx, resultCreated)
+		}
+	}
+	_ = l.finish(ctx, e)
+	return nil, herr
+}
+
+// replay answers a stored result.
+func (ic *interceptor) replay(ctx context.Context, m *method, rec *idempotencyv1.Record) (any, error) {
+	setResult(ctx, resultReplayed)
+	stored := rec.GetResponse()
+	if rec.GetState() == idempotencyv1.State_STATE_FAILED_REPLAYABLE {
+		return nil, storedStatus(rec).Err()
+	}
+	out := m.output.New().Interface()
+	if err := proto.Unmarshal(stored.GetBody(), out); err != nil {
+		ic.c.logger.ErrorContext(ctx, "idempotency: stored response cannot be decoded",
+			"scope", rec.GetScope(), "key", rec.GetKey(), "schema_version", stored.GetSchemaVersion(), "err", err)
+		return nil, status.Error(codes.Internal, "the stored response for this idempotency key cannot be decoded")
+	}
+	return out, nil
+}
+
+func setResult(ctx context.Context, v string) {
+	_ = grpc.SetHeader(ctx, metadata.Pairs(ResultHeader, v))
+}
+
+func (ic *interceptor) fingerprint(ctx context.Context, fullMethod string, req any) ([]byte, error) {
+	if ic.o.fingerprint != nil {
+		return ic.o.fingerprint(ctx, req)
+	}
+	msg, ok := req.(proto.Message)
+	if !ok {
+		return nil, errors.New("request is not a proto message")
+	}
+	return Fingerprint(fullMethod, msg)
+}
+
+// method resolves and caches what the interceptor does with fullMethod.
+func (ic *interceptor) method(ctx context.Context, fullMethod string) *method {
+	if m, ok := ic.methods.Load(fullMethod); ok {
+		return m.(*method)
+	}
+	m := ic.resolve(fullMethod)
+	if actual, loaded := ic.methods.LoadOrStore(fullMethod, m); loaded {
+		return actual.(*method)
+	}
+	if !m.wrapped && m.output == nil && !ic.o.explicit && ic.o.selector(fullMethod) {
+		ic.c.logger.WarnContext(ctx, "idempotency: method has no registered descriptor; passing it through unprotected",
+			"method", fullMethod)
+	}
+	return m
+}
+
+func (ic *interceptor) resolve(fullMethod string) *method {
+	if !ic.o.selector(fullMethod) {
+		return &method{}
+	}
+	md, err := methodDescriptor(fullMethod)
+	var mt protoreflect.MessageType
+	if err == nil {
+		mt, err = protoregistry.GlobalTypes.FindMessageByName(md.Output().FullName())
+	}
+	if err != nil {
+		if !ic.o.explicit {
+			return &method{}
+		}
+		return &method{wrapped: true, err: status.Errorf(codes.Internal,
+			"idempotency: cannot wrap %s: %v", fullMethod, err)}
+	}
+	if opts, ok := md.Options().(*descriptorpb.MethodOptions); ok &&
+		opts.GetIdempotencyLevel() == descriptorpb.MethodOptions_NO_SIDE_EFFECTS {
+		return &method{}
+	}
+	schema := string(md.Output().FullName())
+	if v, ok := ic.o.schemas[fullMethod]; ok {
+		schema = v
+	}
+	return &method{wrapped: true, output: mt, schema: schema}
+}
+
+// methodDescriptor finds "/pkg.Service/Method" in protoregistry.GlobalFiles.
+func methodDescriptor(fullMethod string) (protoreflect.MethodDescriptor, error) {
+	name := strings.Replace(strings.TrimPrefix(fullMethod, "/"), "/", ".", 1)
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(name))
+	if err != nil {
+		return nil, err
+	}
+	md, ok := d.(protoreflect.MethodDescriptor)
+	if !ok {
+		return nil, errors.New(name + " is not a method")
+	}
+	return md, nil
+}
