@@ -27,6 +27,9 @@ const (
 	ReasonAlreadyFinished          = "ALREADY_FINISHED"
 	ReasonAttemptsExhausted        = "ATTEMPTS_EXHAUSTED"
 	ReasonResponseTooLarge         = "RESPONSE_TOO_LARGE"
+	// ReasonNotUnknown: Admin.Resolve found a record that does not read
+	// STATE_UNKNOWN.
+	ReasonNotUnknown = "NOT_UNKNOWN"
 )
 
 // invalidError is a request that failed validation.
@@ -59,6 +62,7 @@ var refusals = []struct {
 	{statemachine.ErrKeyExpired, ReasonKeyExpired},
 	{statemachine.ErrAlreadyFinished, ReasonAlreadyFinished},
 	{statemachine.ErrAttemptsExhausted, ReasonAttemptsExhausted},
+	{statemachine.ErrNotUnknown, ReasonNotUnknown},
 }
 
 // toStatus is the one place where errors become gRPC statuses. Anything it

@@ -129,6 +129,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	}, o.grpcOptions...)
 	s.grpc = grpc.NewServer(gopts...)
 	idempotencyv1.RegisterCoordinatorServer(s.grpc, s)
+	idempotencyv1.RegisterAdminServer(s.grpc, &adminService{s: s})
 	s.health = health.NewServer()
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)

@@ -1,0 +1,186 @@
+package ledger
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
+// over a record row and clock.now: an IN_PROGRESS (1) record at or past its
+// lease reads UNKNOWN (6), a COMPLETED or FAILED_* (2, 3, 4) record at or
+// past expires_at reads EXPIRED (5). TestEffectiveStateSQL holds the two
+// together.
+const effectiveStateSQL = `CASE
+	WHEN state = 1 AND lease_expires_at <= clock.now THEN 6
+	WHEN state IN (2, 3, 4) AND expires_at <= clock.now THEN 5
+	ELSE state END`
+
+// listColumns are recordColumns with the stored response left out
+// (has_response false, no body or metadata), so listing never reads bodies.
+var listColumns = strings.NewReplacer("has_response", "false",
+	"body", "NULL::bytea", "metadata", "NULL::bytea").Replace(recordColumns)
+
+// RecordKey names a record within a tenant.
+type RecordKey struct {
+	Scope string
+	Key   string
+}
+
+// ListParams select a page of one tenant's records.
+type ListParams struct {
+	Tenant string
+	// State keeps only records whose state in effect now is this one;
+	// StateNone keeps all.
+	State statemachine.State
+	// ScopeGlob keeps only records whose scope matches it (`*` matches any
+	// run of bytes, every other byte itself); empty keeps all.
+	ScopeGlob string
+	// After, when set, starts the page after this record in (scope, key)
+	// order: the last record of the previous page.
+	After *RecordKey
+	// Limit is the most records to return (at least 1).
+	Limit int
+}
+
+// ListedRecord is one record of a page, as in effect at the page's Now,
+// without its response.
+type ListedRecord struct {
+	RecordKey
+	Record statemachine.Record
+}
+
+// ListResult is a page of records.
+type ListResult struct {
+	Records []ListedRecord
+	// More reports that records follow the last one of this page.
+	More bool
+}
+
+// ListRecords returns a page of the tenant's records in (scope, key) order,
+// filtered by their state in effect now and by scope. Pages are keyset
+// pages over the primary key, so records written between two pages never
+// shift the ones that follow.
+func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, error) {
+	limit := max(p.Limit, 1)
+	args := []any{s.now(), p.Tenant}
+	arg := func(v any) string {
+		args = append(args, v)
+		return "$" + strconv.Itoa(len(args))
+	}
+	var where strings.Builder
+	where.WriteString("tenant = $2")
+	if p.After != nil {
+		// A row comparison the primary key index serves directly.
+		where.WriteString(" AND (tenant, scope, key) > ($2, " + arg(p.After.Scope) + ", " + arg(p.After.Key) + ")")
+	}
+	if p.State != statemachine.StateNone {
+		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
+	}
+	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
+		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))
+	}
+	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT scope, key, ` + listColumns + `, clock.now
+		FROM idempotency_records, clock
+		WHERE ` + where.String() + `
+		ORDER BY tenant, scope, key
+		LIMIT ` + arg(limit+1)
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, classify(err)
+	}
+	defer rows.Close()
+	res := &ListResult{}
+	var now time.Time
+	for rows.Next() {
+		if len(res.Records) == limit {
+			res.More = true
+			break
+		}
+		var lr ListedRecord
+		id := Identity{Tenant: p.Tenant}
+		dest, fin := s.scanTargets(&lr.Record, &id)
+		if err := rows.Scan(append(append([]any{&id.Scope, &id.Key}, dest...), &now)...); err != nil {
+			return nil, classify(err)
+		}
+		if err := fin(); err != nil {
+			return nil, err
+		}
+		lr.Scope, lr.Key = id.Scope, id.Key
+		lr.Scope, lr.Key = id.Scope, id.Key
+		lr.Record = statemachine.Effective(lr.Record, now.UTC())
+		res.Records = append(res.Records, lr)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, classify(err)
+	}
+	return res, nil
+}
+
+// globToLike turns a glob in which `*` matches any run of bytes into a LIKE
+// pattern (with LIKE's default escape character, the backslash).
+func globToLike(glob string) string {
+	var b strings.Builder
+	for _, r := range glob {
+		switch r {
+		case '\\', '%', '_':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case '*':
+			b.WriteByte('%')
+		default:
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
+}
+
+// ResolveParams are the inputs of Resolve.
+type ResolveParams struct {
+	ID Identity
+	// As is StateCompleted or StateFailedRetryable.
+	As statemachine.State
+	// Response is stored for StateCompleted (nil stores an empty one).
+	Response *statemachine.Response
+}
+
+// Resolve ends an UNKNOWN record (one whose lease ran out included) as an
+// operator decided, under the record's row lock: see statemachine's
+// EventResolve. A record in any other state is refused with
+// statemachine.ErrNotUnknown, a missing one with statemachine.ErrNotFound.
+// Waiting Begins wake, as on every write.
+func (s *Store) Resolve(ctx context.Context, p *ResolveParams) (*Result, error) {
+	return s.locked(ctx, p.ID, statemachine.Event{Kind: statemachine.EventResolve, ResolveAs: p.As,
+		Response: p.Response}, statemachine.Policy{})
+}
+
+// ForgetParams are the inputs of Forget.
+type ForgetParams struct {
+	ID Identity
+}
+
+// Forget deletes a record whatever its state and returns it as it was in
+// effect just before, or statemachine.ErrNotFound. A holder's later
+// Complete, Fail or Heartbeat then finds no record; the next Begin acquires
+// the key as new. Waiting Begins wake.
+func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Record, error) {
+	row := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+		DELETE FROM idempotency_records USING clock
+		WHERE tenant = $1 AND scope = $2 AND key = $3
+		RETURNING `+recordColumns+`, clock.now`,
+		p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
+	rec, now, err := s.scanRecordNow(row, p.ID)
+	if err == pgx.ErrNoRows {
+		return statemachine.Record{}, statemachine.ErrNotFound
+	}
+	if err != nil {
+		return statemachine.Record{}, classify(err)
+	}
+	return statemachine.Effective(rec, now), nil
+}

@@ -1,0 +1,186 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/binary"
+	"unicode/utf8"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// defaultPageSize is the page size of a ListRecords call that sets none; the
+// proto caps page_size at 1000.
+const defaultPageSize = 100
+
+// adminService is the idempotency.v1.Admin service of a Server. Its calls
+// act within the caller's tenant and, when auth is on, only admin tenants
+// may make them (PERMISSION_DENIED otherwise). The policy of a scope does
+// not apply to an operator's Resolve or Forget.
+type adminService struct {
+	idempotencyv1.UnimplementedAdminServer
+	s *Server
+}
+
+// ListRecords pages through the tenant's records; see idempotency.v1.Admin.
+func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListRecordsRequest) (*idempotencyv1.ListRecordsResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	var after *ledger.RecordKey
+	err := validate(a.s.validator, req, func(v *violations) {
+		checkName(v, "scope_glob", req.GetScopeGlob(), maxScopeGlobBytes)
+		if req.GetPageToken() == "" {
+			return
+		}
+		var ok bool
+		if after, ok = decodePageToken(req); !ok {
+			v.add("page_token", "not a next_page_token of a ListRecords call with this state and scope_glob")
+		}
+	})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	size := int(req.GetPageSize())
+	if size == 0 {
+		size = defaultPageSize
+	}
+	tenant := tenantFrom(ctx)
+	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
+		State: statemachine.State(req.GetState()), ScopeGlob: req.GetScopeGlob(), After: after, Limit: size})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", tenant})
+	out := &idempotencyv1.ListRecordsResponse{Records: make([]*idempotencyv1.Record, 0, len(res.Records))}
+	for _, r := range res.Records {
+		out.Records = append(out.Records, recordToProto(r.Scope, r.Key, r.Record))
+	}
+	if res.More {
+		out.NextPageToken = encodePageToken(req, res.Records[len(res.Records)-1].RecordKey)
+	}
+	return out, nil
+}
+
+// Resolve ends an UNKNOWN record as an operator decided; see
+// idempotency.v1.Admin.
+func (a *adminService) Resolve(ctx context.Context, req *idempotencyv1.ResolveRequest) (*idempotencyv1.ResolveResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	lim := a.s.policies.Load().Limits()
+	err := validate(a.s.validator, req, func(v *violations) {
+		checkIdentity(v, req.GetScope(), req.GetKey(), lim)
+		if req.GetResolution() == idempotencyv1.Resolution_RESOLUTION_RETRYABLE && req.GetResponse() != nil {
+			v.add("response", "must be absent for RESOLUTION_RETRYABLE: a retryable record stores no response")
+		}
+		checkResponse(v, "response", req.GetResponse(), lim)
+	})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	as := statemachine.StateCompleted
+	if req.GetResolution() == idempotencyv1.Resolution_RESOLUTION_RETRYABLE {
+		as = statemachine.StateFailedRetryable
+	}
+	id := identity(ctx, req.GetScope(), req.GetKey())
+	res, err := a.s.store.Resolve(ctx, &ledger.ResolveParams{ID: id, As: as, Response: responseFromProto(req.GetResponse())})
+	a.s.metrics.observeFinish(req.GetScope(), res, err) // a lapsed lease enters UNKNOWN here
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	return &idempotencyv1.ResolveResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
+}
+
+// Forget deletes a record whatever its state; see idempotency.v1.Admin.
+func (a *adminService) Forget(ctx context.Context, req *idempotencyv1.ForgetRequest) (*idempotencyv1.ForgetResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	lim := a.s.policies.Load().Limits()
+	err := validate(a.s.validator, req, func(v *violations) {
+		checkIdentity(v, req.GetScope(), req.GetKey(), lim)
+	})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	id := identity(ctx, req.GetScope(), req.GetKey())
+	rec, err := a.s.store.Forget(ctx, &ledger.ForgetParams{ID: id})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	return &idempotencyv1.ForgetResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
+}
+
+// checkIdentity checks a request's scope and key against the limits.
+func checkIdentity(v *violations, scope, key string, lim Limits) {
+	checkName(v, "scope", scope, lim.MaxScopeBytes)
+	checkName(v, "key", key, lim.MaxKeyBytes)
+}
+
+// maxScopeGlobBytes bounds ListRecordsRequest.scope_glob (the proto says
+// the same; checkName also wants valid UTF-8).
+const maxScopeGlobBytes = 1024
+
+// Page tokens are opaque to callers: base64url of a version byte, the first
+// 8 bytes of a hash of the request's filters (so a token is refused with
+// other filters), and the (scope, key) of the page's last record, the scope
+// prefixed by its length as a uvarint.
+const pageTokenVersion = 1
+
+func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
+	h := sha256.New()
+	_ = binary.Write(h, binary.BigEndian, int32(req.GetState()))
+	h.Write([]byte(req.GetScopeGlob()))
+	return h.Sum(nil)[:8]
+}
+
+func encodePageToken(req *idempotencyv1.ListRecordsRequest, last ledger.RecordKey) string {
+	b := append([]byte{pageTokenVersion}, filterHash(req)...)
+	b = binary.AppendUvarint(b, uint64(len(last.Scope)))
+	b = append(b, last.Scope...)
+	b = append(b, last.Key...)
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+// decodePageToken returns the record a page token continues after, or false
+// when the token is not one encodePageToken made for these filters.
+func decodePageToken(req *idempotencyv1.ListRecordsRequest) (*ledger.RecordKey, bool) {
+	b, err := base64.RawURLEncoding.DecodeString(req.GetPageToken())
+	if err != nil || len(b) < 9 || b[0] != pageTokenVersion || !bytes.Equal(b[1:9], filterHash(req)) {
+		return nil, false
+	}
+	b = b[9:]
+	n, w := binary.Uvarint(b)
+	if w <= 0 || n > uint64(len(b)-w) {
+		return nil, false
+	}
+	k := &ledger.RecordKey{Scope: string(b[w : w+int(n)]), Key: string(b[w+int(n):])}
+	// The names go into SQL as text: they must be names a record can have.
+	if !printableName(k.Scope) || !printableName(k.Key) {
+		return nil, false
+	}
+	return k, true
+}
+
+// printableName reports whether s is valid UTF-8 without control characters
+// (Unicode Cc), as every stored scope and key is.
+func printableName(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if r < 0x20 || r >= 0x7f && r < 0xa0 {
+			return false
+		}
+	}
+	return true
+}
