@@ -161,45 +161,49 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 	}
 }
 
-// recordArgs returns the values of recordColumns for rec, the record id,
-// encrypting its response with the active key if there is a keyring.
-func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
-	var (
-		hasResponse                bool
-		schemaVersion, contentType string
-		statusCode                 int32
-		body, metadata             []byte
-	)
-	if r := rec.Response; r != nil {
-		hasResponse = true
-		schemaVersion, contentType, statusCode, body = r.SchemaVersion, r.ContentType, r.StatusCode, r.Body
-		if body == nil {
-			body = []byte{}
-		}
-		if len(r.Metadata) > 0 {
-			var err error
-			if metadata, err = json.Marshal(r.Metadata); err != nil {
-				return nil, fmt.Errorf("ledger: encode metadata: %w", err)
-			}
+// responseArgs returns the stored form of a response of record id:
+// has_response, schema_version, content_type, status_code, body, metadata
+// and enc_key_id, sealed with the active key if there is a keyring.
+func (s *Store) responseArgs(id Identity, r *statemachine.Response) ([]any, error) {
+	if r == nil {
+		return []any{false, "", "", int32(0), []byte(nil), []byte(nil), ""}, nil
+	}
+	body := r.Body
+	if body == nil {
+		body = []byte{}
+	}
+	var metadata []byte
+	if len(r.Metadata) > 0 {
+		var err error
+		if metadata, err = json.Marshal(r.Metadata); err != nil {
+			return nil, fmt.Errorf("ledger: encode metadata: %w", err)
 		}
 	}
 	var keyID string
-	if hasResponse && s.keyring != nil {
+	if s.keyring != nil {
 		keyID = s.keyring.active
 		body = s.keyring.seal(id, "body", body)
 		if metadata != nil {
 			metadata = s.keyring.seal(id, "metadata", metadata)
 		}
 	}
+	return []any{true, r.SchemaVersion, r.ContentType, r.StatusCode, body, metadata, keyID}, nil
+}
+
+// recordArgs returns the values of recordColumns for rec, the record id.
+func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
+	resp, err := s.responseArgs(id, rec.Response)
+	if err != nil {
+		return nil, err
+	}
 	fp := rec.Fingerprint
 	if fp == nil {
 		fp = []byte{}
 	}
 	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
-		int16(rec.AcquiredFrom), int16(rec.EndedBy), hasResponse, schemaVersion, contentType,
-		statusCode, body, metadata, rec.FailureReason, rec.TTL.Microseconds(),
-		rec.FailureTTL.Microseconds(), rec.CreatedAt, rec.UpdatedAt, optTime(rec.LeaseExpiresAt),
-		optTime(rec.ExpiresAt), keyID}, nil
+		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
+		rec.FailureReason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6]}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.

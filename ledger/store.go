@@ -178,8 +178,53 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 }
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
+//
+// A Complete by the holder of the lease takes one statement; anything else
+// (a stale token, a repeat, a record that ended) takes the locked path,
+// which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
+	if p.Event.Kind == statemachine.EventComplete {
+		res, err := s.completeHeld(ctx, p.ID, p.Event)
+		if err != nil || res != nil {
+			return res, classify(err)
+		}
+	}
 	return s.locked(ctx, p.ID, p.Event, statemachine.Policy{})
+}
+
+// completeHeldSQL ends a held record (IN_PROGRESS or UNKNOWN, as
+// statemachine.Next does for a Complete with the latest token) in one
+// statement. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
+// response columns $6-$12 as responseArgs returns them.
+const completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = $6, schema_version = $7,
+	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
+	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now,
+	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
+FROM clock
+WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN (1, 6)
+RETURNING ` + recordColumns + `, clock.now`
+
+// completeHeld applies a Complete to a record its token holds, or returns
+// (nil, nil) when the record is not held by that token.
+func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.Event) (*Result, error) {
+	resp := ev.Response
+	if resp == nil {
+		resp = &statemachine.Response{}
+	}
+	rargs, err := s.responseArgs(id, resp)
+	if err != nil {
+		return nil, err
+	}
+	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), ev.Token}, rargs...)
+	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
+	if err == pgx.ErrNoRows {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
 }
 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
