@@ -61,7 +61,16 @@ func withAttempt(ctx context.Context, res *idempotencyv1.BeginResponse) context.
 // for it with Begin's wait until giveUp (zero: until ctx ends). It answers
 // the last Begin answer, which is OUTCOME_IN_PROGRESS only when the time
 // ran out or the key is held UNKNOWN.
+//
+// The first Begin asks for no wait, so a key held UNKNOWN (which only an
+// operator can change) is answered at once rather than after a long poll.
 func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, giveUp time.Time) (*idempotencyv1.BeginResponse, error) {
+	req.Wait = nil
+	res, err := c.Begin(ctx, req)
+	if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
+		res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
+		return res, err
+	}
 	for {
 		left := time.Duration(1<<63 - 1)
 		if !giveUp.IsZero() {
@@ -70,19 +79,20 @@ func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 		if dl, ok := ctx.Deadline(); ok {
 			left = min(left, time.Until(dl)-deadlineMargin)
 		}
-		req.Wait = nil
-		if left > 0 {
-			req.Wait = durationpb.New(min(left, maxBeginWait))
+		if left <= 0 {
+			return res, nil
 		}
+		asked := min(left, maxBeginWait)
+		req.Wait = durationpb.New(asked)
 		start := time.Now()
-		res, err := c.Begin(ctx, req)
-		if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
-			res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN || left <= 0 {
+		if res, err = c.Begin(ctx, req); err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
+			res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
 			return res, err
 		}
-		// The coordinator answered before the wait we asked for ran out
-		// (its limit may be lower): pause as it suggests before asking again.
-		if asked := req.GetWait().AsDuration(); time.Since(start) < asked/2 {
+		// The coordinator answered well before the wait we asked for ran
+		// out (its limit may be lower): pause as it suggests before asking
+		// again.
+		if time.Since(start) < asked/2 {
 			t := time.NewTimer(min(res.GetRetryAfter().AsDuration(), asked))
 			select {
 			case <-ctx.Done():
