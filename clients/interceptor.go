@@ -72,10 +72,11 @@ type interceptor struct {
 
 // method is what the interceptor knows of one full method name.
 type method struct {
-	wrapped bool
-	err     error // a selected method that cannot be wrapped
-	output  protoreflect.MessageType
-	schema  string
+	wrapped      bool
+	unregistered bool  // selected by default but without a registered descriptor
+	err          error // a method selected on purpose that cannot be wrapped
+	output       protoreflect.MessageType
+	schema       string
 }
 
 // result header values.
@@ -211,6 +212,13 @@ func (ic *interceptor) replay(ctx context.Context, m *method, rec *idempotencyv1
 	if rec.GetState() == idempotencyv1.State_STATE_FAILED_REPLAYABLE {
 		return nil, storedStatus(rec).Err()
 	}
+	if v := stored.GetSchemaVersion(); v != m.schema {
+		// Begin accepts the status schema for failures; a COMPLETED record
+		// under it (an operator's doing) cannot be decoded as a response.
+		ic.c.logger.ErrorContext(ctx, "idempotency: stored response has another schema version",
+			"scope", rec.GetScope(), "key", rec.GetKey(), "schema_version", v, "want", m.schema)
+		return nil, status.Error(codes.Internal, "the stored response for this idempotency key has schema version "+v)
+	}
 	out := m.output.New().Interface()
 	if err := proto.Unmarshal(stored.GetBody(), out); err != nil {
 		ic.c.logger.ErrorContext(ctx, "idempotency: stored response cannot be decoded",
@@ -244,7 +252,7 @@ func (ic *interceptor) method(ctx context.Context, fullMethod string) *method {
 	if actual, loaded := ic.methods.LoadOrStore(fullMethod, m); loaded {
 		return actual.(*method)
 	}
-	if !m.wrapped && m.output == nil && !ic.o.explicit && ic.o.selector(fullMethod) {
+	if m.unregistered {
 		ic.c.logger.WarnContext(ctx, "idempotency: method has no registered descriptor; passing it through unprotected",
 			"method", fullMethod)
 	}
@@ -262,7 +270,7 @@ func (ic *interceptor) resolve(fullMethod string) *method {
 	}
 	if err != nil {
 		if !ic.o.explicit {
-			return &method{}
+			return &method{unregistered: true}
 		}
 		return &method{wrapped: true, err: status.Errorf(codes.Internal,
 			"idempotency: cannot wrap %s: %v", fullMethod, err)}

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -552,5 +553,29 @@ func TestSchemaVersion(t *testing.T) {
 		func(context.Context, any) (any, error) { t.Fatal("handler ran"); return nil, nil })
 	if got := errorReason(wantCode(t, err, codes.FailedPrecondition)); got != "SCHEMA_VERSION_NOT_ACCEPTED" {
 		t.Fatalf("reason %q", got)
+	}
+}
+
+// A method without a registered descriptor is passed through by default
+// (its response could not be replayed) and refused when selected on purpose.
+func TestUnregisteredMethod(t *testing.T) {
+	t.Parallel()
+	conn, err := grpc.NewClient("127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := clients.New(conn) // never reached: nothing is wrapped
+	const unknown = "/unknown.v1.Things/Do"
+	ran := 0
+	handler := func(context.Context, any) (any, error) { ran++; return chargeReq(1), nil }
+	info := &grpc.UnaryServerInfo{FullMethod: unknown}
+	ctx := withIncomingKey(context.Background(), "k")
+	if _, err := clients.UnaryServerInterceptor(c)(ctx, chargeReq(1), info, handler); err != nil || ran != 1 {
+		t.Fatalf("default selection: %v, handler ran %d times", err, ran)
+	}
+	_, err = clients.UnaryServerInterceptor(c, clients.WithMethods(unknown))(ctx, chargeReq(1), info, handler)
+	if wantCode(t, err, codes.Internal); ran != 1 {
+		t.Fatalf("explicit selection ran the handler")
 	}
 }

@@ -51,9 +51,10 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 // WithLease sets the lease that Once and the interceptor ask for in Begin
-// and Heartbeat (1 s to 1 h). By default (0) they send none, so the
-// coordinator's policy for the scope decides; the heartbeat interval is a
-// third of whichever lease is in force.
+// and Heartbeat. It must lie within the coordinator's bounds (1 s to 1 h by
+// default), or every Begin fails with INVALID_ARGUMENT. By default (0) they
+// send none, so the coordinator's policy for the scope decides; the
+// heartbeat interval is a third of whichever lease is in force.
 func WithLease(d time.Duration) Option {
 	return func(o *options) { o.lease = d }
 }
@@ -171,7 +172,9 @@ func WithRequireKey() InterceptorOption {
 // "payments.v1.ChargeResponse"). Begin accepts only this version for a
 // replay, so after a change to "payments.v1.ChargeResponse/2" a record stored
 // under the old version is refused with FAILED_PRECONDITION
-// (SCHEMA_VERSION_NOT_ACCEPTED) instead of being decoded wrongly.
+// (SCHEMA_VERSION_NOT_ACCEPTED) instead of being decoded wrongly. An
+// operator who resolves an UNKNOWN record of a wrapped method as completed
+// must store the response message under this version for retries to get it.
 func WithSchemaVersion(fullMethod, version string) InterceptorOption {
 	return func(o *interceptorOptions) { o.schemas[fullMethod] = version }
 }

@@ -52,9 +52,11 @@ func NewService() *Service {
 // NewGRPCServer returns a gRPC server that serves svc, with recovery, the
 // demo's authentication and the idempotency interceptor over idem.
 func NewGRPCServer(idem *clients.Client, svc *Service, opts ...grpc.ServerOption) *grpc.Server {
-	srv := grpc.NewServer(append([]grpc.ServerOption{
-		grpc.ChainUnaryInterceptor(recovery.UnaryServerInterceptor(recovery.WithRecoveryHandler(internalError)), Authenticate, clients.UnaryServerInterceptor(idem, IdempotencyOptions()...)),
-	}, opts...)...)
+	srv := grpc.NewServer(append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(
+		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandler(internalError)),
+		Authenticate,
+		clients.UnaryServerInterceptor(idem, IdempotencyOptions()...), // the one line
+	)}, opts...)...)
 	projectsv1.RegisterProjectsServiceServer(srv, svc)
 	return srv
 }
