@@ -66,9 +66,11 @@ var (
 	ErrInProgress = errors.New("clients: another attempt with this idempotency key is in progress")
 )
 
-// FailureError lets the function given to Client.Once say how its failure
-// is recorded. Errors of other types are recorded by their gRPC code as
-// WithFailureKinds describes by default.
+// FailureError lets the function given to Client.Once, or a handler under
+// the interceptor, say how its failure is recorded. Errors of other types
+// are recorded by their gRPC code (see WithFailureKinds). The interceptor
+// always stores a replayable failure as the error's gRPC status; only Once
+// stores Response.
 type FailureError struct {
 	// Kind is how the failure is recorded.
 	Kind idempotencyv1.FailureKind

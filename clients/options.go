@@ -214,7 +214,9 @@ func WithWaitForResult(d time.Duration) InterceptorOption {
 }
 
 // WithFailOpen runs the handler unprotected when the coordinator cannot be
-// reached at the start of a call (AttemptFrom then reports ok = false). By
+// reached at the start of a call: Begin still answers UNAVAILABLE,
+// DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED after the Client's retries, while
+// the call's own context is live. AttemptFrom then reports ok = false. By
 // default such a call fails closed with UNAVAILABLE and runs nothing.
 func WithFailOpen() InterceptorOption {
 	return func(o *interceptorOptions) { o.failOpen = true }
