@@ -17,6 +17,12 @@ const recordColumns = `state, fingerprint, attempt, generation, lease_token, att
 	metadata, failure_reason, ttl_us, failure_ttl_us, created_at, updated_at,
 	lease_expires_at, expires_at, enc_key_id`
 
+// recordColumnsR is recordColumns qualified by the alias r.
+const recordColumnsR = `r.state, r.fingerprint, r.attempt, r.generation, r.lease_token,
+	r.attempt_id, r.acquired_from, r.ended_by, r.has_response, r.schema_version, r.content_type,
+	r.status_code, r.body, r.metadata, r.failure_reason, r.ttl_us, r.failure_ttl_us,
+	r.created_at, r.updated_at, r.lease_expires_at, r.expires_at, r.enc_key_id`
+
 const insertColumns = `tenant, scope, key, ` + recordColumns
 
 const insertSQL = `INSERT INTO idempotency_records (` + insertColumns + `)

@@ -23,6 +23,11 @@ type Store struct {
 	logger   *slog.Logger
 	notifier *notifier
 	keyring  *Keyring
+
+	// begins and completes coalesce concurrent calls into one statement
+	// (nil when batching is off).
+	begins    *coalescer[*beginReq]
+	completes *coalescer[*completeReq]
 }
 
 // Option configures a Store.
@@ -33,6 +38,7 @@ type options struct {
 	logger   *slog.Logger
 	maxConns int32
 	keyring  *Keyring
+	noBatch  bool
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -53,6 +59,12 @@ func WithLogger(l *slog.Logger) Option {
 // read (ErrUnknownKey).
 func WithKeyring(k *Keyring) Option {
 	return func(o *options) { o.keyring = k }
+}
+
+// WithoutBatching makes every Begin and Complete its own statement instead
+// of coalescing concurrent ones (for comparison in benchmarks).
+func WithoutBatching() Option {
+	return func(o *options) { o.noBatch = true }
 }
 
 // WithMaxConns sets the connection pool size when the database URL does not
@@ -88,11 +100,20 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
 	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
+	if !o.noBatch {
+		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
+		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
+	}
 	return s, nil
 }
 
-// Close stops the change listener and closes every connection.
+// Close stops the batch workers and the change listener and closes every
+// connection.
 func (s *Store) Close() {
+	if s.begins != nil {
+		s.begins.close()
+		s.completes.close()
+	}
 	s.notifier.close()
 	s.pool.Close()
 }
@@ -156,9 +177,9 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
 
-	rec, inserted, now, found, err := s.insertOrRead(ctx, p.ID, &ev)
+	rec, inserted, now, found, err := s.beginRead(ctx, p, ev)
 	if err != nil {
-		return nil, classify(err)
+		return nil, err
 	}
 	if inserted {
 		d := statemachine.Next(nil, ev, p.Policy, now)
@@ -177,6 +198,36 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	return s.locked(ctx, p.ID, ev, p.Policy)
 }
 
+// beginRead creates the key with ev's token, or reads its record: in a
+// batch with concurrent Begins when batching is on, else on its own.
+func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+	if s.begins != nil {
+		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
+		if !s.begins.submit(ctx, r) {
+			return rec, false, now, false, submitErr(ctx)
+		}
+		var out beginRes
+		select {
+		case out = <-r.out:
+		case <-ctx.Done():
+			return rec, false, now, false, ctx.Err()
+		}
+		if out.err != nil || out.found {
+			return out.rec, out.inserted, out.now, out.found, out.err
+		}
+	}
+	rec, inserted, now, found, err = s.insertOrRead(ctx, p.ID, &ev)
+	return rec, inserted, now, found, classify(err)
+}
+
+// submitErr explains why a request could not be queued.
+func submitErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return fmt.Errorf("%w: the store is closed", ErrUnavailable)
+}
+
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
 //
 // A Complete by the holder of the lease takes one statement; anything else
@@ -186,7 +237,7 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 	if p.Event.Kind == statemachine.EventComplete {
 		res, err := s.completeHeld(ctx, p.ID, p.Event)
 		if err != nil || res != nil {
-			return res, classify(err)
+			return res, err
 		}
 	}
 	return s.locked(ctx, p.ID, p.Event, statemachine.Policy{})
@@ -216,13 +267,25 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	if err != nil {
 		return nil, err
 	}
+	if s.completes != nil {
+		r := &completeReq{ctx: ctx, id: id, ev: ev, args: rargs, out: make(chan completeRes, 1)}
+		if !s.completes.submit(ctx, r) {
+			return nil, submitErr(ctx)
+		}
+		select {
+		case out := <-r.out:
+			return out.res, out.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), ev.Token}, rargs...)
 	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
 	if err == pgx.ErrNoRows {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, err
+		return nil, classify(err)
 	}
 	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
 }
