@@ -22,11 +22,17 @@ type notifier struct {
 	connConfig *pgx.ConnConfig
 	logger     *slog.Logger
 
-	mu      sync.Mutex
-	subs    map[string]map[*subscription]struct{}
-	started bool
-	cancel  context.CancelFunc
-	done    chan struct{}
+	// onPayload, if set, sees every notification; onConnect runs each
+	// time the listener (re)connects, before waking subscribers.
+	onPayload func(string)
+	onConnect func()
+
+	mu        sync.Mutex
+	subs      map[string]map[*subscription]struct{}
+	connected bool
+	started   bool
+	cancel    context.CancelFunc
+	done      chan struct{}
 }
 
 type subscription struct {
@@ -45,29 +51,45 @@ func recordHash(id Identity) string {
 }
 
 // Subscribe returns a channel that receives a value after every committed
-// change of the record id (and after the listener reconnects), and a
-// function that ends the subscription. Subscribe before reading the record,
+// change of the record id (and whenever the listener (re)connects, or at
+// once if it is connected), and a function that ends the subscription. Subscribe before reading the record,
 // so no change between the read and the wait is missed.
 func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) {
 	return s.notifier.subscribe(recordHash(id))
 }
 
+// start starts the listener unless it runs already. Call with n.mu held.
+func (n *notifier) startLocked() {
+	if n.started {
+		return
+	}
+	n.started = true
+	ctx, cancel := context.WithCancel(context.Background())
+	n.cancel = cancel
+	n.done = make(chan struct{})
+	go n.run(ctx)
+}
+
+func (n *notifier) start() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.startLocked()
+}
+
 func (n *notifier) subscribe(h string) (<-chan struct{}, func()) {
 	sub := &subscription{ch: make(chan struct{}, 1)}
 	n.mu.Lock()
-	if !n.started {
-		n.started = true
-		ctx, cancel := context.WithCancel(context.Background())
-		n.cancel = cancel
-		n.done = make(chan struct{})
-		go n.run(ctx)
-	}
+	n.startLocked()
 	set := n.subs[h]
 	if set == nil {
 		set = map[*subscription]struct{}{}
 		n.subs[h] = set
 	}
 	set[sub] = struct{}{}
+	if n.connected {
+		// Tell the new subscriber the listener is up, as a reconnect would.
+		sub.ch <- struct{}{}
+	}
 	n.mu.Unlock()
 	return sub.ch, func() {
 		n.mu.Lock()
@@ -98,6 +120,12 @@ func (n *notifier) wake(h string) {
 		default:
 		}
 	}
+}
+
+func (n *notifier) setConnected(c bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.connected = c
 }
 
 func (n *notifier) wakeAll() {
@@ -143,11 +171,19 @@ func (n *notifier) listen(ctx context.Context) error {
 		return err
 	}
 	// Changes made while no connection listened were missed.
+	if n.onConnect != nil {
+		n.onConnect()
+	}
+	n.setConnected(true)
+	defer n.setConnected(false)
 	n.wakeAll()
 	for {
 		note, err := conn.WaitForNotification(ctx)
 		if err != nil {
 			return err
+		}
+		if n.onPayload != nil {
+			n.onPayload(note.Payload)
 		}
 		n.wake(note.Payload)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -28,6 +29,14 @@ type Store struct {
 	// (nil when batching is off).
 	begins    *coalescer[*beginReq]
 	completes *coalescer[*completeReq]
+
+	// cache serves replays without a round trip (nil when off); stopPing
+	// ends its ping loop. clockOffset is the database clock minus the
+	// local clock (ns), as last seen, for judging cached expiry.
+	cache       *replayCache
+	stopPing    context.CancelFunc
+	pingDone    chan struct{}
+	clockOffset atomic.Int64
 }
 
 // Option configures a Store.
@@ -39,6 +48,7 @@ type options struct {
 	maxConns int32
 	keyring  *Keyring
 	noBatch  bool
+	cacheMax int64
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -61,6 +71,14 @@ func WithKeyring(k *Keyring) Option {
 	return func(o *options) { o.keyring = k }
 }
 
+// WithReplayCache sets the memory budget of the replay cache, which serves
+// Begins on COMPLETED and FAILED_REPLAYABLE records without a database
+// round trip (default 32 MiB; 0 turns it off). A record changed, expired or
+// forgotten stops being served within a second on every replica.
+func WithReplayCache(maxBytes int64) Option {
+	return func(o *options) { o.cacheMax = maxBytes }
+}
+
 // WithoutBatching makes every Begin and Complete its own statement instead
 // of coalescing concurrent ones (for comparison in benchmarks).
 func WithoutBatching() Option {
@@ -77,7 +95,7 @@ func WithMaxConns(n int32) Option {
 // migrated, see Migrate). It does not fail when the database is down: calls
 // then fail with ErrUnavailable until it comes back.
 func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, error) {
-	o := options{logger: slog.New(slog.DiscardHandler), maxConns: 32}
+	o := options{logger: slog.New(slog.DiscardHandler), maxConns: 32, cacheMax: 32 << 20}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -104,12 +122,28 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
 		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
 	}
+	if o.cacheMax > 0 {
+		s.cache = newReplayCache(o.cacheMax)
+		s.notifier.onPayload = s.cache.notified
+		s.notifier.onConnect = s.cache.invalidateAll
+		s.notifier.start()
+		ctx, cancel := context.WithCancel(context.Background())
+		s.stopPing, s.pingDone = cancel, make(chan struct{})
+		go func() {
+			defer close(s.pingDone)
+			s.pingLoop(ctx)
+		}()
+	}
 	return s, nil
 }
 
 // Close stops the batch workers and the change listener and closes every
 // connection.
 func (s *Store) Close() {
+	if s.stopPing != nil {
+		s.stopPing()
+		<-s.pingDone
+	}
 	if s.begins != nil {
 		s.begins.close()
 		s.completes.close()
@@ -177,9 +211,21 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
 
+	var seq uint64
+	if s.cache != nil {
+		if res, ok := s.beginCached(p, ev); ok {
+			s.cache.hits.Add(1)
+			return res, res.Err
+		}
+		s.cache.misses.Add(1)
+		seq = s.cache.snapshot()
+	}
 	rec, inserted, now, found, err := s.beginRead(ctx, p, ev)
 	if err != nil {
 		return nil, err
+	}
+	if s.clock == nil {
+		s.clockOffset.Store(int64(now.Sub(time.Now())))
 	}
 	if inserted {
 		d := statemachine.Next(nil, ev, p.Policy, now)
@@ -192,10 +238,34 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 			return nil, d.Err
 		}
 		if d.Write == statemachine.WriteNone {
+			if s.cache != nil && d.Outcome == statemachine.OutcomeReplay {
+				s.cache.put(p.ID, d.Record, seq)
+			}
 			return &Result{Decision: d, Now: now}, nil
 		}
 	}
 	return s.locked(ctx, p.ID, ev, p.Policy)
+}
+
+// beginCached answers a Begin from the replay cache when the cached record
+// decides it without a write and is not about to expire.
+func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, bool) {
+	rec, ok := s.cache.get(p.ID)
+	if !ok {
+		return nil, false
+	}
+	now := time.Now().Add(time.Duration(s.clockOffset.Load()))
+	if s.clock != nil {
+		now = *s.now()
+	}
+	if !now.Add(cacheExpiryMargin).Before(rec.ExpiresAt) {
+		return nil, false
+	}
+	d := statemachine.Next(&rec, ev, p.Policy, now)
+	if d.Write != statemachine.WriteNone {
+		return nil, false
+	}
+	return &Result{Decision: d, Now: now}, true
 }
 
 // beginRead creates the key with ev's token, or reads its record: in a

@@ -128,27 +128,24 @@ func TestAdminResolveRetryable(t *testing.T) {
 	}
 }
 
-// TestAdminResolveWakesWaitingBegin: under on_unknown: hold a Begin waits
-// on an UNKNOWN record; the operator's Resolve is a write that wakes it.
-func TestAdminResolveWakesWaitingBegin(t *testing.T) {
+// TestAdminResolveHeldUnknown: under on_unknown: hold a Begin, even one
+// that would wait, answers at once while the record waits for an operator;
+// after the operator's Resolve it replays.
+func TestAdminResolveHeldUnknown(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{config: `defaults: { on_unknown: hold }`})
 	b := e.mustBegin("pay", "k", acquired)
 	e.mustFail("pay", "k", b.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, nil)
-	done := make(chan *idempotencyv1.BeginResponse, 1)
-	go func() {
-		r, err := e.client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: "k", Wait: durationpb.New(30 * time.Second)})
-		if err != nil {
-			t.Error(err)
-		}
-		done <- r
-	}()
+	r := e.mustBegin("pay", "k", inProgress, withWait(30*time.Second))
+	if r.GetRecord().GetState() != idempotencyv1.State_STATE_UNKNOWN {
+		t.Fatalf("held record: %v", r)
+	}
 	if _, err := e.admin().Resolve(ctx(t), &idempotencyv1.ResolveRequest{Scope: "pay", Key: "k", Resolution: asCompleted,
 		Response: sampleResponse()}); err != nil {
 		t.Fatal(err)
 	}
-	if r := <-done; r.GetOutcome() != replay {
-		t.Fatalf("the waiting Begin answered %v, want a replay", r)
+	if r := e.mustBegin("pay", "k", replay); !proto.Equal(r.GetRecord().GetResponse(), sampleResponse()) {
+		t.Fatalf("after Resolve: %v", r)
 	}
 }
 

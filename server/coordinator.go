@@ -90,7 +90,9 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 			return nil, err
 		}
 		left := time.Until(giveUp)
-		if res.Outcome != statemachine.OutcomeInProgress || left <= 0 {
+		// A record held UNKNOWN (on_unknown: hold) waits for an operator,
+		// not for an attempt: answer at once.
+		if res.Outcome != statemachine.OutcomeInProgress || res.Record.State == statemachine.StateUnknown || left <= 0 {
 			return res, nil
 		}
 		sleep := left

@@ -75,6 +75,12 @@ scopes:
 		t.Fatalf("held record reads %v", r.GetRecord().GetState())
 	}
 	e.mustBegin(scope, "k", inProgress)
+	// A wait does not wait for an operator.
+	start := time.Now()
+	e.mustBegin(scope, "k", inProgress, withWait(20*time.Second))
+	if el := time.Since(start); el > 10*time.Second {
+		t.Fatalf("Begin with wait on a held UNKNOWN answered after %v", el)
+	}
 	// The holder may still finish it.
 	e.mustComplete(scope, "k", b.GetLeaseToken(), sampleResponse())
 	e.mustBegin(scope, "k", replay)

@@ -1166,21 +1166,19 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"leaseToken\x12:\n" +
 	"\vretry_after\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
 	"retryAfter\x12<\n" +
-	"\x0eprevious_state\x18\x05 \x01(\x0e2\x15.idempotency.v1.StateR\rpreviousState\"\xd0\x01\n" +
+	"\x0eprevious_state\x18\x05 \x01(\x0e2\x15.idempotency.v1.StateR\rpreviousState\"\xde\x01\n" +
 	"\x0fCompleteRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
-	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12+\n" +
-	"\vlease_token\x18\x03 \x01(\tB\n" +
-	"\xbaH\ar\x05\x10\x01(\x80\x01R\n" +
+	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x129\n" +
+	"\vlease_token\x18\x03 \x01(\tB\x18\xbaH\x15r\x13\x10\x01(\x80\x012\f^[^\\p{Cc}]*$R\n" +
 	"leaseToken\x12:\n" +
 	"\bresponse\x18\x04 \x01(\v2\x1e.idempotency.v1.StoredResponseR\bresponse\"B\n" +
 	"\x10CompleteResponse\x12.\n" +
-	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xb4\x02\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xc2\x02\n" +
 	"\vFailRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
-	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12+\n" +
-	"\vlease_token\x18\x03 \x01(\tB\n" +
-	"\xbaH\ar\x05\x10\x01(\x80\x01R\n" +
+	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x129\n" +
+	"\vlease_token\x18\x03 \x01(\tB\x18\xbaH\x15r\x13\x10\x01(\x80\x012\f^[^\\p{Cc}]*$R\n" +
 	"leaseToken\x12;\n" +
 	"\x04kind\x18\x04 \x01(\x0e2\x1b.idempotency.v1.FailureKindB\n" +
 	"\xbaH\a\x82\x01\x04\x10\x01 \x00R\x04kind\x12:\n" +
@@ -1193,12 +1191,11 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\"@\n" +
 	"\x0eLookupResponse\x12.\n" +
-	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xc6\x01\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xd4\x01\n" +
 	"\x10HeartbeatRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
-	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12+\n" +
-	"\vlease_token\x18\x03 \x01(\tB\n" +
-	"\xbaH\ar\x05\x10\x01(\x80\x01R\n" +
+	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x129\n" +
+	"\vlease_token\x18\x03 \x01(\tB\x18\xbaH\x15r\x13\x10\x01(\x80\x012\f^[^\\p{Cc}]*$R\n" +
 	"leaseToken\x12/\n" +
 	"\x05lease\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x05lease\"C\n" +
 	"\x11HeartbeatResponse\x12.\n" +
