@@ -26,6 +26,20 @@ build:
 test: lint
 	go test -race -count=1 $(GO_PACKAGES)
 
+## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability; each prints a `chaos: <test>:` line
+.PHONY: chaos fuzz-short
+chaos:
+	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/
+
+## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does
+FUZZTIME ?= 10s
+fuzz-short:
+	go test ./statemachine -run '^$$' -fuzz '^FuzzNext$$' -fuzztime $(FUZZTIME)
+	go test ./server -run '^$$' -fuzz '^FuzzBegin$$' -fuzztime $(FUZZTIME)
+	go test ./server -run '^$$' -fuzz '^FuzzComplete$$' -fuzztime $(FUZZTIME)
+	go test ./server -run '^$$' -fuzz '^FuzzFail$$' -fuzztime $(FUZZTIME)
+
 ## lint: gofmt, go vet, buf lint, generated code up to date
 lint: tools check-generated
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/') 2>&1); \
