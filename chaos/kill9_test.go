@@ -65,6 +65,9 @@ func TestKill9Coordinator(t *testing.T) {
 	if r.diedThenUnknown != r.died {
 		t.Errorf("%d holders died, the keys of %d were found UNKNOWN", r.died, r.diedThenUnknown)
 	}
+	if r.unavailable == 0 {
+		t.Errorf("no call failed UNAVAILABLE: the kills missed the load")
+	}
 	if r.acked == 0 || r.died == 0 {
 		t.Errorf("the load proved little: %d acknowledged Completes, %d dead holders", r.acked, r.died)
 	}
@@ -146,6 +149,8 @@ func (p *coordProc) start() {
 	cmd := exec.Command(p.bin, "--listen", p.addr, "--http-listen", p.httpAddr, "--config", p.config, "--log-level", "warn")
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+p.dbURL)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	// Should the test binary die without its cleanup, so does the child.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

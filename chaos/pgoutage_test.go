@@ -41,7 +41,7 @@ func TestPostgresOutageUnderLoad(t *testing.T) {
 	defer health.stop()
 
 	w := newWorkload(t, idempotencyv1.NewCoordinatorClient(conn), workloadOptions{
-		slots: 12, lease: time.Second, dieChance: 0.05, slowChance: 0.03})
+		slots: 12, lease: time.Second, callTimeout: 3 * time.Second, dieChance: 0.05, slowChance: 0.03})
 	w.start(6, rng.Uint64())
 
 	type outage struct {
