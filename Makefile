@@ -32,13 +32,15 @@ test: lint
 chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/
 
-## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does
-FUZZTIME ?= 10s
+## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does; a new input is
+## minimized for at most 2s (the default 60s would eat a short run)
+FUZZTIME  ?= 10s
+FUZZFLAGS := -run '^$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 2s
 fuzz-short:
-	go test ./statemachine -run '^$$' -fuzz '^FuzzNext$$' -fuzztime $(FUZZTIME)
-	go test ./server -run '^$$' -fuzz '^FuzzBegin$$' -fuzztime $(FUZZTIME)
-	go test ./server -run '^$$' -fuzz '^FuzzComplete$$' -fuzztime $(FUZZTIME)
-	go test ./server -run '^$$' -fuzz '^FuzzFail$$' -fuzztime $(FUZZTIME)
+	go test ./statemachine $(FUZZFLAGS) -fuzz '^FuzzNext$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzBegin$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzComplete$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzFail$$'
 
 ## lint: gofmt, go vet, buf lint, generated code up to date
 lint: tools check-generated
