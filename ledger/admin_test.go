@@ -8,16 +8,17 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 // newClockedStore opens a store over a fresh database with a test clock.
-func newClockedStore(t *testing.T) (*ledger.Store, *testClock, string) {
+func newClockedStore(t *testing.T) (*ledger.Store, *coordtest.Clock, string) {
 	t.Helper()
 	url := pgtest.NewDatabase(t)
-	clock := &testClock{t: time.Date(2026, 3, 1, 0, 0, 0, 0, time.UTC)}
+	clock := coordtest.NewClock()
 	return openStore(t, url, clock), clock, url
 }
 

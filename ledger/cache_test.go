@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -92,7 +93,7 @@ func TestReplayCacheForgetOnAnotherReplica(t *testing.T) {
 func TestReplayCacheHonoursExpiry(t *testing.T) {
 	t.Parallel()
 	url := pgtest.NewDatabase(t)
-	clock := &testClock{t: time.Date(2026, 3, 1, 0, 0, 0, 0, time.UTC)}
+	clock := coordtest.NewClock()
 	s := openStore(t, url, clock)
 	id := ledger.Identity{Tenant: "t", Scope: "s", Key: "k"}
 	ev := statemachine.Event{TTL: 10 * time.Second, FailureTTL: 10 * time.Second, Lease: time.Minute}

@@ -9,29 +9,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-type testClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *testClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *testClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
-func openStore(t *testing.T, url string, clock *testClock) *ledger.Store {
+func openStore(t *testing.T, url string, clock *coordtest.Clock) *ledger.Store {
 	t.Helper()
 	s, err := ledger.Open(context.Background(), url, ledger.WithClock(clock.Now))
 	if err != nil {
@@ -91,7 +75,7 @@ func storedStates(t *testing.T, url string) map[string]string {
 func TestReaper(t *testing.T) {
 	t.Parallel()
 	url := pgtest.NewDatabase(t)
-	clock := &testClock{t: time.Date(2026, 3, 1, 0, 0, 0, 0, time.UTC)}
+	clock := coordtest.NewClock()
 	s := openStore(t, url, clock)
 
 	resp := &statemachine.Response{Body: []byte("secret"), Metadata: map[string]string{"a": "b"}}
@@ -155,7 +139,7 @@ func TestReaper(t *testing.T) {
 func TestReapersSideBySide(t *testing.T) {
 	t.Parallel()
 	url := pgtest.NewDatabase(t)
-	clock := &testClock{t: time.Date(2026, 3, 1, 0, 0, 0, 0, time.UTC)}
+	clock := coordtest.NewClock()
 	const n = 3000
 	conn, err := pgx.Connect(context.Background(), url)
 	if err != nil {
