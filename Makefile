@@ -3,6 +3,7 @@ BUF_VERSION                := v1.57.0
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.5.1
 GRPCURL_VERSION            := v1.9.3
+GHZ_VERSION                := v0.121.0
 
 BIN    := $(CURDIR)/bin
 export PATH := $(BIN):$(PATH)
@@ -77,6 +78,16 @@ $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION):
 	@touch $@
 $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 	GOBIN=$(BIN) go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+	@touch $@
+
+## bench: durable PostgreSQL + the idemcoord binary vs direct SQL at 1/16/64/256 callers, ghz, 10M-record
+## scale check; prints the table, writes bench/results/<UTC time>.json and latest.json (about 5 min).
+## Quick run: make bench BENCH_FLAGS='-duration 2s -warmup 500ms -scale-records 0'
+bench: build $(BIN)/.ghz-$(GHZ_VERSION)
+	go run ./bench -coordinator $(BIN)/idemcoord -ghz $(BIN)/ghz $(BENCH_FLAGS)
+
+$(BIN)/.ghz-$(GHZ_VERSION):
+	GOBIN=$(BIN) go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 	@touch $@
 
 ## clean-data: delete the local PostgreSQL cluster that `make run` keeps under .data/

@@ -1,0 +1,217 @@
+// Command bench measures the idemcoord coordinator against the floor set by
+// PostgreSQL itself. `make bench` runs it; `go run ./bench -h` lists its
+// flags, each of which an environment variable (in brackets) can also set.
+//
+// It starts a durable PostgreSQL cluster (fsync, synchronous_commit and
+// full_page_writes on; it refuses to run otherwise) and the coordinator
+// binary as a separate process talking gRPC over loopback, and measures at
+// each concurrency:
+//
+//   - pairs/s: Begin on a new key then Complete, through gRPC;
+//   - replays/s: Begin on a COMPLETED key;
+//   - baseline pairs/s: the same two durable writes issued straight to
+//     PostgreSQL with pgx from this process (one INSERT … ON CONFLICT DO
+//     NOTHING RETURNING, one UPDATE, each its own autocommit statement) on
+//     the same migrated idempotency_records table and a pool of the same
+//     size as the coordinator's;
+//   - latency percentiles of every call, the coordinator's CPU seconds per
+//     1000 pairs (from /proc/<pid>/stat) and its peak RSS (VmHWM, reset
+//     before each cell through /proc/<pid>/clear_refs).
+//
+// Then replays/s measured by ghz, a third-party load generator, and a scale
+// check: Begin latency and pairs/s on an empty table and after bulk-loading
+// millions of records, and the cost of ledger.Store.Reap deleting at that
+// size. It prints one table with the goals of issue 6 marked met or not,
+// and writes it as JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
+//
+// Every cell runs for a fixed time after a warm-up; the cells of one
+// concurrency run back to back, so drift (table growth, checkpoints,
+// autovacuum) hits the coordinator and the baseline alike.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// settings are the knobs of one run; they are recorded in the JSON report.
+type settings struct {
+	Concurrency      []int         `json:"concurrency"`
+	Warmup           time.Duration `json:"-"`
+	Duration         time.Duration `json:"-"`
+	WarmupSeconds    float64       `json:"warmup_s"`
+	DurationSeconds  float64       `json:"duration_s"`
+	PoolConns        int           `json:"pool_max_conns"`
+	GRPCConns        int           `json:"grpc_conns"`
+	BodyBytes        int           `json:"body_bytes"`
+	ReplayKeys       int           `json:"replay_keys"`
+	GhzConcurrency   int           `json:"ghz_concurrency"`
+	ScaleRecords     int           `json:"scale_records"`
+	ScaleConcurrency int           `json:"scale_concurrency"`
+	CoordLogLevel    string        `json:"coordinator_log_level"`
+	CoordFlags       string        `json:"coordinator_flags,omitempty"`
+
+	coordinator string
+	ghz         string
+	out         string
+	hold        bool
+}
+
+func parseFlags(args []string) (*settings, error) {
+	s := &settings{}
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	conc := fs.String("concurrency", env("BENCH_CONCURRENCY", "1,16,64,256"), "comma-separated numbers of concurrent callers (BENCH_CONCURRENCY)")
+	fs.DurationVar(&s.Warmup, "warmup", envDuration("BENCH_WARMUP", time.Second), "warm-up before each measured cell (BENCH_WARMUP)")
+	fs.DurationVar(&s.Duration, "duration", envDuration("BENCH_DURATION", 6*time.Second), "measured time of each cell (BENCH_DURATION)")
+	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
+	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
+	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 100), "size of the stored response body (BENCH_BODY_BYTES)")
+	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
+	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
+	fs.IntVar(&s.ScaleRecords, "scale-records", envInt("BENCH_SCALE_RECORDS", 10_000_000), "records bulk-loaded for the scale check; 0 skips it (BENCH_SCALE_RECORDS)")
+	fs.IntVar(&s.ScaleConcurrency, "scale-concurrency", envInt("BENCH_SCALE_CONCURRENCY", 16), "callers of the scale check's cells (BENCH_SCALE_CONCURRENCY)")
+	fs.StringVar(&s.CoordLogLevel, "coordinator-log-level", env("BENCH_COORDINATOR_LOG_LEVEL", "info"), "the coordinator's --log-level; info logs every call, as in production (BENCH_COORDINATOR_LOG_LEVEL)")
+	fs.StringVar(&s.CoordFlags, "coordinator-flags", env("BENCH_COORDINATOR_FLAGS", ""), "more flags for the coordinator, separated by spaces (BENCH_COORDINATOR_FLAGS)")
+	fs.StringVar(&s.coordinator, "coordinator", env("BENCH_COORDINATOR", "bin/idemcoord"), "coordinator binary built from ./cmd/idemcoord (BENCH_COORDINATOR)")
+	fs.StringVar(&s.ghz, "ghz", env("BENCH_GHZ", "bin/ghz"), "ghz binary; empty skips the ghz row (BENCH_GHZ)")
+	fs.BoolVar(&s.hold, "hold", false, "after the report, keep PostgreSQL (with the scale check's records) running until interrupted, for EXPLAIN and psql")
+	fs.StringVar(&s.out, "out", env("BENCH_OUT", "bench/results"), "directory of the JSON reports (BENCH_OUT)")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	for f := range strings.SplitSeq(*conc, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("-concurrency %q: want positive integers separated by commas", *conc)
+		}
+		s.Concurrency = append(s.Concurrency, n)
+	}
+	switch {
+	case s.Duration <= 0 || s.Warmup < 0:
+		return nil, errors.New("-duration must be positive and -warmup not negative")
+	case s.PoolConns < 1 || s.GRPCConns < 1 || s.ReplayKeys < 1 || s.GhzConcurrency < 1 || s.ScaleConcurrency < 1:
+		return nil, errors.New("-pool, -grpc-conns, -replay-keys, -ghz-concurrency and -scale-concurrency must be positive")
+	case s.BodyBytes < 0 || s.ScaleRecords < 0:
+		return nil, errors.New("-body-bytes and -scale-records must not be negative")
+	}
+	s.WarmupSeconds, s.DurationSeconds = s.Warmup.Seconds(), s.Duration.Seconds()
+	return s, nil
+}
+
+func env(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok && v != "" {
+		return v
+	}
+	return def
+}
+
+func envInt(name string, def int) int {
+	if n, err := strconv.Atoi(os.Getenv(name)); err == nil {
+		return n
+	}
+	return def
+}
+
+func envDuration(name string, def time.Duration) time.Duration {
+	if d, err := time.ParseDuration(os.Getenv(name)); err == nil {
+		return d
+	}
+	return def
+}
+
+// logf reports progress on standard error; the table goes to standard
+// output.
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "bench: "+format+"\n", args...)
+}
+
+func run(ctx context.Context, args []string) error {
+	s, err := parseFlags(args)
+	if err != nil {
+		return err
+	}
+	started := time.Now()
+	if _, err := os.Stat(s.coordinator); err != nil {
+		return fmt.Errorf("coordinator binary: %w (build it with `make build`, or pass -coordinator)", err)
+	}
+	if s.ghz != "" {
+		if _, err := os.Stat(s.ghz); err != nil {
+			logf("no ghz at %s (%v): the ghz row is skipped; `make bench` installs it", s.ghz, err)
+			s.ghz = ""
+		}
+	}
+
+	env, err := startEnvironment(ctx, s)
+	if err != nil {
+		return err
+	}
+	defer env.close()
+
+	rep := &report{Schema: reportSchema, Command: "make bench", StartedAt: started.UTC().Format(time.RFC3339),
+		Machine: describeMachine(), Postgres: env.pgInfo, Settings: s}
+
+	if err := env.prepareReplayKeys(ctx); err != nil {
+		return err
+	}
+	for _, c := range s.Concurrency {
+		for _, kind := range []cellKind{kindPairs, kindReplays, kindBaseline} {
+			cell, err := env.runCell(ctx, kind, c, nil)
+			if err != nil {
+				return err
+			}
+			rep.Cells = append(rep.Cells, cell)
+		}
+	}
+	if s.ghz != "" {
+		g, err := env.runGhz(ctx)
+		if err != nil {
+			return err
+		}
+		rep.Ghz = g
+	}
+	if s.ScaleRecords > 0 {
+		sc, err := env.runScale(ctx)
+		if err != nil {
+			return err
+		}
+		rep.Scale = sc
+	}
+	rep.Coordinator = env.stopCoordinator()
+	rep.TotalSeconds = time.Since(started).Seconds()
+	rep.finish()
+
+	if err := rep.print(os.Stdout); err != nil {
+		return err
+	}
+	path, err := rep.write(s.out, started)
+	if err != nil {
+		return err
+	}
+	logf("wrote %s and %s", path, s.out+"/latest.json")
+	if s.hold {
+		logf("holding PostgreSQL at %s until interrupted (the coordinator is stopped)", env.dbURL)
+		<-ctx.Done()
+	}
+	return nil
+}
