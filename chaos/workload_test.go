@@ -83,6 +83,7 @@ type hold struct {
 	acked    bool // a Complete with it was acknowledged
 	lost     bool // a call with it was answered LEASE_LOST
 	unsure   bool // its Complete never got an answer
+	retried  bool // its Complete was acknowledged only after a retry
 	body     []byte
 }
 
@@ -188,8 +189,8 @@ func (w *workload) call(method string, fn func(ctx context.Context) error) (star
 
 // retry repeats fn while its answer is ambiguous, for up to the retry
 // budget (and, when stoppable, only until the workload stops). It returns
-// the start of the first try and the last answer.
-func (w *workload) retry(method string, stoppable bool, fn func(ctx context.Context) error) (first time.Time, err error) {
+// the start of the first try, the number of tries and the last answer.
+func (w *workload) retry(method string, stoppable bool, fn func(ctx context.Context) error) (first time.Time, tries int, err error) {
 	deadline := time.Now().Add(w.retryBudget)
 	for try := 0; ; try++ {
 		start, err := w.call(method, fn)
@@ -197,7 +198,7 @@ func (w *workload) retry(method string, stoppable bool, fn func(ctx context.Cont
 			first = start
 		}
 		if !ambiguous(err) || time.Now().After(deadline) || (stoppable && w.stopped.Load()) {
-			return first, err
+			return first, try + 1, err
 		}
 		time.Sleep(time.Duration(20+try*10%100) * time.Millisecond)
 	}
@@ -214,7 +215,7 @@ func (w *workload) worker(id int, rng *rand.Rand) {
 		key := w.key(slot, gen)
 		var resp *idempotencyv1.BeginResponse
 		attemptID := fmt.Sprintf("w%d-%d", id, seq)
-		_, err := w.retry("Begin", true, func(ctx context.Context) error {
+		_, _, err := w.retry("Begin", true, func(ctx context.Context) error {
 			var err error
 			resp, err = w.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: w.scope, Key: key,
 				Lease: durationpb.New(w.lease), AttemptId: attemptID})
@@ -279,7 +280,7 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 	time.Sleep(work)
 	body := bodyFor(h.key, h.token)
 	var resp *idempotencyv1.CompleteResponse
-	first, err := w.retry("Complete", false, func(ctx context.Context) error {
+	first, tries, err := w.retry("Complete", false, func(ctx context.Context) error {
 		var err error
 		resp, err = w.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: w.scope, Key: h.key,
 			LeaseToken: h.token, Response: &idempotencyv1.StoredResponse{Body: body}})
@@ -289,7 +290,7 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 	defer w.mu.Unlock()
 	switch {
 	case err == nil:
-		h.acked, h.body, h.provenAt = true, body, first
+		h.acked, h.body, h.provenAt, h.retried = true, body, first, tries > 1
 		if r := resp.GetRecord(); r.GetState() != idempotencyv1.State_STATE_COMPLETED || !bytes.Equal(r.GetResponse().GetBody(), body) {
 			w.violations = append(w.violations, fmt.Sprintf("Complete %s acknowledged with record %v", h.key, r))
 		}
@@ -314,7 +315,7 @@ func reasonOf(err error) string {
 // lookup reads a record, retrying while the answer is ambiguous.
 func (w *workload) lookup(key string) (*idempotencyv1.Record, error) {
 	var resp *idempotencyv1.LookupResponse
-	_, err := w.retry("Lookup", false, func(ctx context.Context) error {
+	_, _, err := w.retry("Lookup", false, func(ctx context.Context) error {
 		var err error
 		resp, err = w.client.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: w.scope, Key: key})
 		return err
@@ -324,21 +325,22 @@ func (w *workload) lookup(key string) (*idempotencyv1.Record, error) {
 
 // results are a workload's figures after verify.
 type results struct {
-	ops, acked, checked, lost, doubleLease, replays int
-	died, diedThenUnknown, unknown, takenOver       int
-	takenOverInLoad, fenced                         int
-	rows, badRows, unavailable, deadline, internal  int
-	maxLatency                                      time.Duration
-	overdue                                         int
+	ops, acked, ackedAfterRetry, unanswered        int
+	checked, lost, doubleLease, replays            int
+	died, diedThenUnknown, unknown, takenOver      int
+	takenOverInLoad, fenced                        int
+	rows, badRows, unavailable, deadline, internal int
+	maxLatency                                     time.Duration
+	overdue                                        int
 }
 
 func (r results) String() string {
-	return fmt.Sprintf("ops=%d acked=%d checked=%d lost=%d double_lease=%d replays=%d died=%d died_then_unknown=%d unknown_at_end=%d taken_over=%d (in load %d) fenced=%d rows=%d bad_rows=%d unavailable=%d deadline_exceeded=%d internal=%d max_call=%v overdue=%d",
-		r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.replays, r.died, r.diedThenUnknown, r.unknown, r.takenOver+r.takenOverInLoad,
+	return fmt.Sprintf("ops=%d acked=%d (after a retry %d) unanswered_completes=%d checked=%d lost=%d double_lease=%d replays=%d died=%d died_then_unknown=%d unknown_at_end=%d taken_over=%d (in load %d) fenced=%d rows=%d bad_rows=%d unavailable=%d deadline_exceeded=%d internal=%d max_call=%v overdue=%d",
+		r.ops, r.acked, r.ackedAfterRetry, r.unanswered, r.checked, r.lost, r.doubleLease, r.replays, r.died, r.diedThenUnknown, r.unknown, r.takenOver+r.takenOverInLoad,
 		r.takenOverInLoad, r.fenced, r.rows, r.badRows, r.unavailable, r.deadline, r.internal, r.maxLatency.Round(time.Millisecond), r.overdue)
 }
 
-// verify stops nothing: call it after stop, with the service up. dbURL
+// verify checks the promises after stop, with the service up. dbURL
 // reaches the database directly, for the SQL checks. It reports every
 // violation as a test error and returns the figures.
 func (w *workload) verify(dbURL string) results {
@@ -396,10 +398,16 @@ func (w *workload) verify(dbURL string) results {
 
 	// Acknowledged writes.
 	for _, h := range holds {
+		if h.unsure {
+			r.unanswered++
+		}
 		if !h.acked {
 			continue
 		}
 		r.acked++
+		if h.retried {
+			r.ackedAfterRetry++
+		}
 		rec := final[h.key]
 		if rec.GetState() != idempotencyv1.State_STATE_COMPLETED || !bytes.Equal(rec.GetResponse().GetBody(), h.body) {
 			r.lost++
@@ -450,7 +458,7 @@ func (w *workload) verify(dbURL string) results {
 // previous_state UNKNOWN, and completes it.
 func (w *workload) takeOver(key string, r *results) {
 	var resp *idempotencyv1.BeginResponse
-	_, err := w.retry("Begin", false, func(ctx context.Context) error {
+	_, _, err := w.retry("Begin", false, func(ctx context.Context) error {
 		var err error
 		resp, err = w.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: w.scope, Key: key, Lease: durationpb.New(w.lease)})
 		return err
@@ -464,7 +472,7 @@ func (w *workload) takeOver(key string, r *results) {
 	w.holds = append(w.holds, h)
 	w.mu.Unlock()
 	body := bodyFor(key, h.token)
-	first, err := w.retry("Complete", false, func(ctx context.Context) error {
+	first, _, err := w.retry("Complete", false, func(ctx context.Context) error {
 		_, err := w.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: w.scope, Key: key, LeaseToken: h.token,
 			Response: &idempotencyv1.StoredResponse{Body: body}})
 		return err
@@ -503,7 +511,7 @@ func (w *workload) checkDeadHolders(holds []*hold, r *results) {
 					r.diedThenUnknown++
 				}
 			}
-			_, err := w.retry("Complete", false, func(ctx context.Context) error {
+			_, _, err := w.retry("Complete", false, func(ctx context.Context) error {
 				_, err := w.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: w.scope, Key: h.key, LeaseToken: h.token,
 					Response: &idempotencyv1.StoredResponse{Body: []byte("late")}})
 				return err
