@@ -84,7 +84,8 @@ $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 ## scale check; prints the table, writes bench/results/<UTC time>.json and latest.json (about 5 min).
 ## Quick run: make bench BENCH_FLAGS='-duration 2s -warmup 500ms -scale-records 0'
 bench: build $(BIN)/.ghz-$(GHZ_VERSION)
-	go run ./bench -coordinator $(BIN)/idemcoord -ghz $(BIN)/ghz $(BENCH_FLAGS)
+	@commit=$$(git rev-parse --short=12 HEAD 2>/dev/null) && { git diff --quiet HEAD -- || commit=$$commit-dirty; }; \
+	  set -x; go run ./bench -coordinator $(BIN)/idemcoord -ghz $(BIN)/ghz -commit "$$commit" $(BENCH_FLAGS)
 
 $(BIN)/.ghz-$(GHZ_VERSION):
 	GOBIN=$(BIN) go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)

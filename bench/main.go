@@ -31,6 +31,7 @@ package main
 
 import (
 	"context"
+	"debug/buildinfo"
 	"errors"
 	"flag"
 	"fmt"
@@ -68,6 +69,9 @@ type settings struct {
 	ScaleConcurrency int           `json:"scale_concurrency"`
 	CoordLogLevel    string        `json:"coordinator_log_level"`
 	CoordFlags       string        `json:"coordinator_flags,omitempty"`
+	// Commit is the revision the coordinator was built from, "-dirty" when
+	// its tree had changes.
+	Commit string `json:"commit,omitempty"`
 
 	coordinator string
 	ghz         string
@@ -92,6 +96,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs.StringVar(&s.CoordFlags, "coordinator-flags", env("BENCH_COORDINATOR_FLAGS", ""), "more flags for the coordinator, separated by spaces (BENCH_COORDINATOR_FLAGS)")
 	fs.StringVar(&s.coordinator, "coordinator", env("BENCH_COORDINATOR", "bin/idemcoord"), "coordinator binary built from ./cmd/idemcoord (BENCH_COORDINATOR)")
 	fs.StringVar(&s.ghz, "ghz", env("BENCH_GHZ", "bin/ghz"), "ghz binary; empty skips the ghz row (BENCH_GHZ)")
+	fs.StringVar(&s.Commit, "commit", env("BENCH_COMMIT", ""), "the commit the coordinator was built from (default: read from the binary's build info) (BENCH_COMMIT)")
 	fs.BoolVar(&s.hold, "hold", false, "after the report, keep PostgreSQL (with the scale check's records) running until interrupted, for EXPLAIN and psql")
 	fs.StringVar(&s.out, "out", env("BENCH_OUT", "bench/results"), "directory of the JSON reports (BENCH_OUT)")
 	if err := fs.Parse(args); err != nil {
@@ -155,6 +160,9 @@ func run(ctx context.Context, args []string) error {
 	if _, err := os.Stat(s.coordinator); err != nil {
 		return fmt.Errorf("coordinator binary: %w (build it with `make build`, or pass -coordinator)", err)
 	}
+	if s.Commit == "" {
+		s.Commit = builtFrom(s.coordinator)
+	}
 	if s.ghz != "" {
 		if _, err := os.Stat(s.ghz); err != nil {
 			logf("no ghz at %s (%v): the ghz row is skipped; `make bench` installs it", s.ghz, err)
@@ -214,4 +222,25 @@ func run(ctx context.Context, args []string) error {
 		<-ctx.Done()
 	}
 	return nil
+}
+
+// builtFrom returns the VCS revision stamped into a Go binary, or "".
+func builtFrom(binary string) string {
+	bi, err := buildinfo.ReadFile(binary)
+	if err != nil {
+		return ""
+	}
+	var rev, dirty string
+	for _, kv := range bi.Settings {
+		switch {
+		case kv.Key == "vcs.revision":
+			rev = kv.Value
+		case kv.Key == "vcs.modified" && kv.Value == "true":
+			dirty = "-dirty"
+		}
+	}
+	if rev == "" {
+		return ""
+	}
+	return rev[:min(len(rev), 12)] + dirty
 }

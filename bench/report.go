@@ -182,8 +182,12 @@ func count(n int) string {
 // print writes the table.
 func (r *report) print(out io.Writer) error {
 	s := r.Settings
-	fmt.Fprintf(out, "\nidemcoord bench (%s) — %s, %d CPUs, PostgreSQL %s durable (fsync, synchronous_commit, full_page_writes on)\n",
-		r.Command, r.StartedAt, r.Machine.CPUs, r.Postgres.Version)
+	commit := s.Commit
+	if commit == "" {
+		commit = "unknown commit"
+	}
+	fmt.Fprintf(out, "\nidemcoord bench (%s) — %s, %s, %d CPUs, PostgreSQL %s durable (fsync, synchronous_commit, full_page_writes on)\n",
+		r.Command, commit, r.StartedAt, r.Machine.CPUs, r.Postgres.Version)
 	fmt.Fprintf(out, "%s warm-up + %s measured per cell; pool %d connections for the coordinator and the baseline; %d-byte responses; total %.0f s\n\n",
 		s.Warmup, s.Duration, s.PoolConns, s.BodyBytes, r.TotalSeconds)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
