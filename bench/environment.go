@@ -103,9 +103,6 @@ func startEnvironment(ctx context.Context, s *settings) (_ *environment, err err
 	if e.pgInfo, err = checkDurable(ctx, e.baseline); err != nil {
 		return nil, err
 	}
-	if err := e.startCoordinator(ctx); err != nil {
-		return nil, err
-	}
 	return e, nil
 }
 

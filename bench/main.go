@@ -24,9 +24,10 @@
 // size. It prints one table with the goals of issue 6 marked met or not,
 // and writes it as JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
 //
-// Every cell runs for a fixed time after a warm-up; the cells of one
-// concurrency run back to back, so drift (table growth, checkpoints,
-// autovacuum) hits the coordinator and the baseline alike.
+// Every cell runs for a fixed time after a warm-up and starts with a
+// CHECKPOINT. The baseline cells run first, before the coordinator starts
+// (so that its LISTEN connection does not receive their notifications);
+// then the coordinator's cells, concurrency by concurrency.
 package main
 
 import (
@@ -179,11 +180,25 @@ func run(ctx context.Context, args []string) error {
 	rep := &report{Schema: reportSchema, Command: "make bench", StartedAt: started.UTC().Format(time.RFC3339),
 		Machine: describeMachine(), Postgres: env.pgInfo, Settings: s}
 
+	// The baseline runs before the coordinator starts: a running
+	// coordinator LISTENs for the records trigger's notifications, and
+	// receiving every one of the baseline's would load PostgreSQL (and the
+	// coordinator) with work that is the coordinator's, not the floor's.
+	for _, c := range s.Concurrency {
+		cell, err := env.runCell(ctx, kindBaseline, c, nil)
+		if err != nil {
+			return err
+		}
+		rep.Cells = append(rep.Cells, cell)
+	}
+	if err := env.startCoordinator(ctx); err != nil {
+		return err
+	}
 	if err := env.prepareReplayKeys(ctx); err != nil {
 		return err
 	}
 	for _, c := range s.Concurrency {
-		for _, kind := range []cellKind{kindPairs, kindReplays, kindBaseline} {
+		for _, kind := range []cellKind{kindPairs, kindReplays} {
 			cell, err := env.runCell(ctx, kind, c, nil)
 			if err != nil {
 				return err
