@@ -54,6 +54,7 @@ lint: tools check-generated
 generate: tools
 	rm -rf gen/idempotency
 	$(BIN)/buf generate
+	$(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o examples/polyglot/idempotency.binpb
 
 ## check-generated: fail when gen/ differs from what proto/ generates
 check-generated: tools

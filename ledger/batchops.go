@@ -66,7 +66,14 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		}
 		live = append(live, r)
 	}
-	if len(live) == 0 {
+	switch len(live) {
+	case 0:
+		return
+	case 1:
+		// Alone: the single-record statement plans faster than unnest.
+		r := live[0]
+		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev)
+		r.out <- beginRes{rec: rec, now: now, inserted: inserted, found: found, err: classify(err)}
 		return
 	}
 	n := len(live)
@@ -177,7 +184,13 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 			live = append(live, r)
 		}
 	}
-	if len(live) == 0 {
+	switch len(live) {
+	case 0:
+		return
+	case 1:
+		r := live[0]
+		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.args)
+		r.out <- completeRes{res: res, err: classify(err)}
 		return
 	}
 	n := len(live)

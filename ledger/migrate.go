@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"strings"
 
 	"github.com/golang-migrate/migrate/v4"
 	_ "github.com/golang-migrate/migrate/v4/database/pgx/v5" // registers the pgx5:// scheme
@@ -29,6 +30,12 @@ func Migrate(ctx context.Context, databaseURL string) error {
 	}
 	u.Scheme = "pgx5"
 	q := u.Query()
+	// pgxpool's settings are not server parameters.
+	for name := range q {
+		if strings.HasPrefix(name, "pool_") {
+			q.Del(name)
+		}
+	}
 	q.Set("x-migrations-table", MigrationsTable)
 	u.RawQuery = q.Encode()
 

@@ -34,32 +34,32 @@ type ReapResult struct {
 // The reaper's statements. Each takes $1 now (NULL: the database clock) and
 // $2 the batch size, locks its rows with SKIP LOCKED so replicas reaping at
 // the same time never touch the same row, and returns one row per record.
+// "now" is written inline (not in a CTE) so the planner can use it as an
+// index condition.
 const (
-	reapStaleSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-batch AS (
-	SELECT tenant, scope, key FROM idempotency_records, clock
-	WHERE state = 1 AND lease_expires_at <= clock.now
+	reapStaleSQL = `WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state = 1 AND lease_expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = 6, lease_expires_at = NULL, updated_at = clock.now
-FROM batch, clock
+UPDATE idempotency_records r SET state = 6, lease_expires_at = NULL,
+	updated_at = coalesce($1::timestamptz, now())
+FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
 RETURNING r.scope`
 
-	reapExpiredSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-batch AS (
-	SELECT tenant, scope, key FROM idempotency_records, clock
-	WHERE state IN (2, 3, 4) AND expires_at <= clock.now
+	reapExpiredSQL = `WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state IN (2, 3, 4) AND expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
 UPDATE idempotency_records r SET state = 5, has_response = false, body = NULL, metadata = NULL,
-	updated_at = clock.now
-FROM batch, clock
+	updated_at = coalesce($1::timestamptz, now())
+FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
 RETURNING 1`
 
-	reapDeleteSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-batch AS (
-	SELECT tenant, scope, key FROM idempotency_records, clock
-	WHERE state = 5 AND expires_at <= clock.now - $3 * interval '1 microsecond'
+	reapDeleteSQL = `WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state = 5 AND expires_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
 	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
 DELETE FROM idempotency_records r USING batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key

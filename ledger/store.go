@@ -349,13 +349,20 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 			return nil, ctx.Err()
 		}
 	}
-	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), ev.Token}, rargs...)
+	res, err := s.completeHeldOne(ctx, id, ev.Token, rargs)
+	return res, classify(err)
+}
+
+// completeHeldOne runs completeHeldSQL for one record; rargs are its
+// responseArgs. It returns (nil, nil) when the token does not hold it.
+func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, rargs []any) (*Result, error) {
+	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
 	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
 	if err == pgx.ErrNoRows {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, classify(err)
+		return nil, err
 	}
 	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
 }
