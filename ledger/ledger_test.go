@@ -56,6 +56,19 @@ func TestMigrateConcurrently(t *testing.T) {
 	if err := ledger.Migrate(context.Background(), url); err != nil {
 		t.Fatalf("migrating an up-to-date database: %v", err)
 	}
+	// A URL that sizes the pool works for both migration and the store.
+	sized := url + "&pool_max_conns=7"
+	if err := ledger.Migrate(context.Background(), sized); err != nil {
+		t.Fatalf("migrating with pool_max_conns in the URL: %v", err)
+	}
+	s, err := ledger.Open(context.Background(), sized)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // TestUnreachableDatabaseIsUnavailable checks the error a stopped database
