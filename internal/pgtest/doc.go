@@ -23,6 +23,7 @@
 // When the process runs as root, the server runs as the "postgres" system
 // user through runuser.
 //
-// pgtest is imported only by tests. It imports pgx and the standard
-// library, never idemcoord's own packages: the migration is passed in.
+// pgtest is imported by tests and by the benchmark driver (bench/, through
+// Launch, for a durable cluster). It imports pgx and the standard library,
+// never idemcoord's own packages: the migration is passed in.
 package pgtest
