@@ -495,10 +495,7 @@ func hasParam(databaseURL, name string) bool {
 // expires_at as EXPIRED. It scans the whole table; call it sparingly.
 func (s *Store) CountByState(ctx context.Context) (map[statemachine.State]int64, error) {
 	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
-		SELECT CASE
-			WHEN state = 1 AND lease_expires_at <= clock.now THEN 6
-			WHEN state IN (2, 3, 4) AND expires_at <= clock.now THEN 5
-			ELSE state END AS effective, count(*)
+		SELECT `+effectiveStateSQL+` AS effective, count(*)
 		FROM idempotency_records, clock GROUP BY effective`, s.now())
 	if err != nil {
 		return nil, classify(err)
