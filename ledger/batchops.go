@@ -37,7 +37,7 @@ type beginRes struct {
 // $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
 // attempt_id, ttl µs, failure ttl µs, lease µs. The first column says
 // whether the row was created; created rows carry the creator's token.
-const beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
 		$8::int8[], $9::int8[], $10::int8[])
@@ -149,7 +149,7 @@ type completeRes struct {
 // UNKNOWN with the request's token) as COMPLETED, in one statement; see
 // completeHeldSQL for the single form. $1 now or NULL; $2.. arrays: tenant,
 // scope, key, token, then the responseArgs columns.
-const completeBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+var completeBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bool[], $7::text[],
 		$8::text[], $9::int4[], $10::bytea[], $11::bytea[], $12::text[])

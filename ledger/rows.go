@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -11,32 +13,43 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// recordColumns are the columns scanned by scanRecord, in order.
-const recordColumns = `state, fingerprint, attempt, generation, lease_token, attempt_id,
-	acquired_from, ended_by, has_response, schema_version, content_type, status_code, body,
-	metadata, failure_reason, ttl_us, failure_ttl_us, created_at, updated_at,
-	lease_expires_at, expires_at, enc_key_id`
+// recordColumnNames are a record's columns beyond its identity, in the
+// order scanTargets scans and recordArgs writes them. Every column list and
+// placeholder list below is derived from it.
+var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
+	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
+	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
+	"updated_at", "lease_expires_at", "expires_at", "enc_key_id"}
 
-// recordColumnsR is recordColumns qualified by the alias r.
-const recordColumnsR = `r.state, r.fingerprint, r.attempt, r.generation, r.lease_token,
-	r.attempt_id, r.acquired_from, r.ended_by, r.has_response, r.schema_version, r.content_type,
-	r.status_code, r.body, r.metadata, r.failure_reason, r.ttl_us, r.failure_ttl_us,
-	r.created_at, r.updated_at, r.lease_expires_at, r.expires_at, r.enc_key_id`
+var (
+	// recordColumns lists recordColumnNames for SELECT and RETURNING.
+	recordColumns = strings.Join(recordColumnNames, ", ")
+	// recordColumnsR is recordColumns qualified by the alias r.
+	recordColumnsR = "r." + strings.Join(recordColumnNames, ", r.")
+	// insertSQL writes a whole record: $1-$3 its identity, then recordArgs.
+	insertSQL = wholeRecordSQL(true)
+	// updateSQL overwrites a whole record: $1-$3 its identity, then
+	// recordArgs.
+	updateSQL = wholeRecordSQL(false)
+)
 
-const insertColumns = `tenant, scope, key, ` + recordColumns
-
-const insertSQL = `INSERT INTO idempotency_records (` + insertColumns + `)
-	VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-	        $19, $20, $21, $22, $23, $24, $25)
-	ON CONFLICT DO NOTHING`
-
-const updateSQL = `UPDATE idempotency_records SET
-	state = $4, fingerprint = $5, attempt = $6, generation = $7, lease_token = $8,
-	attempt_id = $9, acquired_from = $10, ended_by = $11, has_response = $12,
-	schema_version = $13, content_type = $14, status_code = $15, body = $16, metadata = $17,
-	failure_reason = $18, ttl_us = $19, failure_ttl_us = $20, created_at = $21,
-	updated_at = $22, lease_expires_at = $23, expires_at = $24, enc_key_id = $25
-	WHERE tenant = $1 AND scope = $2 AND key = $3`
+// wholeRecordSQL builds insertSQL or updateSQL from recordColumnNames.
+func wholeRecordSQL(insert bool) string {
+	if insert {
+		ph := make([]string, 3+len(recordColumnNames))
+		for i := range ph {
+			ph[i] = "$" + strconv.Itoa(i+1)
+		}
+		return "INSERT INTO idempotency_records (tenant, scope, key, " + recordColumns +
+			") VALUES (" + strings.Join(ph, ", ") + ") ON CONFLICT DO NOTHING"
+	}
+	set := make([]string, len(recordColumnNames))
+	for i, c := range recordColumnNames {
+		set[i] = c + " = $" + strconv.Itoa(i+4)
+	}
+	return "UPDATE idempotency_records SET " + strings.Join(set, ", ") +
+		" WHERE tenant = $1 AND scope = $2 AND key = $3"
+}
 
 // beginSQL inserts a new IN_PROGRESS record or, when the key exists, returns
 // the existing row, in one round trip. Its first column says which. When a
@@ -45,7 +58,7 @@ const updateSQL = `UPDATE idempotency_records SET
 //
 // Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint, $5 lease token,
 // $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9 lease µs, $10 now or NULL.
-const beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
+var beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
 ins AS (
 	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
 		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at)

@@ -317,7 +317,7 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 // statemachine.Next does for a Complete with the latest token) in one
 // statement. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
 // response columns $6-$12 as responseArgs returns them.
-const completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+var completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
 UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = $6, schema_version = $7,
 	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
 	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now,
