@@ -39,6 +39,14 @@ type subscription struct {
 	ch chan struct{}
 }
 
+// notify wakes the subscriber unless a wake-up is already pending.
+func (sub *subscription) notify() {
+	select {
+	case sub.ch <- struct{}{}:
+	default:
+	}
+}
+
 func newNotifier(cfg *pgx.ConnConfig, logger *slog.Logger) *notifier {
 	return &notifier{connConfig: cfg, logger: logger, subs: map[string]map[*subscription]struct{}{}}
 }
@@ -88,7 +96,7 @@ func (n *notifier) subscribe(h string) (<-chan struct{}, func()) {
 	set[sub] = struct{}{}
 	if n.connected {
 		// Tell the new subscriber the listener is up, as a reconnect would.
-		sub.ch <- struct{}{}
+		sub.notify()
 	}
 	n.mu.Unlock()
 	return sub.ch, func() {
@@ -115,10 +123,7 @@ func (n *notifier) wake(h string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for sub := range n.subs[h] {
-		select {
-		case sub.ch <- struct{}{}:
-		default:
-		}
+		sub.notify()
 	}
 }
 
@@ -133,10 +138,7 @@ func (n *notifier) wakeAll() {
 	defer n.mu.Unlock()
 	for _, set := range n.subs {
 		for sub := range set {
-			select {
-			case sub.ch <- struct{}{}:
-			default:
-			}
+			sub.notify()
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -176,11 +177,5 @@ func (c *recordsCollector) Collect(ch chan<- prometheus.Metric) {
 // stateLabel is a state as written in the API without the prefix, lower
 // case: in_progress, completed, …
 func stateLabel(s statemachine.State) string {
-	b := []byte(s.String())
-	for i, c := range b {
-		if c >= 'A' && c <= 'Z' {
-			b[i] = c + ('a' - 'A')
-		}
-	}
-	return string(b)
+	return strings.ToLower(s.String())
 }
