@@ -3,7 +3,6 @@ package chaos
 import (
 	"context"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 )
 
@@ -29,10 +29,10 @@ import (
 func TestKill9Coordinator(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed(t), 1))
 	kills := byMode(2, 12)
-	bin := buildCoordinator(t)
+	bin := coordtest.BuildBinary(t)
 	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
 	dbURL := cluster.URL("postgres")
-	p := &coordProc{t: t, bin: bin, dbURL: dbURL, addr: freeAddr(t), httpAddr: freeAddr(t),
+	p := &coordProc{t: t, bin: bin, dbURL: dbURL, addr: coordtest.FreeAddr(t), httpAddr: coordtest.FreeAddr(t),
 		// The reaper marks stale leases UNKNOWN too, so takeovers find
 		// both lapsed IN_PROGRESS rows and rows already marked UNKNOWN.
 		config: writeFile(t, "idemcoord.yaml", "reaper: { interval: 300ms }\n")}
@@ -82,27 +82,6 @@ func maxDuration(ds []time.Duration) time.Duration {
 		m = max(m, d)
 	}
 	return m
-}
-
-// buildCoordinator builds cmd/idemcoord into a temporary directory.
-func buildCoordinator(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "idemcoord")
-	out, err := exec.Command("go", "build", "-o", bin, "github.com/idemcoord/idemcoord/cmd/idemcoord").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 func writeFile(t *testing.T, name, content string) string {

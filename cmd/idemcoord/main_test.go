@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -21,32 +20,13 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 )
 
 func TestMain(m *testing.M) {
 	os.Exit(pgtest.Main(m, ledger.Migrate))
-}
-
-func buildBinary(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "idemcoord")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // proc is a running idemcoord binary.
@@ -132,9 +112,9 @@ func (p *proc) stop() {
 // database, serves health, the API and /readyz, keeps a completed record
 // across a restart, and exits 0 on SIGTERM.
 func TestServeAndGracefulShutdown(t *testing.T) {
-	bin := buildBinary(t)
+	bin := coordtest.BuildBinary(t)
 	dbURL := pgtest.NewDatabase(t)
-	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	grpcAddr, httpAddr := coordtest.FreeAddr(t), coordtest.FreeAddr(t)
 
 	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -179,7 +159,7 @@ func TestGrpcurlReplay(t *testing.T) {
 	if _, err := os.Stat(grpcurl); err != nil {
 		t.Skip("bin/grpcurl is not installed (run `make tools`); skipping the README's grpcurl session")
 	}
-	p := startBinary(t, buildBinary(t), pgtest.NewDatabase(t), freeAddr(t), freeAddr(t))
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), coordtest.FreeAddr(t))
 	defer p.stop()
 	call := func(args ...string) []byte {
 		t.Helper()
@@ -276,7 +256,7 @@ func TestPolicyReload(t *testing.T) {
 		}
 	}
 	write("scopes:\n  - { match: \"build\", ttl: 60s }\n")
-	p := startBinary(t, buildBinary(t), pgtest.NewDatabase(t), freeAddr(t), freeAddr(t), "--config", cfg)
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), coordtest.FreeAddr(t), "--config", cfg)
 	defer p.stop()
 	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 )
 
@@ -59,7 +60,7 @@ func TestTracingExportsSpans(t *testing.T) {
 	go func() { _ = gs.Serve(lis) }()
 	defer gs.Stop()
 
-	p := startBinary(t, buildBinary(t), pgtest.NewDatabase(t), freeAddr(t), freeAddr(t),
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), coordtest.FreeAddr(t),
 		"--otlp-endpoint", "http://"+lis.Addr().String())
 	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
