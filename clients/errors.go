@@ -228,17 +228,3 @@ func unreachable(err error) bool {
 	}
 	return false
 }
-
-// reason returns the ErrorInfo reason of a coordinator error, if any.
-func reason(err error) string {
-	st, ok := status.FromError(err)
-	if !ok {
-		return ""
-	}
-	for _, d := range st.Details() {
-		if ei, ok := d.(*errdetails.ErrorInfo); ok && ei.GetDomain() == ErrorDomain {
-			return ei.GetReason()
-		}
-	}
-	return ""
-}

@@ -67,8 +67,6 @@ func reason(s string) mod       { return func(r *Record) { r.FailureReason = s }
 func leaseAt(t time.Time) mod   { return func(r *Record) { r.LeaseExpiresAt = t } }
 func expiresAt(t time.Time) mod { return func(r *Record) { r.ExpiresAt = t } }
 func updated(t time.Time) mod   { return func(r *Record) { r.UpdatedAt = t } }
-func attID(s string) mod        { return func(r *Record) { r.AttemptID = s } }
-func tok(s string) mod          { return func(r *Record) { r.LeaseToken = s } }
 
 // acquisition is what any acquisition by evBegin does to a record (DESIGN.md
 // "Tokens and counters", "Time"): IN_PROGRESS with the new token and a lease
