@@ -43,12 +43,14 @@ const txLease = time.Hour
 // coordinator holding a live lease. Nothing was written; retry later.
 var ErrInProgress = errors.New("another attempt holds the key")
 
-// ErrUnknownHeld is returned by RunTx when the key's record is UNKNOWN: an
-// attempt over gRPC ended Fail UNKNOWN or lost its lease, and may have done
-// its side effect. RunTx never takes such a key over (it cannot tell fn to
-// check the outside world first); it waits up to TxOptions.Wait for the
-// holder's late Complete or an operator's Resolve (idemctl resolve), then
-// returns this error. errors.Is(ErrUnknownHeld, ErrInProgress) is true.
+// ErrUnknownHeld is returned by RunTx, without waiting, when the key's
+// record is UNKNOWN: an attempt over gRPC ended Fail UNKNOWN or lost its
+// lease, and may have done its side effect. RunTx never takes such a key
+// over (it cannot tell fn to check the outside world first), whatever the
+// coordinator's on_unknown policy; the key runs again once an operator
+// resolves it as retryable (idemctl resolve), and replays once it is
+// resolved as completed or its holder's late Complete arrives.
+// errors.Is(ErrUnknownHeld, ErrInProgress) is true.
 var ErrUnknownHeld = fmt.Errorf("%w: the record is UNKNOWN and waits for an operator's resolve", ErrInProgress)
 
 // ErrInvalidArgument wraps RunTx's refusals of its input (an empty or
@@ -116,8 +118,7 @@ type TxOptions struct {
 //     coordinator holds it) is waited for, without a lock or connection
 //     held, until it changes or opts.Wait runs out (ErrInProgress);
 //   - an UNKNOWN record (an attempt over gRPC may have done its side
-//     effect) is not taken over: RunTx waits as above, then returns
-//     ErrUnknownHeld.
+//     effect) is not taken over: RunTx returns ErrUnknownHeld at once.
 //
 // A crash at any point leaves no record or a finished one: RunTx never
 // leaves a record IN_PROGRESS or UNKNOWN. If the commit itself fails
@@ -174,13 +175,14 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 			continue
 		}
 		// Held by someone who does not hold the row lock: a gRPC caller.
-		held := ErrInProgress
+		// An UNKNOWN record waits for an operator, not for an attempt
+		// (as a waiting Begin under on_unknown: hold): answer at once.
 		if out.unknown {
-			held = ErrUnknownHeld
+			return nil, false, ErrUnknownHeld
 		}
 		left := time.Until(giveUp)
 		if left <= 0 {
-			return nil, false, held
+			return nil, false, ErrInProgress
 		}
 		if changed == nil {
 			// Subscribe, then read again, so no change is missed.

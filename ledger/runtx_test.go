@@ -380,7 +380,10 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 	id.Key = "lapsed"
 	beginID(t, s, id, time.Second, time.Hour)
 	clock.Advance(2 * time.Second)
-	if _, _, err := s.RunTx(ctx, id, ledger.TxOptions{Wait: -1}, fn); !errors.Is(err, ledger.ErrUnknownHeld) || !errors.Is(err, ledger.ErrInProgress) {
+	// At once: an UNKNOWN record waits for an operator, not for an attempt.
+	short, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if _, _, err := s.RunTx(short, id, ledger.TxOptions{Wait: time.Hour}, fn); !errors.Is(err, ledger.ErrUnknownHeld) || !errors.Is(err, ledger.ErrInProgress) {
 		t.Fatalf("UNKNOWN key: %v, want ErrUnknownHeld", err)
 	}
 	if _, err := s.Resolve(ctx, &ledger.ResolveParams{ID: id, As: statemachine.StateFailedRetryable}); err != nil {
@@ -390,6 +393,22 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 	fn = charge(id.Key, &calls)
 	if _, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); err != nil || replayed {
 		t.Fatalf("after Resolve: %v %v", replayed, err)
+	}
+
+	// Fail UNKNOWN, then the holder's late Complete: held, then replayed.
+	id.Key = "failed-unknown"
+	token = beginID(t, s, id, time.Minute, time.Hour)
+	if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventFail,
+		Token: token, FailureKind: statemachine.FailureUnknown}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); !errors.Is(err, ledger.ErrUnknownHeld) {
+		t.Fatalf("after Fail UNKNOWN: %v, want ErrUnknownHeld", err)
+	}
+	completeID(t, s, id, token)
+	before := calls.Load()
+	if resp, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); err != nil || !replayed || string(resp.Body) != "done" || calls.Load() != before {
+		t.Fatalf("after the late Complete: %+v %v %v", resp, replayed, err)
 	}
 
 	// FAILED_RETRYABLE over gRPC: RunTx takes over.
@@ -409,7 +428,7 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 	}
 
 	// Expired: a new generation runs fn again.
-	before := calls.Load()
+	before = calls.Load()
 	clock.Advance(25 * time.Hour)
 	if _, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
 		calls.Add(1)
