@@ -147,6 +147,36 @@ func TestRunTxConcurrentDuplicatesRunOnce(t *testing.T) {
 	if err != nil || rec.State != statemachine.StateCompleted || !rec.Response.Equal(resps[0]) {
 		t.Fatalf("stored record %+v, %v", rec, err)
 	}
+
+	// The same on an existing record that may run again (FAILED_RETRYABLE
+	// over gRPC): the row lock decides.
+	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "retried"}
+	token := beginID(t, db.store, id, time.Minute, time.Hour)
+	if _, err := db.store.Finish(context.Background(), &ledger.FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventFail,
+		Token: token, FailureKind: statemachine.FailureRetryable}}); err != nil {
+		t.Fatal(err)
+	}
+	calls.Store(0)
+	fn = charge(id.Key, &calls)
+	start = make(chan struct{})
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			resps[i], replays[i], errs[i] = db.store.RunTx(context.Background(), id, ledger.TxOptions{Wait: time.Minute}, slow)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for i := range n {
+		if errs[i] != nil || !resps[i].Equal(resps[0]) {
+			t.Fatalf("takeover, call %d: %+v %v", i, resps[i], errs[i])
+		}
+	}
+	if calls.Load() != 1 || db.charges(t, id.Key) != 1 {
+		t.Fatalf("takeover by 50 at once: fn ran %d times, %d charge rows", calls.Load(), db.charges(t, id.Key))
+	}
 }
 
 // TestRunTxErrorOrPanicRollsBack: an error or a panic in fn leaves neither
