@@ -32,6 +32,10 @@ const (
 	// MaxFingerprintBytes bounds TxOptions.Fingerprint, as the coordinator
 	// bounds BeginRequest.fingerprint.
 	MaxFingerprintBytes = 64
+	// MaxTxResponseBytes bounds the response RunTx stores (body, metadata,
+	// schema version and content type together), as the coordinator's
+	// default max_response_bytes does, so a gRPC Begin can replay it.
+	MaxTxResponseBytes = 1 << 20
 )
 
 // txLease is the lease written on the record RunTx holds while fn runs. No
@@ -54,8 +58,9 @@ var ErrInProgress = errors.New("another attempt holds the key")
 var ErrUnknownHeld = fmt.Errorf("%w: the record is UNKNOWN and waits for an operator's resolve", ErrInProgress)
 
 // ErrInvalidArgument wraps RunTx's refusals of its input (an empty or
-// unprintable name, a fingerprint too long, a negative TTL). Nothing is
-// written.
+// unprintable name, a fingerprint too long, a negative TTL, no function)
+// and of a response of fn larger than MaxTxResponseBytes. Nothing is
+// written: fn's writes are rolled back.
 var ErrInvalidArgument = errors.New("invalid argument")
 
 // ReplayableError is the error a RunTx function returns for an outcome that
@@ -339,6 +344,10 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	default:
 		return runTxResult{done: true, err: fnErr}, nil
 	}
+	if n := responseSize(resp); n > MaxTxResponseBytes {
+		// Rolled back with fn's writes: nothing is kept that cannot replay.
+		return runTxResult{done: true, err: fmt.Errorf("%w: the response of fn is %d bytes, at most %d", ErrInvalidArgument, n, MaxTxResponseBytes)}, nil
+	}
 
 	if err := tx.QueryRow(ctx, `SELECT coalesce($1::timestamptz, clock_timestamp())`, s.now()).Scan(&now); err != nil {
 		return dbErr(err)
@@ -360,6 +369,15 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	}
 	committed = true
 	return runTxResult{done: true, resp: resp, err: fnErr}, nil
+}
+
+// responseSize is the size of a response's content.
+func responseSize(r *statemachine.Response) int {
+	n := len(r.Body) + len(r.SchemaVersion) + len(r.ContentType)
+	for k, v := range r.Metadata {
+		n += len(k) + len(v)
+	}
+	return n
 }
 
 // errTxOwned is returned by the transaction RunTx hands to fn when fn tries

@@ -233,6 +233,23 @@ func TestRunTxErrorOrPanicRollsBack(t *testing.T) {
 		t.Fatal("a commit in fn left a charge row or a record")
 	}
 
+	// A caller that goes away while fn runs: rolled back.
+	cctx, cancel := context.WithCancel(context.Background())
+	cancelled := func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+		if _, err := ok(ctx, tx); err != nil {
+			return nil, err
+		}
+		cancel()
+		<-ctx.Done()
+		return &statemachine.Response{Body: []byte("too late")}, nil
+	}
+	if _, _, err := db.store.RunTx(cctx, chargeID, ledger.TxOptions{}, cancelled); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled caller: %v, want context.Canceled", err)
+	}
+	if db.charges(t, chargeID.Key) != 0 || db.records(t, chargeID.Key) != 0 {
+		t.Fatal("a cancelled caller left a charge row or a record")
+	}
+
 	calls.Store(0)
 	resp, replayed, err := db.store.RunTx(context.Background(), chargeID, ledger.TxOptions{}, ok)
 	if err != nil || replayed || calls.Load() != 1 || db.charges(t, chargeID.Key) != 1 {
@@ -309,6 +326,21 @@ func TestRunTxFingerprintAndBadInput(t *testing.T) {
 	}
 	if calls.Load() != 1 || db.count(t, `SELECT count(*) FROM idempotency_records`) != 1 {
 		t.Fatalf("bad input ran fn or wrote a record")
+	}
+
+	// A response too large to replay over gRPC rolls fn's writes back.
+	big := ledger.Identity{Scope: "s", Key: "big"}
+	huge := func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+		if _, err := charge(big.Key, &calls)(ctx, tx); err != nil {
+			return nil, err
+		}
+		return &statemachine.Response{Body: make([]byte, ledger.MaxTxResponseBytes), ContentType: "x"}, nil
+	}
+	if _, _, err := db.store.RunTx(context.Background(), big, ledger.TxOptions{}, huge); !errors.Is(err, ledger.ErrInvalidArgument) {
+		t.Fatalf("oversized response: %v", err)
+	}
+	if db.charges(t, big.Key) != 0 || db.records(t, big.Key) != 0 {
+		t.Fatal("an oversized response left a charge row or a record")
 	}
 }
 
@@ -662,4 +694,47 @@ func TestRunTxInteroperatesWithTheCoordinator(t *testing.T) {
 	if res := <-beginDone; res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || string(res.GetRecord().GetResponse().GetBody()) != "made in the transaction" {
 		t.Fatalf("gRPC Begin during RunTx: %v", res)
 	}
+}
+
+// BenchmarkRunTx measures RunTx on a new key (fn writes one row) and on a
+// completed key (a replay): go test -run '^$' -bench RunTx ./ledger
+func BenchmarkRunTx(b *testing.B) {
+	url := pgtest.NewDatabase(b)
+	s, err := ledger.Open(context.Background(), url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(s.Close)
+	if _, _, err := s.RunTx(context.Background(), ledger.Identity{Scope: "setup", Key: "table"}, ledger.TxOptions{},
+		func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+			_, err := tx.Exec(ctx, chargesTable)
+			return nil, err
+		}); err != nil {
+		b.Fatal(err)
+	}
+	fn := func(key string) func(context.Context, pgx.Tx) (*statemachine.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO charges (key, amount, token) VALUES ($1, 1, '')`, key)
+			return &statemachine.Response{StatusCode: 201, Body: make([]byte, 100)}, err
+		}
+	}
+	b.Run("new key", func(b *testing.B) {
+		for i := 0; b.Loop(); i++ {
+			key := fmt.Sprintf("new-%d", i)
+			if _, _, err := s.RunTx(context.Background(), ledger.Identity{Scope: "bench", Key: key}, ledger.TxOptions{}, fn(key)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("replay", func(b *testing.B) {
+		id := ledger.Identity{Scope: "bench", Key: "replayed"}
+		if _, _, err := s.RunTx(context.Background(), id, ledger.TxOptions{}, fn(id.Key)); err != nil {
+			b.Fatal(err)
+		}
+		for b.Loop() {
+			if _, replayed, err := s.RunTx(context.Background(), id, ledger.TxOptions{}, fn(id.Key)); err != nil || !replayed {
+				b.Fatal(replayed, err)
+			}
+		}
+	})
 }
