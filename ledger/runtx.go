@@ -110,7 +110,8 @@ type TxOptions struct {
 // the row lock, up to opts.Wait), then:
 //   - a COMPLETED record replays: RunTx returns its stored response with
 //     replayed true, and fn is not called; a FAILED_REPLAYABLE record does
-//     the same with a *ReplayableError;
+//     the same with a *ReplayableError (a finished record is first looked
+//     for with a plain read, so a replay takes no lock);
 //   - a new key, a FAILED_RETRYABLE record or an expired one (a new
 //     generation) runs fn with the transaction. When fn returns a response,
 //     it is stored COMPLETED and the transaction commits; RunTx returns it
@@ -160,6 +161,15 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 	giveUp := time.Now().Add(wait)
 	ev := statemachine.Event{Kind: statemachine.EventBegin, Fingerprint: opts.Fingerprint,
 		TTL: ttl, FailureTTL: ttl, Lease: txLease}
+
+	// A finished record replays from a plain read, as a Begin's does: it
+	// changes only by expiry, Forget or an operator, and a duplicate of a
+	// hot key then takes no lock.
+	if out, ok, err := s.replayUnlocked(ctx, id, ev); err != nil {
+		return nil, false, err
+	} else if ok {
+		return out.resp, out.replayed, out.err
+	}
 
 	var changed <-chan struct{}
 	var timer *time.Timer
@@ -216,6 +226,44 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 			return nil, false, ctx.Err()
 		}
 	}
+}
+
+// txPolicy is how RunTx decides on an existing record: it never takes over
+// UNKNOWN (on_unknown: hold) and restarts an expired key (on_expired:
+// restart).
+var txPolicy = statemachine.Policy{OnUnknown: statemachine.UnknownHold}
+
+// replayUnlocked reads the record without a lock or transaction and
+// reports ok when that decides RunTx: a replay, or a refusal such as a
+// fingerprint mismatch.
+func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine.Event) (out runTxResult, ok bool, err error) {
+	row := s.pool.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
+		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
+		id.Tenant, id.Scope, id.Key, s.now())
+	cur, now, err := s.scanRecordNow(row, id)
+	if err == pgx.ErrNoRows {
+		return out, false, nil
+	}
+	if err != nil {
+		return out, false, classify(err)
+	}
+	d := statemachine.Next(&cur, ev, txPolicy, now)
+	switch {
+	case d.Err != nil:
+		return runTxResult{err: d.Err}, true, nil
+	case d.Outcome == statemachine.OutcomeReplay:
+		return replayOf(d.Record), true, nil
+	}
+	return out, false, nil
+}
+
+// replayOf is RunTx's answer for a replayed record.
+func replayOf(rec statemachine.Record) runTxResult {
+	out := runTxResult{done: true, resp: rec.Response, replayed: true}
+	if rec.State == statemachine.StateFailedReplayable {
+		out.err = &ReplayableError{Response: rec.Response}
+	}
+	return out
 }
 
 // runTxResult is what one transaction of RunTx came to.
@@ -295,18 +343,12 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		if err != nil {
 			return dbErr(err)
 		}
-		// RunTx never takes over UNKNOWN (on_unknown: hold) and restarts an
-		// expired key (on_expired: restart).
-		d = statemachine.Next(&cur, ev, statemachine.Policy{OnUnknown: statemachine.UnknownHold}, now)
+		d = statemachine.Next(&cur, ev, txPolicy, now)
 		switch {
 		case d.Err != nil:
 			return runTxResult{done: true, err: d.Err}, nil
 		case d.Outcome == statemachine.OutcomeReplay:
-			out = runTxResult{done: true, resp: d.Record.Response, replayed: true}
-			if d.Record.State == statemachine.StateFailedReplayable {
-				out.err = &ReplayableError{Response: d.Record.Response}
-			}
-			return out, nil
+			return replayOf(d.Record), nil
 		case d.Outcome == statemachine.OutcomeInProgress,
 			d.Outcome == statemachine.OutcomeAcquired && (d.PreviousState == statemachine.StateUnknown || d.Write != statemachine.WriteUpdate):
 			// A live lease, or an UNKNOWN record (or one whose generation
