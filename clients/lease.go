@@ -108,8 +108,10 @@ func MarkSideEffect(ctx context.Context) {
 // generation (1 for the first) and the state the key was in before this
 // attempt acquired it: STATE_UNSPECIFIED for a new key, STATE_FAILED_RETRYABLE
 // after a retryable failure, STATE_EXPIRED after expiry, and STATE_UNKNOWN
-// when an earlier attempt may have done the side effect: a handler that sees
-// STATE_UNKNOWN checks the outside world before it repeats the side effect.
+// when an earlier attempt of the generation may have done the side effect,
+// even if a later one failed retryably or was abandoned in between: a
+// handler that sees STATE_UNKNOWN checks the outside world before it repeats
+// the side effect.
 // ok is false outside such a call, and when the interceptor runs a handler
 // unprotected (no key, or fail-open).
 func AttemptFrom(ctx context.Context) (attempt int32, previous idempotencyv1.State, ok bool) {
