@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -449,5 +450,87 @@ func TestFailOpenOnlyOnTransportFailure(t *testing.T) {
 				t.Fatalf("coordinator %v: handler ran %v, answered %v; want ran %v, %v", tc.code, ran, err, tc.runs, tc.answers)
 			}
 		})
+	}
+}
+
+// flakyEnd is a coordinator whose first Fail replies are lost (the Fail
+// lands, the caller sees UNAVAILABLE) and whose Heartbeat then answers, as
+// idemcoord does after an ending call, ALREADY_FINISHED.
+type flakyEnd struct {
+	idempotencyv1.UnimplementedCoordinatorServer
+	mu         sync.Mutex
+	fails      int
+	heartbeats int
+}
+
+func (f *flakyEnd) Begin(_ context.Context, req *idempotencyv1.BeginRequest) (*idempotencyv1.BeginResponse, error) {
+	return &idempotencyv1.BeginResponse{Outcome: idempotencyv1.Outcome_OUTCOME_ACQUIRED, LeaseToken: "tok",
+		Record: &idempotencyv1.Record{Scope: req.GetScope(), Key: req.GetKey(), Attempt: 1, Generation: 1,
+			State: idempotencyv1.State_STATE_IN_PROGRESS}}, nil
+}
+
+func (f *flakyEnd) Fail(context.Context, *idempotencyv1.FailRequest) (*idempotencyv1.FailResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fails++
+	if f.fails <= 2 {
+		return nil, status.Error(codes.Unavailable, "reply lost")
+	}
+	return &idempotencyv1.FailResponse{}, nil
+}
+
+func (f *flakyEnd) Heartbeat(context.Context, *idempotencyv1.HeartbeatRequest) (*idempotencyv1.HeartbeatResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.heartbeats++
+	st, _ := status.New(codes.FailedPrecondition, "the record already ended with this token").
+		WithDetails(&errdetails.ErrorInfo{Reason: "ALREADY_FINISHED", Domain: clients.ErrorDomain})
+	return nil, st.Err()
+}
+
+func (f *flakyEnd) counts() (fails, heartbeats int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.fails, f.heartbeats
+}
+
+// A Fail retried in the background whose first reply was lost: the
+// Heartbeat in between answers ALREADY_FINISHED (it no longer revives the
+// record), and the retry goes on until the repeated Fail is acknowledged
+// instead of giving up.
+func TestBackgroundFailSurvivesAlreadyFinishedHeartbeat(t *testing.T) {
+	t.Parallel()
+	fake := &flakyEnd{}
+	srv := grpc.NewServer()
+	idempotencyv1.RegisterCoordinatorServer(srv, fake)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(lis) }()
+	defer srv.Stop()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := clients.New(conn, clients.WithMaxAttempts(1), clients.WithLease(time.Minute))
+	_, err = c.Once(testCtx(t), "mail", "m1", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		return nil, status.Error(codes.Internal, "maybe sent")
+	})
+	if status.Code(err) != codes.Internal {
+		t.Fatalf("Once: %v", err)
+	}
+	eventually(t, "the repeated Fail to be acknowledged", func() bool {
+		fails, _ := fake.counts()
+		return fails >= 3
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := c.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if fails, heartbeats := fake.counts(); fails != 3 || heartbeats < 1 {
+		t.Fatalf("%d Fails, %d Heartbeats; want 3 Fails with a Heartbeat in between", fails, heartbeats)
 	}
 }
