@@ -122,6 +122,27 @@ func (a *adminService) Forget(ctx context.Context, req *idempotencyv1.ForgetRequ
 	return &idempotencyv1.ForgetResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
 }
 
+// GetRecord reads one record with its response; see idempotency.v1.Admin.
+func (a *adminService) GetRecord(ctx context.Context, req *idempotencyv1.GetRecordRequest) (*idempotencyv1.GetRecordResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	lim := a.s.policies.Load().Limits()
+	err := validate(a.s.validator, req, func(v *violations) {
+		checkIdentity(v, req.GetScope(), req.GetKey(), lim)
+	})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	id := identity(ctx, req.GetScope(), req.GetKey())
+	rec, _, err := a.s.store.Lookup(ctx, id)
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	return &idempotencyv1.GetRecordResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
+}
+
 // maxCountGroups is the most groups a CountRecords call returns, and what
 // max_groups 0 means.
 const maxCountGroups = 1000

@@ -246,6 +246,16 @@ func TestAdminCountRecords(t *testing.T) {
 	}
 	_, err = admin.CountRecords(ctx(t), &idempotencyv1.CountRecordsRequest{MaxGroups: 1001})
 	wantCode(t, err, codes.InvalidArgument, "")
+
+	// GetRecord reads a record with its response.
+	g, err := admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge", Key: "a"})
+	if err != nil || g.GetRecord().GetState() != stCompleted || !proto.Equal(g.GetRecord().GetResponse(), sampleResponse()) {
+		t.Fatalf("GetRecord: %v %v", g, err)
+	}
+	_, err = admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge", Key: "nope"})
+	wantCode(t, err, codes.NotFound, "")
+	_, err = admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge"})
+	wantCode(t, err, codes.InvalidArgument, "")
 }
 
 func TestAdminForget(t *testing.T) {
@@ -351,7 +361,8 @@ tenants:
 		_, e2 := admin.Resolve(ctx, &idempotencyv1.ResolveRequest{Scope: "s", Key: "k", Resolution: asCompleted})
 		_, e3 := admin.Forget(ctx, &idempotencyv1.ForgetRequest{Scope: "s", Key: "k"})
 		_, e4 := admin.CountRecords(ctx, &idempotencyv1.CountRecordsRequest{})
-		return []error{e1, e2, e3, e4}
+		_, e5 := admin.GetRecord(ctx, &idempotencyv1.GetRecordRequest{Scope: "s", Key: "k"})
+		return []error{e1, e2, e3, e4, e5}
 	}
 	if _, err := coord.Begin(pay, &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(time.Second)}); err != nil {
 		t.Fatal(err)
@@ -371,6 +382,7 @@ tenants:
 	errs := call(ops)
 	wantCode(t, errs[1], codes.NotFound, "")
 	wantCode(t, errs[2], codes.NotFound, "")
+	wantCode(t, errs[4], codes.NotFound, "")
 	if r, err := coord.Lookup(pay, &idempotencyv1.LookupRequest{Scope: "s", Key: "k"}); err != nil || r.GetRecord().GetState() != stUnknown {
 		t.Fatalf("payments' record after ops' calls: %v %v", r, err)
 	}

@@ -220,6 +220,107 @@ func (x *ListRecordsResponse) GetNextPageToken() string {
 	return ""
 }
 
+// GetRecordRequest names the record to read.
+type GetRecordRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Operation name, 1-255 printable bytes.
+	Scope string `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	// Idempotency key, 1-255 printable bytes.
+	Key           string `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetRecordRequest) Reset() {
+	*x = GetRecordRequest{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetRecordRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetRecordRequest) ProtoMessage() {}
+
+func (x *GetRecordRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetRecordRequest.ProtoReflect.Descriptor instead.
+func (*GetRecordRequest) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *GetRecordRequest) GetScope() string {
+	if x != nil {
+		return x.Scope
+	}
+	return ""
+}
+
+func (x *GetRecordRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+// GetRecordResponse carries the record.
+type GetRecordResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The record as in effect now, with its stored response.
+	Record        *Record `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetRecordResponse) Reset() {
+	*x = GetRecordResponse{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetRecordResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetRecordResponse) ProtoMessage() {}
+
+func (x *GetRecordResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetRecordResponse.ProtoReflect.Descriptor instead.
+func (*GetRecordResponse) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *GetRecordResponse) GetRecord() *Record {
+	if x != nil {
+		return x.Record
+	}
+	return nil
+}
+
 // CountRecordsRequest asks for the tenant's record counts.
 type CountRecordsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -231,7 +332,7 @@ type CountRecordsRequest struct {
 
 func (x *CountRecordsRequest) Reset() {
 	*x = CountRecordsRequest{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -243,7 +344,7 @@ func (x *CountRecordsRequest) String() string {
 func (*CountRecordsRequest) ProtoMessage() {}
 
 func (x *CountRecordsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -256,7 +357,7 @@ func (x *CountRecordsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CountRecordsRequest.ProtoReflect.Descriptor instead.
 func (*CountRecordsRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{2}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *CountRecordsRequest) GetMaxGroups() int32 {
@@ -281,7 +382,7 @@ type CountRecordsResponse struct {
 
 func (x *CountRecordsResponse) Reset() {
 	*x = CountRecordsResponse{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -293,7 +394,7 @@ func (x *CountRecordsResponse) String() string {
 func (*CountRecordsResponse) ProtoMessage() {}
 
 func (x *CountRecordsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -306,7 +407,7 @@ func (x *CountRecordsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CountRecordsResponse.ProtoReflect.Descriptor instead.
 func (*CountRecordsResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{3}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CountRecordsResponse) GetCounts() []*RecordCount {
@@ -338,7 +439,7 @@ type RecordCount struct {
 
 func (x *RecordCount) Reset() {
 	*x = RecordCount{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -350,7 +451,7 @@ func (x *RecordCount) String() string {
 func (*RecordCount) ProtoMessage() {}
 
 func (x *RecordCount) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -363,7 +464,7 @@ func (x *RecordCount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCount.ProtoReflect.Descriptor instead.
 func (*RecordCount) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RecordCount) GetScope() string {
@@ -406,7 +507,7 @@ type ResolveRequest struct {
 
 func (x *ResolveRequest) Reset() {
 	*x = ResolveRequest{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -418,7 +519,7 @@ func (x *ResolveRequest) String() string {
 func (*ResolveRequest) ProtoMessage() {}
 
 func (x *ResolveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -431,7 +532,7 @@ func (x *ResolveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveRequest.ProtoReflect.Descriptor instead.
 func (*ResolveRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ResolveRequest) GetScope() string {
@@ -473,7 +574,7 @@ type ResolveResponse struct {
 
 func (x *ResolveResponse) Reset() {
 	*x = ResolveResponse{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -485,7 +586,7 @@ func (x *ResolveResponse) String() string {
 func (*ResolveResponse) ProtoMessage() {}
 
 func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -498,7 +599,7 @@ func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveResponse.ProtoReflect.Descriptor instead.
 func (*ResolveResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{6}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResolveResponse) GetRecord() *Record {
@@ -521,7 +622,7 @@ type ForgetRequest struct {
 
 func (x *ForgetRequest) Reset() {
 	*x = ForgetRequest{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -533,7 +634,7 @@ func (x *ForgetRequest) String() string {
 func (*ForgetRequest) ProtoMessage() {}
 
 func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -546,7 +647,7 @@ func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetRequest.ProtoReflect.Descriptor instead.
 func (*ForgetRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{7}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ForgetRequest) GetScope() string {
@@ -574,7 +675,7 @@ type ForgetResponse struct {
 
 func (x *ForgetResponse) Reset() {
 	*x = ForgetResponse{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -586,7 +687,7 @@ func (x *ForgetResponse) String() string {
 func (*ForgetResponse) ProtoMessage() {}
 
 func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -599,7 +700,7 @@ func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetResponse.ProtoReflect.Descriptor instead.
 func (*ForgetResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{8}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ForgetResponse) GetRecord() *Record {
@@ -626,7 +727,12 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"@\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"h\n" +
+	"\x10GetRecordRequest\x12+\n" +
+	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
+	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\"C\n" +
+	"\x11GetRecordResponse\x12.\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"@\n" +
 	"\x13CountRecordsRequest\x12)\n" +
 	"\n" +
 	"max_groups\x18\x01 \x01(\x05B\n" +
@@ -657,11 +763,12 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"Resolution\x12\x1a\n" +
 	"\x16RESOLUTION_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14RESOLUTION_COMPLETED\x10\x01\x12\x18\n" +
-	"\x14RESOLUTION_RETRYABLE\x10\x022\xd9\x02\n" +
+	"\x14RESOLUTION_RETRYABLE\x10\x022\xb0\x03\n" +
 	"\x05Admin\x12[\n" +
 	"\vListRecords\x12\".idempotency.v1.ListRecordsRequest\x1a#.idempotency.v1.ListRecordsResponse\"\x03\x90\x02\x01\x12J\n" +
 	"\aResolve\x12\x1e.idempotency.v1.ResolveRequest\x1a\x1f.idempotency.v1.ResolveResponse\x12G\n" +
-	"\x06Forget\x12\x1d.idempotency.v1.ForgetRequest\x1a\x1e.idempotency.v1.ForgetResponse\x12^\n" +
+	"\x06Forget\x12\x1d.idempotency.v1.ForgetRequest\x1a\x1e.idempotency.v1.ForgetResponse\x12U\n" +
+	"\tGetRecord\x12 .idempotency.v1.GetRecordRequest\x1a!.idempotency.v1.GetRecordResponse\"\x03\x90\x02\x01\x12^\n" +
 	"\fCountRecords\x12#.idempotency.v1.CountRecordsRequest\x1a$.idempotency.v1.CountRecordsResponse\"\x03\x90\x02\x01BAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
@@ -677,44 +784,49 @@ func file_idempotency_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_idempotency_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_idempotency_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_idempotency_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_idempotency_v1_admin_proto_goTypes = []any{
 	(Resolution)(0),              // 0: idempotency.v1.Resolution
 	(*ListRecordsRequest)(nil),   // 1: idempotency.v1.ListRecordsRequest
 	(*ListRecordsResponse)(nil),  // 2: idempotency.v1.ListRecordsResponse
-	(*CountRecordsRequest)(nil),  // 3: idempotency.v1.CountRecordsRequest
-	(*CountRecordsResponse)(nil), // 4: idempotency.v1.CountRecordsResponse
-	(*RecordCount)(nil),          // 5: idempotency.v1.RecordCount
-	(*ResolveRequest)(nil),       // 6: idempotency.v1.ResolveRequest
-	(*ResolveResponse)(nil),      // 7: idempotency.v1.ResolveResponse
-	(*ForgetRequest)(nil),        // 8: idempotency.v1.ForgetRequest
-	(*ForgetResponse)(nil),       // 9: idempotency.v1.ForgetResponse
-	(State)(0),                   // 10: idempotency.v1.State
-	(*Record)(nil),               // 11: idempotency.v1.Record
-	(*StoredResponse)(nil),       // 12: idempotency.v1.StoredResponse
+	(*GetRecordRequest)(nil),     // 3: idempotency.v1.GetRecordRequest
+	(*GetRecordResponse)(nil),    // 4: idempotency.v1.GetRecordResponse
+	(*CountRecordsRequest)(nil),  // 5: idempotency.v1.CountRecordsRequest
+	(*CountRecordsResponse)(nil), // 6: idempotency.v1.CountRecordsResponse
+	(*RecordCount)(nil),          // 7: idempotency.v1.RecordCount
+	(*ResolveRequest)(nil),       // 8: idempotency.v1.ResolveRequest
+	(*ResolveResponse)(nil),      // 9: idempotency.v1.ResolveResponse
+	(*ForgetRequest)(nil),        // 10: idempotency.v1.ForgetRequest
+	(*ForgetResponse)(nil),       // 11: idempotency.v1.ForgetResponse
+	(State)(0),                   // 12: idempotency.v1.State
+	(*Record)(nil),               // 13: idempotency.v1.Record
+	(*StoredResponse)(nil),       // 14: idempotency.v1.StoredResponse
 }
 var file_idempotency_v1_admin_proto_depIdxs = []int32{
-	10, // 0: idempotency.v1.ListRecordsRequest.state:type_name -> idempotency.v1.State
-	11, // 1: idempotency.v1.ListRecordsResponse.records:type_name -> idempotency.v1.Record
-	5,  // 2: idempotency.v1.CountRecordsResponse.counts:type_name -> idempotency.v1.RecordCount
-	10, // 3: idempotency.v1.RecordCount.state:type_name -> idempotency.v1.State
-	0,  // 4: idempotency.v1.ResolveRequest.resolution:type_name -> idempotency.v1.Resolution
-	12, // 5: idempotency.v1.ResolveRequest.response:type_name -> idempotency.v1.StoredResponse
-	11, // 6: idempotency.v1.ResolveResponse.record:type_name -> idempotency.v1.Record
-	11, // 7: idempotency.v1.ForgetResponse.record:type_name -> idempotency.v1.Record
-	1,  // 8: idempotency.v1.Admin.ListRecords:input_type -> idempotency.v1.ListRecordsRequest
-	6,  // 9: idempotency.v1.Admin.Resolve:input_type -> idempotency.v1.ResolveRequest
-	8,  // 10: idempotency.v1.Admin.Forget:input_type -> idempotency.v1.ForgetRequest
-	3,  // 11: idempotency.v1.Admin.CountRecords:input_type -> idempotency.v1.CountRecordsRequest
-	2,  // 12: idempotency.v1.Admin.ListRecords:output_type -> idempotency.v1.ListRecordsResponse
-	7,  // 13: idempotency.v1.Admin.Resolve:output_type -> idempotency.v1.ResolveResponse
-	9,  // 14: idempotency.v1.Admin.Forget:output_type -> idempotency.v1.ForgetResponse
-	4,  // 15: idempotency.v1.Admin.CountRecords:output_type -> idempotency.v1.CountRecordsResponse
-	12, // [12:16] is the sub-list for method output_type
-	8,  // [8:12] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	12, // 0: idempotency.v1.ListRecordsRequest.state:type_name -> idempotency.v1.State
+	13, // 1: idempotency.v1.ListRecordsResponse.records:type_name -> idempotency.v1.Record
+	13, // 2: idempotency.v1.GetRecordResponse.record:type_name -> idempotency.v1.Record
+	7,  // 3: idempotency.v1.CountRecordsResponse.counts:type_name -> idempotency.v1.RecordCount
+	12, // 4: idempotency.v1.RecordCount.state:type_name -> idempotency.v1.State
+	0,  // 5: idempotency.v1.ResolveRequest.resolution:type_name -> idempotency.v1.Resolution
+	14, // 6: idempotency.v1.ResolveRequest.response:type_name -> idempotency.v1.StoredResponse
+	13, // 7: idempotency.v1.ResolveResponse.record:type_name -> idempotency.v1.Record
+	13, // 8: idempotency.v1.ForgetResponse.record:type_name -> idempotency.v1.Record
+	1,  // 9: idempotency.v1.Admin.ListRecords:input_type -> idempotency.v1.ListRecordsRequest
+	8,  // 10: idempotency.v1.Admin.Resolve:input_type -> idempotency.v1.ResolveRequest
+	10, // 11: idempotency.v1.Admin.Forget:input_type -> idempotency.v1.ForgetRequest
+	3,  // 12: idempotency.v1.Admin.GetRecord:input_type -> idempotency.v1.GetRecordRequest
+	5,  // 13: idempotency.v1.Admin.CountRecords:input_type -> idempotency.v1.CountRecordsRequest
+	2,  // 14: idempotency.v1.Admin.ListRecords:output_type -> idempotency.v1.ListRecordsResponse
+	9,  // 15: idempotency.v1.Admin.Resolve:output_type -> idempotency.v1.ResolveResponse
+	11, // 16: idempotency.v1.Admin.Forget:output_type -> idempotency.v1.ForgetResponse
+	4,  // 17: idempotency.v1.Admin.GetRecord:output_type -> idempotency.v1.GetRecordResponse
+	6,  // 18: idempotency.v1.Admin.CountRecords:output_type -> idempotency.v1.CountRecordsResponse
+	14, // [14:19] is the sub-list for method output_type
+	9,  // [9:14] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_admin_proto_init() }
@@ -729,7 +841,7 @@ func file_idempotency_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idempotency_v1_admin_proto_rawDesc), len(file_idempotency_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
