@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"google.golang.org/grpc"
@@ -30,6 +31,12 @@ var funcs = template.FuncMap{
 	},
 	"listURL": func(state, scope string) template.URL {
 		return listURL(listFilter{State: state, Scope: scope}, "")
+	},
+	"every": func(d time.Duration) string {
+		if d == time.Minute {
+			return "minute"
+		}
+		return d.String()
 	},
 	"time": func(ts *timestamppb.Timestamp) string {
 		if ts == nil {
@@ -381,6 +388,19 @@ func responseFromForm(r *http.Request) (*idempotencyv1.StoredResponse, error) {
 				res.Body = b
 			}
 		}
+	}
+	for i, line := range strings.Split(strings.ReplaceAll(r.PostFormValue("metadata"), "\r\n", "\n"), "\n") {
+		if strings.TrimSpace(line) == "" {
+			continue
+		}
+		name, value, ok := strings.Cut(line, ":")
+		if !ok || strings.TrimSpace(name) == "" {
+			return nil, fmt.Errorf("metadata line %d: write name: value", i+1)
+		}
+		if res.Metadata == nil {
+			res.Metadata = map[string]string{}
+		}
+		res.Metadata[strings.TrimSpace(name)] = strings.TrimSpace(value)
 	}
 	if s := strings.TrimSpace(r.PostFormValue("status_code")); s != "" {
 		n, err := strconv.ParseInt(s, 10, 32)
