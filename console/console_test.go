@@ -19,6 +19,7 @@ import (
 	"time"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // TestOperatorResolvesUnknown is the operator's story over HTTP: sign in,
@@ -459,4 +460,91 @@ func issue(t *testing.T, ca *x509.Certificate, caKey *ecdsa.PrivateKey, cn strin
 		t.Fatal(err)
 	}
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// TestHostileInput: markup in keys is escaped and still round-trips through
+// links; malformed parameters get 4xx, never a 5xx or a changed record.
+func TestHostileInput(t *testing.T) {
+	t.Parallel()
+	e := newConsoleEnv(t, false)
+	scope, key := `/x.v1.X/<b>?&#`, `<script>alert("k")</script>'&%2F/..`
+	e.unknownRecord(opsToken, scope, key)
+	b := e.browser()
+	b.login(opsToken)
+	for _, path := range []string{"/console/", "/console/records", recordPath(scope, key),
+		"/console/confirm?" + url.Values{"action": {"completed"}, "scope": {scope}, "key": {key}}.Encode()} {
+		r := b.get(path)
+		if r.code != http.StatusOK || strings.Contains(r.body, "<script>") || strings.Contains(r.body, "<b>?") {
+			t.Errorf("GET %s: %d, unescaped markup: %s", path, r.code, r.body)
+		}
+	}
+	r := b.get("/console/records")
+	m := regexp.MustCompile(`href="(/console/record\?[^"]*)"`).FindStringSubmatch(r.body)
+	if m == nil {
+		t.Fatalf("no record link: %s", r.body)
+	}
+	if r := b.get(strings.ReplaceAll(m[1], "&amp;", "&")); r.code != http.StatusOK || !strings.Contains(r.body, "&lt;script&gt;") {
+		t.Fatalf("the list's link does not lead to the record: %d", r.code)
+	}
+	for path, want := range map[string]int{
+		"/console/record?scope=%FF&key=k":                         http.StatusBadRequest,
+		"/console/record?scope=a&key=":                            http.StatusBadRequest,
+		"/console/record?key=k":                                   http.StatusBadRequest,
+		"/console/record?scope=a&key=" + strings.Repeat("k", 300): http.StatusBadRequest,
+		"/console/records?prefix=%FF":                             http.StatusBadRequest,
+		"/console/records?page=not-a-token":                       http.StatusBadRequest,
+		"/console/confirm?action=drop&scope=a&key=b":              http.StatusBadRequest,
+		"/console/confirm?action=forget&scope=a&key=b":            http.StatusNotFound,
+		"/console/nope":                                           http.StatusNotFound,
+	} {
+		if r := b.get(path); r.code != want {
+			t.Errorf("GET %s: %d, want %d", path, r.code, want)
+		}
+	}
+	csrf := b.csrf()
+	big := strings.NewReader(url.Values{"csrf": {csrf}, "body": {strings.Repeat("x", 9<<20)}}.Encode())
+	req, _ := http.NewRequest(http.MethodPost, b.url+"/console/resolve", big)
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if r := b.do(req); r.code != http.StatusRequestEntityTooLarge {
+		t.Errorf("9 MiB form: %d", r.code)
+	}
+	// A body over the server's limit (1 MiB) is refused by the Admin API.
+	r = b.post("/console/resolve", url.Values{"csrf": {csrf}, "as": {"completed"}, "scope": {scope}, "key": {key},
+		"confirm": {key}, "body": {strings.Repeat("x", 2<<20)}})
+	if r.code != http.StatusBadRequest {
+		t.Errorf("2 MiB body: %d %s", r.code, r.body)
+	}
+	if rec, err := e.lookup(opsToken, scope, key); err != nil || rec.GetState() != idempotencyv1.State_STATE_UNKNOWN {
+		t.Fatalf("record after hostile posts: %v %v", rec, err)
+	}
+}
+
+// TestReloadRevokesAccess: a signed-in operator whose tenant loses admin
+// (or whose token is removed) in a config reload is refused at the next
+// request; the console holds no authority of its own.
+func TestReloadRevokesAccess(t *testing.T) {
+	t.Parallel()
+	e := newConsoleEnv(t, false)
+	e.unknownRecord(opsToken, "build", "k")
+	b := e.browser()
+	b.login(opsToken)
+	if r := b.get("/console/records"); r.code != http.StatusOK {
+		t.Fatalf("before the reload: %d", r.code)
+	}
+	reload := func(config string) {
+		t.Helper()
+		p, err := server.ParsePolicies([]byte(config))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.coord.Server.SetPolicies(p)
+	}
+	reload(strings.Replace(tenantsConfig(), `scopes: ["*"], admin: true`, `scopes: ["*"]`, 1))
+	if r := b.get("/console/records"); r.code != http.StatusForbidden || strings.Contains(r.body, ">k<") {
+		t.Fatalf("after admin was withdrawn: %d", r.code)
+	}
+	reload(strings.Replace(tenantsConfig(), sha(opsToken), sha("new-ops-secret"), 1))
+	if r := b.get("/console/records"); r.code != http.StatusSeeOther {
+		t.Fatalf("after the token changed: %d", r.code)
+	}
 }
