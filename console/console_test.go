@@ -18,7 +18,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -546,5 +548,26 @@ func TestReloadRevokesAccess(t *testing.T) {
 	reload(strings.Replace(tenantsConfig(), sha(opsToken), sha("new-ops-secret"), 1))
 	if r := b.get("/console/records"); r.code != http.StatusSeeOther {
 		t.Fatalf("after the token changed: %d", r.code)
+	}
+}
+
+// TestAuthDisabled: without tenants every caller is tenant default, in the
+// console as in the Admin API (the server binary then allows the console on
+// loopback only); actions still need the CSRF token.
+func TestAuthDisabled(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{FakeClock: true})
+	con := console.New(c.Server.AdminConn())
+	mux := http.NewServeMux()
+	mux.Handle(console.Prefix, con)
+	hs := httptest.NewServer(mux)
+	defer hs.Close()
+	e := &consoleEnv{t: t, coord: c, http: hs}
+	b := e.browser()
+	if r := b.get("/console/"); r.code != http.StatusOK || !strings.Contains(r.body, `id="tenant">default<`) {
+		t.Fatalf("dashboard without auth: %d %s", r.code, r.body)
+	}
+	if r := b.post("/console/forget", url.Values{"scope": {"a"}, "key": {"b"}, "confirm": {"b"}}); r.code != http.StatusForbidden {
+		t.Fatalf("forget without CSRF token: %d", r.code)
 	}
 }
