@@ -117,6 +117,18 @@ func TestConsoleExposure(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v (auth %v): err = %v, want %q", c.args, c.auth, err, c.want)
 		}
+		if err := checkConsoleExposure(parse(c.args...), c.auth); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("checkConsoleExposure %v (auth %v): err = %v, want %q", c.args, c.auth, err, c.want)
+		}
+	}
+	for _, args := range [][]string{
+		{"--http-listen", "127.0.0.1:9090"},
+		{"--http-listen", "0.0.0.0:9090", "--tls-cert", certFile, "--tls-key", keyFile},
+		{"--http-listen", "0.0.0.0:9090", "--tls-cert", certFile, "--tls-key", keyFile, "--insecure-allow-no-auth"},
+	} {
+		if err := checkConsoleExposure(parse(args...), len(args) != 7); err != nil { // the last one: no auth, allowed by flag
+			t.Errorf("%v: %v", args, err)
+		}
 	}
 
 	coord := coordtest.Start(t, coordtest.Options{})

@@ -192,6 +192,9 @@ func run(args []string, logOut *os.File) error {
 	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
 		return err
 	}
+	if err := checkConsoleExposure(c, policies.AuthEnabled()); err != nil {
+		return err
+	}
 	creds, err := tlsCredentials(c)
 	if err != nil {
 		return err
