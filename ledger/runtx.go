@@ -48,14 +48,16 @@ const txLease = time.Hour
 var ErrInProgress = errors.New("another attempt holds the key")
 
 // ErrUnknownHeld is returned by RunTx, without waiting, when the key's
-// record is UNKNOWN: an attempt over gRPC ended Fail UNKNOWN or lost its
-// lease, and may have done its side effect. RunTx never takes such a key
-// over (it cannot tell fn to check the outside world first), whatever the
-// coordinator's on_unknown policy; the key runs again once an operator
-// resolves it as retryable (idemctl resolve), and replays once it is
-// resolved as completed or its holder's late Complete arrives.
-// errors.Is(ErrUnknownHeld, ErrInProgress) is true.
-var ErrUnknownHeld = fmt.Errorf("%w: the record is UNKNOWN and waits for an operator's resolve", ErrInProgress)
+// record is UNKNOWN or uncertain: an attempt over gRPC ended Fail UNKNOWN
+// or lost its lease, and may have done its side effect (a later attempt
+// that ended FAILED_RETRYABLE leaves the record uncertain). RunTx never
+// takes such a key over (it cannot tell fn to check the outside world
+// first), whatever the coordinator's on_unknown policy. After checking, an
+// operator resolves an UNKNOWN record (idemctl resolve: as retryable, RunTx
+// runs again; as completed, it replays), or forgets an uncertain
+// FAILED_RETRYABLE one (idemctl forget); a holder's late Complete also
+// ends it. errors.Is(ErrUnknownHeld, ErrInProgress) is true.
+var ErrUnknownHeld = fmt.Errorf("%w: the record is UNKNOWN or uncertain (an earlier attempt may have acted) and waits for an operator", ErrInProgress)
 
 // ErrInvalidArgument wraps RunTx's refusals of its input (an empty or
 // unprintable name, a fingerprint too long, a negative TTL, no function)
@@ -123,8 +125,9 @@ type TxOptions struct {
 //   - an IN_PROGRESS record under a live lease (a gRPC caller of the
 //     coordinator holds it) is waited for, without a lock or connection
 //     held, until it changes or opts.Wait runs out (ErrInProgress);
-//   - an UNKNOWN record (an attempt over gRPC may have done its side
-//     effect) is not taken over: RunTx returns ErrUnknownHeld at once.
+//   - an UNKNOWN or uncertain record (an attempt over gRPC may have done
+//     its side effect) is not taken over: RunTx returns ErrUnknownHeld at
+//     once.
 //
 // A crash at any point leaves no record or a finished one: RunTx never
 // leaves a record IN_PROGRESS or UNKNOWN. If the commit itself fails

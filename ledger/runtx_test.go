@@ -457,6 +457,31 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 		t.Fatalf("after Resolve: %v %v", replayed, err)
 	}
 
+	// Uncertain: a takeover of the lapsed lease that then failed
+	// RETRYABLE leaves the generation uncertain: held until an operator
+	// forgets it.
+	id.Key = "uncertain"
+	beginID(t, s, id, time.Second, time.Hour)
+	clock.Advance(2 * time.Second)
+	token = beginID(t, s, id, time.Minute, time.Hour)
+	if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventFail,
+		Token: token, FailureKind: statemachine.FailureRetryable}}); err != nil {
+		t.Fatal(err)
+	}
+	if rec, _, err := s.Lookup(ctx, id); err != nil || rec.State != statemachine.StateFailedRetryable || !rec.Uncertain {
+		t.Fatalf("setup: %+v %v", rec, err)
+	}
+	if _, _, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); !errors.Is(err, ledger.ErrUnknownHeld) {
+		t.Fatalf("uncertain FAILED_RETRYABLE: %v, want ErrUnknownHeld", err)
+	}
+	if _, err := s.Forget(ctx, &ledger.ForgetParams{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	fn = charge(id.Key, &calls)
+	if _, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); err != nil || replayed {
+		t.Fatalf("after Forget: %v %v", replayed, err)
+	}
+
 	// Fail UNKNOWN, then the holder's late Complete: held, then replayed.
 	id.Key = "failed-unknown"
 	token = beginID(t, s, id, time.Minute, time.Hour)
