@@ -250,7 +250,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 	if err != nil {
 		return out, false, classify(err)
 	}
-	d := statemachine.Next(&cur, ev, txPolicy, now)
+	d := statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
 	switch {
 	case d.Err != nil:
 		return runTxResult{err: d.Err}, true, nil
@@ -258,6 +258,14 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 		return replayOf(d.Record), true, nil
 	}
 	return out, false, nil
+}
+
+// txBeginEvent returns RunTx's Begin event ev for record id (cur nil: a new
+// record) as a Begin of the store would decide with it: every transform a
+// Begin applies to its event before statemachine.Next (such as a keyed
+// fingerprint) belongs here too, so both modes store and compare alike.
+func (s *Store) txBeginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
+	return ev
 }
 
 // replayOf is RunTx's answer for a replayed record.
@@ -325,7 +333,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 
 	// A new key: insert it held. A concurrent inserter of the same key
 	// waits on the primary key until this transaction ends.
-	d := statemachine.Next(nil, ev, statemachine.Policy{}, now)
+	d := statemachine.Next(nil, s.txBeginEvent(id, nil, ev), statemachine.Policy{}, now)
 	args, err := s.identityArgs(id, d.Record)
 	if err != nil {
 		return out, err
@@ -346,7 +354,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		if err != nil {
 			return dbErr(err)
 		}
-		d = statemachine.Next(&cur, ev, txPolicy, now)
+		d = statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
 		switch {
 		case d.Err != nil:
 			return runTxResult{done: true, err: d.Err}, nil
