@@ -53,10 +53,10 @@ var ErrInProgress = errors.New("another attempt holds the key")
 // that ended FAILED_RETRYABLE leaves the record uncertain). RunTx never
 // takes such a key over (it cannot tell fn to check the outside world
 // first), whatever the coordinator's on_unknown policy. After checking, an
-// operator resolves an UNKNOWN record (idemctl resolve: as retryable, RunTx
-// runs again; as completed, it replays), or forgets an uncertain
-// FAILED_RETRYABLE one (idemctl forget); a holder's late Complete also
-// ends it. errors.Is(ErrUnknownHeld, ErrInProgress) is true.
+// operator resolves the record (idemctl resolve: as retryable, RunTx runs
+// again; as completed, it replays) or forgets it; a holder's late Complete
+// also ends an UNKNOWN record. errors.Is(ErrUnknownHeld, ErrInProgress) is
+// true.
 var ErrUnknownHeld = fmt.Errorf("%w: the record is UNKNOWN or uncertain (an earlier attempt may have acted) and waits for an operator", ErrInProgress)
 
 // ErrInvalidArgument wraps RunTx's refusals of its input (an empty or

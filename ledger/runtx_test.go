@@ -459,7 +459,7 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 
 	// Uncertain: a takeover of the lapsed lease that then failed
 	// RETRYABLE leaves the generation uncertain: held until an operator
-	// forgets it.
+	// resolves it.
 	id.Key = "uncertain"
 	beginID(t, s, id, time.Second, time.Hour)
 	clock.Advance(2 * time.Second)
@@ -474,12 +474,12 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 	if _, _, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); !errors.Is(err, ledger.ErrUnknownHeld) {
 		t.Fatalf("uncertain FAILED_RETRYABLE: %v, want ErrUnknownHeld", err)
 	}
-	if _, err := s.Forget(ctx, &ledger.ForgetParams{ID: id}); err != nil {
+	if _, err := s.Resolve(ctx, &ledger.ResolveParams{ID: id, As: statemachine.StateFailedRetryable}); err != nil {
 		t.Fatal(err)
 	}
 	fn = charge(id.Key, &calls)
 	if _, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{}, fn); err != nil || replayed {
-		t.Fatalf("after Forget: %v %v", replayed, err)
+		t.Fatalf("after Resolve: %v %v", replayed, err)
 	}
 
 	// Fail UNKNOWN, then the holder's late Complete: held, then replayed.
