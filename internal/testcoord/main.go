@@ -41,17 +41,23 @@ import (
 )
 
 func main() {
-	if err := run(); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdin, os.Stdout)
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "testcoord:", err)
 		os.Exit(1)
 	}
 }
 
-func run() error {
-	bin := flag.String("bin", "", "coordinator binary (default: build cmd/idemcoord)")
-	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+// run serves until stdin closes or ctx ends, having written the JSON line
+// to stdout.
+func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) error {
+	fs := flag.NewFlagSet("testcoord", flag.ContinueOnError)
+	bin := fs.String("bin", "", "coordinator binary (default: build cmd/idemcoord)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
 	dir, err := os.MkdirTemp("", "idemcoord-testcoord-")
 	if err != nil {
 		return err
@@ -108,11 +114,13 @@ func run() error {
 		return err
 	}
 	line, _ := json.Marshal(map[string]string{"addr": addr, "token": token})
-	fmt.Println(string(line))
+	if _, err := fmt.Fprintln(stdout, string(line)); err != nil {
+		return err
+	}
 
 	stdinClosed := make(chan struct{})
 	go func() {
-		_, _ = io.Copy(io.Discard, os.Stdin)
+		_, _ = io.Copy(io.Discard, stdin)
 		close(stdinClosed)
 	}()
 	select {
