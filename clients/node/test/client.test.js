@@ -28,6 +28,9 @@ function newClient(options = {}) {
   return c;
 }
 
+// Generous, so that a hang fails instead of blocking (no test waits on time).
+const TIMEOUT = { timeout: 300000 };
+
 const uniqueKey = (prefix) => `${prefix}-${crypto.randomUUID()}`;
 
 /** A gRPC error with a status code, as a handler would throw. */
@@ -111,7 +114,7 @@ function assertSameResponse(got, want) {
   assert.deepEqual({ ...got.metadata }, { ...want.metadata });
 }
 
-test('begin, complete, then a replay of the same bytes', async () => {
+test('begin, complete, then a replay of the same bytes', TIMEOUT, async () => {
   const c = newClient();
   const scope = 'node.charge';
   const key = uniqueKey('k');
@@ -133,7 +136,7 @@ test('begin, complete, then a replay of the same bytes', async () => {
     (err) => err.code === grpc.status.FAILED_PRECONDITION);
 });
 
-test('a begin whose reply was lost is retried with the same attempt_id and gets the same lease', async () => {
+test('a begin whose reply was lost is retried with the same attempt_id and gets the same lease', TIMEOUT, async () => {
   const f = fault('Begin');
   const c = newClient({ interceptors: [f.interceptor], backoffMs: 10 });
   const scope = 'node.lost';
@@ -150,7 +153,7 @@ test('a begin whose reply was lost is retried with the same attempt_id and gets 
   await c.complete({ scope, key, lease_token: res.lease_token, response: {} });
 });
 
-test('calls are retried on UNAVAILABLE, then fail with it', async () => {
+test('calls are retried on UNAVAILABLE, then fail with it', TIMEOUT, async () => {
   const f = fault('Lookup');
   f.cutOff = true;
   const c = newClient({ interceptors: [f.interceptor], maxAttempts: 3, backoffMs: 5 });
@@ -158,7 +161,7 @@ test('calls are retried on UNAVAILABLE, then fail with it', async () => {
   assert.equal(f.calls, 3);
 });
 
-test('once under 20 concurrent callers runs fn once and replays byte for byte', async () => {
+test('once under 20 concurrent callers runs fn once and replays byte for byte', TIMEOUT, async () => {
   const cs = [newClient(), newClient(), newClient(), newClient()];
   const scope = 'node.once';
   const key = uniqueKey('k');
@@ -192,7 +195,7 @@ test('once under 20 concurrent callers runs fn once and replays byte for byte', 
   assertSameResponse(later.response, resp);
 });
 
-test('once gives fn the lease data; currentLease and markSideEffect work inside it only', async () => {
+test('once gives fn the lease data; currentLease and markSideEffect work inside it only', TIMEOUT, async () => {
   const c = newClient();
   const scope = 'node.lease';
   const key = uniqueKey('k');
@@ -219,7 +222,7 @@ test('once gives fn the lease data; currentLease and markSideEffect work inside 
   assert.equal(looked.record.state, 'STATE_COMPLETED');
 });
 
-test('errors are recorded by their gRPC code before the mark, UNKNOWN after it', async () => {
+test('errors are recorded by their gRPC code before the mark, UNKNOWN after it', TIMEOUT, async () => {
   const c = newClient();
   const scope = 'node.mark';
   const key = uniqueKey('k');
@@ -251,7 +254,7 @@ test('errors are recorded by their gRPC code before the mark, UNKNOWN after it',
   assert.equal((await c.lookup({ scope, key: key2 })).record.state, 'STATE_UNKNOWN');
 });
 
-test('a caller mistake leaves no record; a replayable failure is stored and replayed', async () => {
+test('a caller mistake leaves no record; a replayable failure is stored and replayed', TIMEOUT, async () => {
   const c = newClient();
   const scope = 'node.fail';
   const key = uniqueKey('k');
@@ -291,7 +294,7 @@ test('a caller mistake leaves no record; a replayable failure is stored and repl
   assertSameResponse(replay.result.response, { ...own, metadata: {} });
 });
 
-test('once heartbeats while fn runs past its lease, so nobody takes the key over', async () => {
+test('once heartbeats while fn runs past its lease, so nobody takes the key over', TIMEOUT, async () => {
   const f = fault('Heartbeat');
   const c = newClient({ interceptors: [f.interceptor], leaseMs: 1000 });
   const scope = 'node.heartbeat';
@@ -307,7 +310,7 @@ test('once heartbeats while fn runs past its lease, so nobody takes the key over
   assert.equal((await c.lookup({ scope, key })).record.state, 'STATE_COMPLETED');
 });
 
-test('fn is aborted when the lease cannot be confirmed; a marked attempt ends UNKNOWN', async () => {
+test('fn is aborted when the lease cannot be confirmed; a marked attempt ends UNKNOWN', TIMEOUT, async () => {
   const f = fault('Heartbeat');
   f.cutOff = true;
   const c = newClient({ interceptors: [f.interceptor], leaseMs: 1000, maxAttempts: 1 });
@@ -326,7 +329,7 @@ test('fn is aborted when the lease cannot be confirmed; a marked attempt ends UN
   assert.equal((await c.lookup({ scope, key })).record.state, 'STATE_UNKNOWN');
 });
 
-test('a holder whose key was taken over learns it from a heartbeat and records nothing', async () => {
+test('a holder whose key was taken over learns it from a heartbeat and records nothing', TIMEOUT, async () => {
   const f = fault('Heartbeat');
   const c = newClient({ interceptors: [f.interceptor], leaseMs: 1000, maxAttempts: 1 });
   const scope = 'node.takeover';
@@ -357,7 +360,7 @@ test('a holder whose key was taken over learns it from a heartbeat and records n
   assert.equal((await other.lookup({ scope, key })).record.response.body.toString(), 'fresh');
 });
 
-test('a wrong token is refused with UNAUTHENTICATED when auth is on', { skip: !coordinatorHasAuth() && 'the coordinator has auth off (IDEMCOORD_TOKEN unset)' }, async () => {
+test('a wrong token is refused with UNAUTHENTICATED when auth is on', { ...TIMEOUT, skip: !coordinatorHasAuth() && 'the coordinator has auth off (IDEMCOORD_TOKEN unset)' }, async () => {
   const c = newClient({ token: 'not-the-token' });
   await assert.rejects(c.begin({ scope: 's', key: uniqueKey('k') }), (err) => err.code === grpc.status.UNAUTHENTICATED);
 });
