@@ -89,6 +89,14 @@ function unreachable(err) {
   return [S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.RESOURCE_EXHAUSTED, S.CANCELLED].includes(err?.code);
 }
 
+/** The lease a Begin or Heartbeat answer granted: updated_at to lease_expires_at (0 when not told). */
+function leaseLength(rec) {
+  if (!rec?.lease_expires_at || !rec?.updated_at) {
+    return 0;
+  }
+  return api.millis(rec.lease_expires_at) - api.millis(rec.updated_at);
+}
+
 /** Whether a Heartbeat's error means this attempt no longer holds the key. */
 function leaseGone(err) {
   return err?.code === S.FAILED_PRECONDITION || err?.code === S.NOT_FOUND;
@@ -274,8 +282,7 @@ class Client {
       scope, key, fingerprint: toBytes(fingerprint), attempt_id: newAttemptId(),
       lease: this._opts.leaseMs > 0 ? api.duration(this._opts.leaseMs) : null,
     };
-    const sent = Date.now();
-    const res = await this._beginWaiting(breq, signal);
+    const { res, sent } = await this._beginWaiting(breq, signal);
     const rec = res.record ?? {};
     if (res.outcome === 'OUTCOME_REPLAY') {
       const result = { response: rec.response, replayed: true, state: rec.state, attempt: rec.attempt };
@@ -292,9 +299,15 @@ class Client {
     }
 
     const lease = new Lease(this, breq, res, sent);
-    const { value, error, failed, marked } = await lease.run(fn, signal);
+    const { value, error, failed, marked, notStarted } = await lease.run(fn, signal);
     if (lease.lost) {
       throw new LeaseLostError();
+    }
+    if (notStarted) {
+      // fn never ran: the key goes back to how it was.
+      throw joinFinish(new LeaseUnconfirmedError(), await lease.finish({
+        kind: 'FAILURE_KIND_ABANDONED', reason: 'the lease could not be confirmed before the attempt started',
+      }));
     }
     if (!failed) {
       const response = value ?? {};
@@ -320,21 +333,25 @@ class Client {
   /**
    * Calls Begin and, while another attempt holds the key, waits for it with
    * Begin's long poll until signal aborts. The first Begin asks for no
-   * wait, so a key held UNKNOWN is answered at once.
+   * wait, so a key held UNKNOWN is answered at once. sent is when the last
+   * Begin was sent: a lease it granted runs at least until sent plus the
+   * lease, by the local clock.
    */
   async _beginWaiting(req, signal) {
+    let sent = Date.now();
     let res = await this.begin(req, { signal });
     while (res.outcome === 'OUTCOME_IN_PROGRESS' && res.record?.state !== 'STATE_UNKNOWN') {
       if (signal?.aborted) {
-        return res;
+        return { res, sent };
       }
       const asked = MAX_BEGIN_WAIT_MS;
       const start = Date.now();
       try {
+        sent = start;
         res = await this.begin({ ...req, wait: asked }, { signal });
       } catch (err) {
         if (signal?.aborted) {
-          return res;
+          return { res, sent };
         }
         throw err;
       }
@@ -342,7 +359,7 @@ class Client {
         await sleep(Math.min(api.millis(res.retry_after) || 100, asked), signal).catch(() => {});
       }
     }
-    return res;
+    return { res, sent };
   }
 
   /** Runs f in the background, where shutdown waits for it. */
@@ -406,8 +423,7 @@ class Lease {
     this.token = res.lease_token;
     this.request = req.lease;
     const rec = res.record ?? {};
-    this.length = req.lease ? api.millis(req.lease)
-      : api.millis(rec.lease_expires_at) - api.millis(rec.updated_at);
+    this.length = req.lease ? api.millis(req.lease) : leaseLength(rec);
     if (!(this.length > 0)) {
       this.length = DEFAULT_LEASE_MS;
     }
@@ -416,13 +432,42 @@ class Lease {
       generation: rec.generation ?? 0, attempt: rec.attempt ?? 0,
       previous: res.previous_state ?? 'STATE_UNSPECIFIED', uncertain: Boolean(rec.uncertain),
     });
-    this.confirmedUntil = sentAt + this.length;
+    this.sentAt = sentAt;
     this.lost = false;
-    this.unconfirmed = false;
   }
 
-  /** Runs fn with heartbeats; settles with fn's outcome once heartbeats stopped. */
+  /** How long before the lease would run out, by the local clock, fn is aborted unless a heartbeat confirmed it. */
+  get margin() {
+    return Math.max(this.length / 10, MIN_HEARTBEAT_MS);
+  }
+
+  /**
+   * Runs fn with heartbeats; settles with fn's outcome once heartbeats
+   * stopped. When the Begin that granted the lease took long (a wait for
+   * another attempt), it first confirms the lease with a heartbeat; if the
+   * lease cannot be confirmed for long enough to start fn, fn does not run
+   * (notStarted).
+   */
   async run(fn, outer) {
+    let confirmed = this.sentAt;
+    if (Date.now() - confirmed > this.length / 3) {
+      const sent = Date.now();
+      try {
+        const length = await this.heartbeat({ timeoutMs: Math.max(this.length / 3, MIN_HEARTBEAT_MS) });
+        confirmed = sent;
+        if (length > 0) {
+          this.length = length;
+        }
+      } catch (err) {
+        if (leaseGone(err)) {
+          this.lost = true;
+          return {};
+        }
+      }
+    }
+    if (Date.now() >= confirmed + this.length - this.margin) {
+      return { notStarted: true };
+    }
     const controller = new AbortController();
     const onOuterAbort = () => controller.abort(outer.reason);
     if (outer?.aborted) {
@@ -437,7 +482,7 @@ class Lease {
         marked = true;
       },
     });
-    const stop = this._keepAlive(controller);
+    const stop = this._keepAlive(controller, confirmed);
     let value;
     let error;
     let failed = false;
@@ -453,33 +498,47 @@ class Lease {
     return { value, error, failed, marked };
   }
 
-  /** Heartbeats every third of the lease until the returned stop is awaited. */
-  _keepAlive(controller) {
-    const interval = Math.max(this.length / 3, MIN_HEARTBEAT_MS);
-    const margin = Math.min(this.length / 5, 5000);
+  /**
+   * Heartbeats a third of the lease after the last confirmation (more often
+   * while the coordinator cannot be reached) until the returned stop is
+   * awaited. Aborts fn's signal with LeaseLostError when a heartbeat is
+   * refused, and with LeaseUnconfirmedError when no heartbeat confirmed the
+   * lease before it would run out by the local clock (less the margin), so
+   * two holders never run at once because one was cut off.
+   */
+  _keepAlive(controller, confirmed) {
     let stopped = false;
     let inFlight = Promise.resolve();
     let beatTimer;
     let expiryTimer;
+    let until = confirmed + this.length - this.margin;
     const armExpiry = () => {
       clearTimeout(expiryTimer);
       expiryTimer = setTimeout(() => {
-        if (!stopped) {
-          this.unconfirmed = true;
-          this.client._log('warn', 'idemcoord: lease not confirmed before it runs out; aborting the function',
-            { scope: this.scope, key: this.key });
-          controller.abort(new LeaseUnconfirmedError());
+        if (stopped) {
+          return;
         }
-      }, Math.max(0, this.confirmedUntil - margin - Date.now()));
+        if (Date.now() < until) {
+          armExpiry();
+          return;
+        }
+        if (!controller.signal.aborted) {
+          this.client._log('warn', 'idemcoord: could not confirm the lease before it would run out; aborting the function',
+            { scope: this.scope, key: this.key });
+        }
+        controller.abort(new LeaseUnconfirmedError());
+      }, Math.max(0, until - Date.now()));
     };
     const beat = () => {
       if (stopped) {
         return;
       }
-      const sentAt = Date.now();
-      inFlight = this.heartbeat({ timeoutMs: interval }).then(() => {
-        this.confirmedUntil = Math.max(this.confirmedUntil, sentAt + this.length);
-        armExpiry();
+      const sent = Date.now();
+      let next = Math.max(this.length / 12, MIN_HEARTBEAT_MS); // unreachable: try again soon
+      inFlight = this.heartbeat({ timeoutMs: Math.max(this.length / 3, MIN_HEARTBEAT_MS) }).then((length) => {
+        const granted = length > 0 ? length : this.length;
+        until = sent + granted - this.margin;
+        next = Math.max(sent + Math.max(granted / 3, MIN_HEARTBEAT_MS) - Date.now(), 0);
       }, (err) => {
         if (leaseGone(err)) {
           this.lost = true;
@@ -489,12 +548,12 @@ class Lease {
         }
       }).finally(() => {
         if (!stopped) {
-          beatTimer = setTimeout(beat, interval);
+          beatTimer = setTimeout(beat, next);
         }
       });
     };
     armExpiry();
-    beatTimer = setTimeout(beat, interval);
+    beatTimer = setTimeout(beat, Math.max(confirmed + Math.max(this.length / 3, MIN_HEARTBEAT_MS) - Date.now(), 0));
     return async () => {
       stopped = true;
       clearTimeout(beatTimer);
@@ -503,8 +562,10 @@ class Lease {
     };
   }
 
-  heartbeat(opts = {}) {
-    return this.client.heartbeat({ scope: this.scope, key: this.key, lease_token: this.token, lease: this.request }, opts);
+  /** Extends the lease; resolves with the lease it was extended by (0 when not told). */
+  async heartbeat(opts = {}) {
+    const res = await this.client.heartbeat({ scope: this.scope, key: this.key, lease_token: this.token, lease: this.request }, opts);
+    return leaseLength(res.record);
   }
 
   _send(ending, opts) {
@@ -553,13 +614,10 @@ class Lease {
           return;
         }
       }
-      try {
-        await this.heartbeat({ signal });
-      } catch (err) {
-        if (leaseGone(err)) {
-          return;
-        }
-      }
+      // Keep the key held meanwhile. A refused heartbeat (ALREADY_FINISHED
+      // when the ending did land and only its reply was lost) decides
+      // nothing: the next try of the ending tells.
+      await this.heartbeat({ signal }).catch(() => {});
       delay = Math.min(delay * 2, 2000);
     }
     this.client._log('error', 'idemcoord: gave up ending an attempt; the record will read UNKNOWN once its lease runs out',

@@ -310,6 +310,29 @@ test('once heartbeats while fn runs past its lease, so nobody takes the key over
   assert.equal((await c.lookup({ scope, key })).record.state, 'STATE_COMPLETED');
 });
 
+test('a caller that waited longer than its lease confirms the lease before fn runs', TIMEOUT, async () => {
+  const beats = fault('Heartbeat');
+  const begins = fault('Begin');
+  const c = newClient({ interceptors: [beats.interceptor, begins.interceptor], leaseMs: 1000 });
+  const holder = newClient();
+  const scope = 'node.waited';
+  const key = uniqueKey('k');
+  const first = await holder.begin({ scope, key, lease: 30000 });
+  let seen;
+  const p = c.once(scope, key, null, async (attempt) => {
+    const heartbeatsBefore = beats.calls;
+    await new Promise((r) => setTimeout(r, 20)); // let any abort timer fire
+    seen = { aborted: attempt.signal.aborted, heartbeatsBefore, attempt: attempt.lease.attempt };
+    return { body: Buffer.from('second') };
+  });
+  await until(() => begins.calls >= 2); // the long poll is in flight
+  await new Promise((r) => setTimeout(r, 1500)); // longer than c's lease
+  await holder.fail({ scope, key, lease_token: first.lease_token, kind: 'FAILURE_KIND_RETRYABLE' });
+  const res = await p;
+  assert.deepEqual(seen, { aborted: false, heartbeatsBefore: 1, attempt: 2 });
+  assert.equal(res.response.body.toString(), 'second');
+});
+
 test('fn is aborted when the lease cannot be confirmed; a marked attempt ends UNKNOWN', TIMEOUT, async () => {
   const f = fault('Heartbeat');
   f.cutOff = true;

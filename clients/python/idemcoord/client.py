@@ -139,6 +139,13 @@ def _code(err):
     return code if isinstance(code, grpc.StatusCode) else None
 
 
+def _lease_length(rec):
+    """The lease a Begin or Heartbeat answer granted: updated_at to lease_expires_at (0 when not told)."""
+    if not (rec.HasField("lease_expires_at") and rec.HasField("updated_at")):
+        return 0.0
+    return (rec.lease_expires_at.ToNanoseconds() - rec.updated_at.ToNanoseconds()) / 1e9
+
+
 def _unreachable(err):
     return _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.RESOURCE_EXHAUSTED, _C.CANCELLED)
 
@@ -329,8 +336,8 @@ class Client:
         breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
         if self._lease is not None:
             breq["lease"] = self._lease
-        sent = time.monotonic()
-        res = self._begin_waiting(breq, None if timeout is None else sent + timeout, cancel_event)
+        start = time.monotonic()
+        res, sent = self._begin_waiting(breq, None if timeout is None else start + timeout, cancel_event)
         rec = res.record
         if res.outcome == _api.Outcome.OUTCOME_REPLAY:
             result = Result(rec.response, True, rec.state, rec.attempt)
@@ -344,9 +351,15 @@ class Client:
 
         lease = _Holder(self, breq, res, sent)
         attempt = Attempt(lease.info, cancel_event)
-        value, error, marked = lease.run(fn, attempt)
+        value, error, marked, started = lease.run(fn, attempt)
         if lease.lost:
             raise LeaseLost()
+        if not started:  # fn never ran: the key goes back to how it was
+            finish_err = lease.finish(kind="FAILURE_KIND_ABANDONED",
+                                      reason="the lease could not be confirmed before the attempt started")
+            if finish_err is not None:
+                raise finish_err from LeaseUnconfirmed()
+            raise LeaseUnconfirmed()
         if error is None:
             response = value if value is not None else _api.StoredResponse()
             if isinstance(response, dict):
@@ -376,13 +389,18 @@ class Client:
         raise failure from error
 
     def _begin_waiting(self, req, give_up, cancel_event):
-        """Begin, then, while another attempt holds the key, Begin's long poll until give_up."""
+        """Begin, then, while another attempt holds the key, Begin's long poll until give_up.
+
+        Returns the last answer and when its Begin was sent: a lease it
+        granted runs at least until then plus the lease, by the local clock.
+        """
+        sent = time.monotonic()
         res = self.begin(**req)
         while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
             left = MAX_BEGIN_WAIT if give_up is None else min(MAX_BEGIN_WAIT, give_up - time.monotonic())
             if left <= 0 or (cancel_event is not None and cancel_event.is_set()):
-                return res
-            start = time.monotonic()
+                return res, sent
+            start = sent = time.monotonic()
             res = self.begin(**req, wait=left)
             if res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and time.monotonic() - start < left / 2:
                 pause = min(_seconds(res.retry_after) or 0.1, left)
@@ -390,7 +408,7 @@ class Client:
                     cancel_event.wait(pause)
                 else:
                     time.sleep(pause)
-        return res
+        return res, sent
 
     def _run_in_background(self, f):
         t = threading.Thread(target=self._background_main, args=(f,), daemon=True)
@@ -446,19 +464,43 @@ class _Holder:
         rec = res.record
         if self.request is not None:
             self.length = _seconds(self.request)
-        elif rec.HasField("lease_expires_at") and rec.HasField("updated_at"):
-            self.length = (rec.lease_expires_at.ToNanoseconds() - rec.updated_at.ToNanoseconds()) / 1e9
         else:
-            self.length = 0
+            self.length = _lease_length(rec)
         if self.length <= 0:
             self.length = DEFAULT_LEASE
         self.info = Lease(self.scope, self.key, self.token, rec.generation, rec.attempt, res.previous_state,
                           bool(getattr(rec, "uncertain", False)))
-        self.confirmed_until = sent + self.length
+        self.sent = sent
         self.lost = False
 
+    @property
+    def margin(self):
+        """How long before the lease would run out, by the local clock, fn is cancelled unless confirmed."""
+        return max(self.length / 10, MIN_HEARTBEAT)
+
     def run(self, fn, attempt):
-        """Runs fn(attempt) with heartbeats; returns (value, error, marked) once they stopped."""
+        """Runs fn(attempt) with heartbeats; returns (value, error, marked, started) once they stopped.
+
+        When the Begin that granted the lease took long (a wait for another
+        attempt), it first confirms the lease with a heartbeat; if the lease
+        cannot be confirmed for long enough to start fn, fn does not run.
+        """
+        confirmed = self.sent
+        if time.monotonic() - confirmed > self.length / 3:
+            sent = time.monotonic()
+            try:
+                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
+                confirmed = sent
+                if length > 0:
+                    self.length = length
+            except grpc.RpcError as err:
+                if _lease_gone(err):
+                    self.lost = True
+                    return None, None, False, False
+        if time.monotonic() >= confirmed + self.length - self.margin:
+            return None, None, False, False
+        self.until = confirmed + self.length - self.margin
+        self.next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
         stop = threading.Event()
         beats = threading.Thread(target=self._keep_alive, args=(attempt, stop), daemon=True)
         beats.start()
@@ -472,41 +514,47 @@ class _Holder:
             _current.reset(token)
             stop.set()
             beats.join()
-        return value, error, attempt._marked
+        return value, error, attempt._marked, True
 
     def _keep_alive(self, attempt, stop):
-        interval = max(self.length / 3, MIN_HEARTBEAT)
-        margin = min(self.length / 5, 5.0)
-        next_beat = time.monotonic() + interval
+        """Heartbeats a third of the lease after the last confirmation, more often while unreachable.
+
+        Cancels the attempt with LeaseLost when a heartbeat is refused, and
+        with LeaseUnconfirmed when no heartbeat confirmed the lease before it
+        would run out by the local clock (less the margin).
+        """
         while True:
-            deadline = self.confirmed_until - margin
             now = time.monotonic()
-            if now >= deadline and not attempt.cancelled.is_set():
-                self.client._log.warning("idemcoord: lease of %s/%s not confirmed before it runs out; cancelling",
-                                         self.scope, self.key)
+            if now >= self.until and not attempt.cancelled.is_set():
+                self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
+                                         "cancelling the attempt", self.scope, self.key)
                 attempt.cancel(LeaseUnconfirmed())
             outer = attempt._outer
             if outer is not None and outer.is_set():
                 attempt.cancel(attempt.reason or RuntimeError("idemcoord: cancelled by the caller"))
-            wake = next_beat if attempt.cancelled.is_set() else min(next_beat, deadline)
+            wake = self.next_beat if attempt.cancelled.is_set() else min(self.next_beat, self.until)
             if stop.wait(max(0.0, wake - now)):
                 return
-            if time.monotonic() < next_beat:
+            if time.monotonic() < self.next_beat:
                 continue
             sent = time.monotonic()
             try:
-                self.heartbeat(timeout=interval)
-                self.confirmed_until = max(self.confirmed_until, sent + self.length)
+                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
+                granted = length if length > 0 else self.length
+                self.until = sent + granted - self.margin
+                self.next_beat = sent + max(granted / 3, MIN_HEARTBEAT)
             except grpc.RpcError as err:
                 if _lease_gone(err):
                     self.lost = True
                     attempt.cancel(LeaseLost())
                     return
-            next_beat = time.monotonic() + interval
+                self.next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
 
     def heartbeat(self, timeout=None):
-        return self.client.heartbeat(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request,
-                                     timeout=timeout)
+        """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
+        res = self.client.heartbeat(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request,
+                                    timeout=timeout)
+        return _lease_length(res.record)
 
     def _send(self, ending, timeout):
         base = dict(scope=self.scope, key=self.key, lease_token=self.token)
@@ -541,11 +589,13 @@ class _Holder:
                 if not _unreachable(err):
                     self.client._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
                     return
+            # Keep the key held meanwhile. A refused heartbeat (ALREADY_FINISHED
+            # when the ending did land and only its reply was lost) decides
+            # nothing: the next try of the ending tells.
             try:
                 self.heartbeat(timeout=FINISH_TIMEOUT)
-            except grpc.RpcError as err:
-                if _lease_gone(err):
-                    return
+            except grpc.RpcError:
+                pass
             delay = min(delay * 2, 2.0)
         self.client._log.error("idemcoord: gave up ending an attempt on %s/%s; the record will read UNKNOWN "
                                "once its lease runs out", self.scope, self.key)

@@ -332,6 +332,28 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(c.once(scope, key, None, fn).response.body, b"done")
         self.assertEqual(c.lookup(scope=scope, key=key).record.state, State.STATE_COMPLETED)
 
+    def test_waiter_confirms_its_lease_before_fn_runs(self):
+        beats, begins = Fault("Heartbeat"), Fault("Begin")
+        c = new_client(interceptors=[beats, begins], lease=1)
+        holder = new_client()
+        scope, key = "python.waited", unique_key()
+        first = holder.begin(scope=scope, key=key, lease=30)
+        seen, out = [], []
+
+        def fn(attempt):
+            before = beats.calls
+            seen.append((attempt.cancelled.wait(0.05), before, attempt.lease.attempt))
+            return {"body": b"second"}
+
+        t = threading.Thread(target=lambda: out.append(c.once(scope, key, None, fn)))
+        t.start()
+        wait_until(lambda: begins.calls >= 2, "the long poll")
+        threading.Event().wait(1.5)  # longer than c's lease
+        holder.fail(scope=scope, key=key, lease_token=first.lease_token, kind="FAILURE_KIND_RETRYABLE")
+        t.join()
+        self.assertEqual(seen, [(False, 1, 2)])
+        self.assertEqual(out[0].response.body, b"second")
+
     def test_unconfirmed_lease_cancels_and_marked_attempt_ends_unknown(self):
         f = Fault("Heartbeat")
         f.cut_off = True
