@@ -43,14 +43,38 @@ function decodeStatus(bytes) {
   }
 }
 
+/**
+ * A StoredResponse as callers see it, whatever shape it was given in: every
+ * field set, body a Buffer (a string is taken as UTF-8, never base64),
+ * metadata a plain object.
+ */
+function storedResponse(resp) {
+  const r = resp ?? {};
+  let body = r.body ?? Buffer.alloc(0);
+  body = typeof body === 'string' ? Buffer.from(body, 'utf8') : Buffer.from(body);
+  let metadata = r.metadata ?? {};
+  if (Array.isArray(metadata)) {
+    metadata = Object.fromEntries(metadata.map((e) => [e.key, e.value]));
+  }
+  return {
+    ...r,
+    schema_version: r.schema_version ?? '',
+    content_type: r.content_type ?? '',
+    body,
+    status_code: r.status_code ?? 0,
+    metadata: Object.fromEntries(Object.entries(metadata).map(([k, v]) => [k, String(v)])),
+  };
+}
+
 // The only map field of the Coordinator API, StoredResponse.metadata, is an
 // array of {key, value} entries on the wire (protobufjs loads map fields
 // from descriptors as their entry messages); callers see a plain object.
 function metadataToWire(resp) {
-  if (!resp || Array.isArray(resp.metadata) || resp.metadata == null) {
+  if (!resp) {
     return resp;
   }
-  return { ...resp, metadata: Object.entries(resp.metadata).map(([key, value]) => ({ key, value: String(value) })) };
+  const r = storedResponse(resp);
+  return { ...r, metadata: Object.entries(r.metadata).map(([key, value]) => ({ key, value })) };
 }
 
 function metadataFromWire(resp) {
@@ -102,6 +126,7 @@ module.exports = {
   requestToWire,
   answerFromWire,
   metadataToWire,
+  storedResponse,
   duration,
   millis,
 };

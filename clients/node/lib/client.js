@@ -310,7 +310,7 @@ class Client {
       }));
     }
     if (!failed) {
-      const response = value ?? {};
+      const response = api.storedResponse(value);
       const result = { response, replayed: false, state: 'STATE_COMPLETED', attempt: rec.attempt };
       const finishErr = await lease.finish({ complete: response });
       if (finishErr) {
@@ -323,7 +323,7 @@ class Client {
       throw joinFinish(error, await lease.finish(ending));
     }
     ending.response = error instanceof FailureError && error.response ? error.response : statusResponse(error);
-    const stored = { ...ending.response, body: toBytes(ending.response.body), metadata: ending.response.metadata ?? {} };
+    const stored = api.storedResponse(ending.response);
     const result = { response: stored, replayed: false, state: 'STATE_FAILED_REPLAYABLE', attempt: rec.attempt };
     const finishErr = await lease.finish(ending);
     const failure = storedFailure({ response: stored, failure_reason: ending.reason }, result, error);

@@ -210,7 +210,8 @@ test('once gives fn the lease data; currentLease and markSideEffect work inside 
     return null;
   });
   assert.equal(res.replayed, false);
-  assert.equal(res.response.body, undefined); // an empty response
+  assert.equal(res.response.body.length, 0); // an empty response
+  assert.deepEqual(res.response.metadata, {});
   assert.equal(seen.scope, scope);
   assert.equal(seen.key, key);
   assert.equal(seen.attempt, 1);
@@ -242,7 +243,7 @@ test('errors are recorded by their gRPC code before the mark, UNKNOWN after it',
   const res = await c.once(scope, key, null, (attempt) => {
     assert.equal(attempt.lease.previous, 'STATE_UNKNOWN');
     assert.equal(attempt.lease.attempt, 3);
-    return { body: Buffer.from('reconciled') };
+    return { body: 'reconciled' }; // a string body is UTF-8
   });
   assert.equal(res.response.body.toString(), 'reconciled');
   // A FailureError naming ABANDONED after the mark is recorded UNKNOWN too.

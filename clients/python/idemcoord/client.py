@@ -249,10 +249,16 @@ class Client:
         self.shutdown()
 
     def _call(self, method, request, fields, timeout, extra=0.0):
+        cls = _api.REQUESTS[method]
         if request is None:
-            request = _api.REQUESTS[method](**fields)
+            request = cls(**fields)
         elif isinstance(request, dict):
-            request = _api.REQUESTS[method](**request, **fields)
+            request = cls(**dict(request, **fields))
+        elif fields:
+            merged = cls()
+            merged.CopyFrom(request)
+            merged.MergeFrom(cls(**fields))
+            request = merged
         timeout = (self._timeout if timeout is None else timeout) + extra
         delay = self._backoff
         attempt = 1
