@@ -98,6 +98,15 @@ func TestUncertaintyIsSticky(t *testing.T) {
 			if !storedUncertain(t, url) {
 				t.Fatal("FAILED_RETRYABLE stored without uncertain")
 			}
+			// failure_ttl passing (and the reaper) must not expire the
+			// warning into a fresh generation.
+			clock.Advance(48 * time.Hour)
+			if res, err := s.Reap(context.Background(), &ledger.ReapParams{}); err != nil || res.Expired != 0 {
+				t.Fatalf("Reap after two days: %+v %v; an uncertain FAILED_RETRYABLE must not expire", res, err)
+			}
+			if rec, _, err := s.Lookup(context.Background(), recoveryID); err != nil || rec.State != statemachine.StateFailedRetryable || !rec.Uncertain {
+				t.Fatalf("Lookup two days later: %v uncertain=%v %v", rec.State, rec.Uncertain, err)
+			}
 			// On main this answered FAILED_RETRYABLE: "nothing happened".
 			a3 := mustAcquire(t, s, "a3", fp, pol, statemachine.StateUnknown)
 			res, err := failAs(t, s, a3.Record.LeaseToken, statemachine.FailureAbandoned)

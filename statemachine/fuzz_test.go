@@ -271,8 +271,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			if r.State == StateCompleted {
 				ttl = r.TTL
 			}
-			if !r.ExpiresAt.Equal(now.Add(ttl)) || !r.LeaseExpiresAt.IsZero() {
-				fail("%v written with expires_at %v (want now+%v) or a lease", r.State, r.ExpiresAt, ttl)
+			want := now.Add(ttl)
+			if r.State == StateFailedRetryable && r.Uncertain && ev.Kind == EventFail {
+				want = time.Time{} // an uncertain failure needs a decision: no expiry
+			}
+			if !r.ExpiresAt.Equal(want) || !r.LeaseExpiresAt.IsZero() {
+				fail("%v written with expires_at %v (want %v) or a lease", r.State, r.ExpiresAt, want)
 			}
 		default:
 			fail("written in state %v", r.State)
@@ -306,6 +310,9 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 	}
 	if written && d.Record.State.Replayable() && d.Record.Uncertain {
 		fail("written %v still uncertain", d.Record.State)
+	}
+	if written && ev.Kind == EventFail && d.Record.Uncertain && !d.Record.ExpiresAt.IsZero() {
+		fail("a Fail wrote an uncertain %v record with an expiry: the warning would expire with it", d.Record.State)
 	}
 	if cur != nil && good && eff.Uncertain {
 		if d.Write == WriteDelete {

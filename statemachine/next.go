@@ -260,7 +260,14 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 	// EventFail.
 	switch ev.FailureKind {
 	case FailureRetryable:
-		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, now.Add(rec.FailureTTL))
+		expires := now.Add(rec.FailureTTL)
+		if rec.Uncertain {
+			// An earlier attempt of this generation may have acted: like
+			// UNKNOWN, the record needs a decision and never expires, so
+			// no restart after failure_ttl can forget the warning.
+			expires = time.Time{}
+		}
+		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, expires)
 	case FailureReplayable:
 		resp := ev.Response
 		if resp == nil {
