@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -154,4 +155,18 @@ func TestKeyFromMetadata(t *testing.T) {
 	if k, err := clients.KeyFromMetadata(context.Background()); k != "" || err != nil {
 		t.Fatalf("no metadata: %q, %v", k, err)
 	}
+}
+
+// Spellings that differ only in Unicode details normalize alike in Go, Node
+// and Python: a byte-order mark, U+0085 NEXT LINE, and the full lower-case
+// mapping of İ and of a word-final Σ.
+func ExampleNormalizeName() {
+	for _, name := range []string{"\uFEFFFlower Shop", "Flower\u0085Shop ", "İSTANBUL", "ΟΔΟΣ"} {
+		fmt.Printf("%+q\n", clients.NormalizeName(name))
+	}
+	// Output:
+	// "flower shop"
+	// "flower shop"
+	// "i\u0307stanbul"
+	// "\u03bf\u03b4\u03bf\u03c2"
 }

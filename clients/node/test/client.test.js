@@ -295,6 +295,18 @@ test('a caller mistake leaves no record; a replayable failure is stored and repl
   assertSameResponse(replay.result.response, { ...own, metadata: {} });
 });
 
+test('a response the coordinator refuses to store (too large) leaves the key UNKNOWN', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.large';
+  const key = uniqueKey('k');
+  const big = crypto.randomBytes(2 << 20); // over the 1 MiB limit, under gRPC's 4 MiB
+  const res = await c.once(scope, key, null, () => ({ body: big }));
+  assert.ok(res.response.body.equals(big)); // the caller still gets fn's result, as in Go
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.state, 'STATE_UNKNOWN');
+  assert.match(rec.failure_reason, /response not stored/);
+});
+
 test('once heartbeats while fn runs past its lease, so nobody takes the key over', TIMEOUT, async () => {
   const f = fault('Heartbeat');
   const c = newClient({ interceptors: [f.interceptor], leaseMs: 1000 });

@@ -318,6 +318,16 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(cm.exception.details, "conflict")
         self.assertSameResponse(cm.exception.result.response, own)
 
+    def test_response_too_large_leaves_the_key_unknown(self):
+        c = new_client()
+        scope, key = "python.large", unique_key()
+        big = os.urandom(2 << 20)  # over the 1 MiB limit, under gRPC's 4 MiB
+        res = c.once(scope, key, None, lambda attempt: {"body": big})
+        self.assertEqual(res.response.body, big)  # the caller still gets fn's result, as in Go
+        rec = c.lookup(scope=scope, key=key).record
+        self.assertEqual(rec.state, State.STATE_UNKNOWN)
+        self.assertIn("response not stored", rec.failure_reason)
+
     def test_heartbeats_keep_the_key_past_its_lease(self):
         f = Fault("Heartbeat")
         c = new_client(interceptors=[f], lease=1)
