@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -52,6 +54,9 @@ func TestDatabaseOutage(t *testing.T) {
 	}
 
 	waitHealth(healthpb.HealthCheckResponse_SERVING)
+	if code := readyz(c); code != http.StatusOK {
+		t.Fatalf("/readyz before the outage = %d, want 200", code)
+	}
 	if err := begin("before"); err != nil {
 		t.Fatal(err)
 	}
@@ -59,6 +64,9 @@ func TestDatabaseOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitHealth(healthpb.HealthCheckResponse_NOT_SERVING)
+	if code := readyz(c); code != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz during the outage = %d, want 503", code)
+	}
 	for _, key := range []string{"before", "during"} {
 		start := time.Now()
 		err := begin(key)
@@ -73,6 +81,9 @@ func TestDatabaseOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitHealth(healthpb.HealthCheckResponse_SERVING)
+	if code := readyz(c); code != http.StatusOK {
+		t.Fatalf("/readyz after the outage = %d, want 200", code)
+	}
 	if err := begin("after"); err != nil {
 		t.Fatal(err)
 	}
@@ -80,4 +91,11 @@ func TestDatabaseOutage(t *testing.T) {
 	if err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS {
 		t.Fatalf("record written before the outage: %v, %v", r, err)
 	}
+}
+
+// readyz is the status code of the coordinator's /readyz.
+func readyz(c *coordtest.Coordinator) int {
+	rec := httptest.NewRecorder()
+	c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))
+	return rec.Code
 }
