@@ -389,19 +389,23 @@ func TestTLSAndLogFlags(t *testing.T) {
 // held through one is IN_PROGRESS through the other, concurrent first
 // calls through both acquire a key once, and a Begin waiting on one
 // coordinator is woken by a Complete through the other (LISTEN/NOTIFY: the
-// holder's 30 s lease is longer than the 20 s wait, so without the wake-up
-// the wait would end IN_PROGRESS).
+// holder's lease and the wait are both about an hour, so without the
+// wake-up it would not answer for that long; the test allows two minutes).
 func TestTwoCoordinatorsOneDatabase(t *testing.T) {
 	bin := coordtest.BuildBinary(t)
 	dbURL := pgtest.NewDatabase(t)
-	a := startBinary(t, bin, dbURL, coordtest.FreeAddr(t), coordtest.FreeAddr(t))
+	cfg := filepath.Join(t.TempDir(), "idemcoord.yaml")
+	if err := os.WriteFile(cfg, []byte("limits: { max_wait: 1h }\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := startBinary(t, bin, dbURL, coordtest.FreeAddr(t), coordtest.FreeAddr(t), "--config", cfg)
 	defer a.stop()
 	bHTTP := coordtest.FreeAddr(t)
-	b := startBinary(t, bin, dbURL, coordtest.FreeAddr(t), bHTTP)
+	b := startBinary(t, bin, dbURL, coordtest.FreeAddr(t), bHTTP, "--config", cfg)
 	defer b.stop()
 	ca, cb := dialCoordinator(t, a.grpcAddr), dialCoordinator(t, b.grpcAddr)
 
-	held, err := ca.Begin(callCtx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k"})
+	held, err := ca.Begin(callCtx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(time.Hour)})
 	if err != nil || held.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
 		t.Fatalf("Begin through A: %v %v", held, err)
 	}
@@ -416,7 +420,9 @@ func TestTwoCoordinatorsOneDatabase(t *testing.T) {
 	}
 	waiter := make(chan result, 1)
 	go func() {
-		r, err := cb.Begin(callCtx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Wait: durationpb.New(20 * time.Second)})
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Hour)
+		defer cancel()
+		r, err := cb.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Wait: durationpb.New(50 * time.Minute)})
 		waiter <- result{r, err}
 	}()
 	// Complete through A only once B's waiting Begin is in flight.
@@ -427,7 +433,12 @@ func TestTwoCoordinatorsOneDatabase(t *testing.T) {
 		Response: &idempotencyv1.StoredResponse{Body: []byte("from A")}}); err != nil {
 		t.Fatal(err)
 	}
-	w := <-waiter
+	var w result
+	select {
+	case w = <-waiter:
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("B's waiting Begin was not woken by A's Complete\n%s", b.logs)
+	}
 	if w.err != nil || w.r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || string(w.r.GetRecord().GetResponse().GetBody()) != "from A" {
 		t.Fatalf("B's waiting Begin after A's Complete: %v %v", w.r.GetOutcome(), w.err)
 	}
