@@ -144,9 +144,7 @@ func TestResolveCompletedStory(t *testing.T) {
 	}
 	// The dead holder can no longer finish it.
 	_, err = e.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "/payments.v1.Payments/Charge", Key: "order-17", LeaseToken: dead.GetLeaseToken()})
-	if err == nil {
-		t.Fatal("the dead holder's Complete succeeded after resolve")
-	}
+	wantLeaseLost(t, err)
 
 	// Resolving it again fails with the reason, exit status 1.
 	r := idemctl(t, e.coord.Addr, nil, "", "resolve", "/payments.v1.Payments/Charge", "order-17", "--as", "retryable")
