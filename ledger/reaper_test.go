@@ -179,7 +179,8 @@ func TestReapersSideBySide(t *testing.T) {
 	if total := results[0].Expired + results[1].Expired; total != n {
 		t.Fatalf("reapers expired %d + %d = %d records, want exactly %d", results[0].Expired, results[1].Expired, total, n)
 	}
-	if results[0].Expired == 0 || results[1].Expired == 0 {
-		t.Logf("one reaper did all the work: %+v", results)
-	}
+	// Whether both reapers got a share depends on scheduling; that a
+	// reaper skips the rows another holds, instead of waiting for them or
+	// doing them twice, is asserted deterministically by
+	// TestReaperSkipsLockedRows.
 }
