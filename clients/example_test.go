@@ -57,7 +57,11 @@ func ExampleClient_Once() {
 	defer stop()
 
 	c := clients.New(conn)
-	defer c.Shutdown(context.Background()) // waits for Complete/Fail still being retried
+	defer func() { // Shutdown waits for Complete/Fail still being retried
+		if err := c.Shutdown(context.Background()); err != nil {
+			fmt.Println("shutdown:", err)
+		}
+	}()
 	deploy := func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
 		attempt, previous, _ := clients.AttemptFrom(ctx)
 		fmt.Println("deploying: attempt", attempt, "after", previous)
@@ -91,8 +95,16 @@ func ExampleUnaryServerInterceptor() {
 		fmt.Println(err)
 		return
 	}
-	go func() { _ = srv.Serve(lis) }()
-	defer idem.Shutdown(context.Background())
+	go func() {
+		if err := srv.Serve(lis); err != nil {
+			fmt.Println("serve:", err)
+		}
+	}()
+	defer func() {
+		if err := idem.Shutdown(context.Background()); err != nil {
+			fmt.Println("shutdown:", err)
+		}
+	}()
 	defer srv.Stop()
 
 	// A caller retries the same charge with the same key.
@@ -145,7 +157,9 @@ func exampleCoordinator(name string) (*grpc.ClientConn, func()) {
 		panic(err)
 	}
 	return conn, func() {
-		_ = conn.Close()
+		if err := conn.Close(); err != nil {
+			fmt.Println("close:", err)
+		}
 		t.close()
 	}
 }
@@ -160,12 +174,14 @@ type exampleT struct {
 	cleanups []func()
 }
 
-func (e *exampleT) Helper()             {}
-func (e *exampleT) Name() string        { return e.name }
-func (e *exampleT) Failed() bool        { return e.failed }
-func (e *exampleT) Logf(string, ...any) {}
-func (e *exampleT) Cleanup(f func())    { e.cleanups = append(e.cleanups, f) }
-func (e *exampleT) Fatal(args ...any)   { panic(fmt.Sprint(args...)) }
+func (e *exampleT) Helper()      {}
+func (e *exampleT) Name() string { return e.name }
+func (e *exampleT) Failed() bool { return e.failed }
+func (e *exampleT) Logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, format+"\n", args...) // stderr: not part of the checked output
+}
+func (e *exampleT) Cleanup(f func())  { e.cleanups = append(e.cleanups, f) }
+func (e *exampleT) Fatal(args ...any) { panic(fmt.Sprint(args...)) }
 func (e *exampleT) Fatalf(format string, args ...any) {
 	panic(fmt.Sprintf(format, args...))
 }
@@ -174,9 +190,13 @@ func (e *exampleT) Errorf(format string, args ...any) {
 	fmt.Fprintf(os.Stderr, format+"\n", args...)
 }
 
-// close runs the cleanups, last registered first.
+// close runs the cleanups, last registered first, and fails the example
+// loudly if any of them (or anything before) reported an error.
 func (e *exampleT) close() {
 	for i := len(e.cleanups) - 1; i >= 0; i-- {
 		e.cleanups[i]()
+	}
+	if e.failed {
+		panic(e.name + ": an error was reported (see stderr)")
 	}
 }
