@@ -72,8 +72,9 @@ func FuzzBegin(f *testing.F) {
 	f.Add([]byte("\x0a\x01s\x12\x02\xff\xfe"), uint8(0)) // key is not UTF-8
 	f.Add([]byte{0x0a, 0x05, 's'}, uint8(0))             // truncated
 	fuzzCall(f, fuzzMethod{
-		name: "Begin",
-		req:  func() proto.Message { return &idempotencyv1.BeginRequest{} },
+		name:     "Begin",
+		req:      func() proto.Message { return &idempotencyv1.BeginRequest{} },
+		answered: checkAcquired,
 	})
 }
 
@@ -166,6 +167,36 @@ func FuzzFail(f *testing.F) {
 	})
 }
 
+// checkAcquired looks up the record an accepted Begin acquired: it must be
+// stored IN_PROGRESS with the request's fingerprint (if it has one) and a lease of the
+// request's length (the policy's 30 s without one) from now, exactly as the
+// Begin answered it.
+func checkAcquired(t *testing.T, e *testEnv, m proto.Message, out []byte) {
+	t.Helper()
+	req := m.(*idempotencyv1.BeginRequest)
+	var resp idempotencyv1.BeginResponse
+	if err := proto.Unmarshal(out, &resp); err != nil {
+		t.Fatalf("Begin answered undecodable bytes %q: %v", out, err)
+	}
+	if resp.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		return
+	}
+	rec := fuzzLookup(t, e, req.GetScope(), req.GetKey())
+	lease := 30 * time.Second
+	if req.GetLease() != nil {
+		lease = req.GetLease().AsDuration()
+	}
+	// A request without a fingerprint matches any; one with must be stored.
+	if rec.GetState() != idempotencyv1.State_STATE_IN_PROGRESS ||
+		(len(req.GetFingerprint()) > 0 && !bytes.Equal(rec.GetFingerprint(), req.GetFingerprint())) ||
+		!rec.GetLeaseExpiresAt().AsTime().Equal(e.clock.Now().Add(lease)) || resp.GetLeaseToken() == "" {
+		t.Fatalf("accepted Begin %v stored %v (token %q)", req, rec, resp.GetLeaseToken())
+	}
+	if !proto.Equal(rec, resp.GetRecord()) {
+		t.Fatalf("accepted Begin answered record %v, Lookup reads %v", resp.GetRecord(), rec)
+	}
+}
+
 // fuzzMethod describes one RPC for fuzzCall.
 type fuzzMethod struct {
 	name      string
@@ -175,6 +206,9 @@ type fuzzMethod struct {
 	point func(req proto.Message, scope, key, token string)
 	// accepted checks the stored record after a live call answered OK.
 	accepted func(t *testing.T, e *testEnv, req proto.Message, scope, key string)
+	// answered checks what any call that answered OK stored, given the
+	// decoded request and the raw response.
+	answered func(t *testing.T, e *testEnv, req proto.Message, resp []byte)
 }
 
 // fuzzCall runs the fuzz loop of m against one coordinator. Its clock jumps
@@ -235,6 +269,9 @@ func fuzzCall(f *testing.F, m fuzzMethod) {
 		}
 		if l := logs.String()[logged:]; l != "" {
 			t.Fatalf("%s logged an error (answer %v): %s; request %v (raw %q)", m.name, err, l, req, data)
+		}
+		if err == nil && m.answered != nil {
+			m.answered(t, e, req, out)
 		}
 		if err == nil && key != "" && m.accepted != nil {
 			m.accepted(t, e, req, scope, key)
