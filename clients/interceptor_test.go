@@ -273,13 +273,13 @@ func TestPanicLeavesKeyUnknown(t *testing.T) {
 // completes as attempt 1.
 func TestHeartbeatsKeepSlowHandlersKey(t *testing.T) {
 	t.Parallel()
-	started := make(chan struct{})
+	started, release := make(chan struct{}), make(chan struct{})
 	f := start(t, setup{
 		config: `scopes: [{ match: "/projects.v1.ProjectsService/*", lease: 1s }]`,
 		charge: func(ctx context.Context, req *projectsv1.ChargeRequest, n int32) (*projectsv1.ChargeResponse, error) {
 			if n == 1 {
 				close(started)
-				time.Sleep(2500 * time.Millisecond)
+				<-release
 				if ctx.Err() != nil {
 					return nil, status.FromContextError(ctx.Err()).Err()
 				}
@@ -290,9 +290,15 @@ func TestHeartbeatsKeepSlowHandlersKey(t *testing.T) {
 	done := make(chan reply, 1)
 	go func() { done <- f.charge(t, "slow", chargeReq(100)) }()
 	<-started
-	time.Sleep(1500 * time.Millisecond) // past the first lease
+	// Past the first lease, and renewed by a heartbeat: conditions, polled.
+	firstLease := f.mustState(t, "slow", idempotencyv1.State_STATE_IN_PROGRESS).GetLeaseExpiresAt().AsTime()
+	eventually(t, "a heartbeat past the first lease", func() bool {
+		rec, err := f.lookup(t, "slow")
+		return err == nil && time.Now().After(firstLease) && rec.GetLeaseExpiresAt().AsTime().After(firstLease)
+	})
 	mid := f.charge(t, "slow", chargeReq(100))
 	wantCode(t, mid.err, codes.Aborted) // in progress, not taken over
+	close(release)
 	first := <-done
 	if first.err != nil || first.result() != "created" {
 		t.Fatalf("slow call: %v, result %q", first.err, first.result())
@@ -363,7 +369,7 @@ func TestInProgress(t *testing.T) {
 		<-started
 		waiter := make(chan reply, 1)
 		go func() { waiter <- f.charge(t, "busy", chargeReq(100)) }()
-		time.Sleep(200 * time.Millisecond) // let the second call start waiting
+		f.coord.WaitInFlight(t, "Begin", 1) // the second call's Begin is waiting in the coordinator
 		close(release)
 		first, second := <-done, <-waiter
 		if first.err != nil || second.err != nil {

@@ -361,7 +361,7 @@ func TestWaitWakesWhenHolderCompletes(t *testing.T) {
 		errc <- err
 		got <- r
 	}()
-	time.Sleep(200 * time.Millisecond) // let the waiter subscribe and wait
+	e.coord.WaitInFlight(t, "Begin", 1) // the waiter is in the server, not merely sent
 	e.mustComplete("s", "k", b.GetLeaseToken(), sampleResponse())
 	if err := <-errc; err != nil {
 		t.Fatal(err)
