@@ -119,8 +119,10 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
 	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
 	if !o.noBatch {
-		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
-		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
+		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
+			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
+		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch,
+			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
 		s.cache = newReplayCache(o.cacheMax)
@@ -138,7 +140,11 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 }
 
 // Close stops the batch workers and the change listener and closes every
-// connection.
+// connection. Every call queued for a batch, or in a batch statement that
+// Close interrupts, returns ErrUnavailable (a Begin or Complete whose
+// statement was interrupted may have committed, as ErrUnavailable allows);
+// calls made after Close return ErrUnavailable too. Close waits for calls
+// on their own connection to finish.
 func (s *Store) Close() {
 	if s.stopPing != nil {
 		s.stopPing()
@@ -227,6 +233,12 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	if s.clock == nil {
 		s.clockOffset.Store(int64(now.Sub(time.Now())))
 	}
+	if found && !inserted && rec.LeaseToken == ev.NewToken && rec.State == statemachine.StateInProgress {
+		// This Begin's own insert, committed by a batch statement that
+		// failed afterwards (tokens are unique): it is this caller's
+		// acquisition, not someone else's lease.
+		inserted = true
+	}
 	if inserted {
 		d := statemachine.Next(nil, ev, p.Policy, now)
 		d.Record = rec
@@ -295,7 +307,7 @@ func submitErr(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return fmt.Errorf("%w: the store is closed", ErrUnavailable)
+	return errStoreClosed
 }
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.

@@ -1,0 +1,161 @@
+package ledger_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// deadlocks reads the deadlocks PostgreSQL counted in the database at url.
+// The statistics arrive late, so it can only under-count: it backs up the
+// test's own count of UNAVAILABLE answers, never replaces it.
+func deadlocks(t *testing.T, url string) int64 {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var n int64
+	if err := conn.QueryRow(context.Background(),
+		`SELECT coalesce(deadlocks, 0) FROM pg_stat_database WHERE datname = current_database()`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestContendedFreshKeysNeverDeadlock is issue 11's first "done when": 96
+// callers Begin 24 shared fresh keys in random order through two stores
+// (two coordinators) on one database, for many rounds; then every holder
+// Completes through both stores at once, in random order. The batches take
+// their row locks in one global order, so nothing deadlocks: no caller is
+// answered UNAVAILABLE, and every key ends with exactly one holder.
+func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	ctx := context.Background()
+	var stores [2]*ledger.Store
+	for i := range stores {
+		s, err := ledger.Open(ctx, url, ledger.WithReplayCache(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		stores[i] = s
+	}
+	before := deadlocks(t, url)
+	const (
+		callers = 96
+		keys    = 24
+		rounds  = 40
+	)
+	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	var unavailable, other int
+	var mu sync.Mutex
+	fail := func(what string, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if errors.Is(err, ledger.ErrUnavailable) {
+			unavailable++
+		} else {
+			other++
+		}
+		if unavailable+other <= 5 {
+			t.Errorf("%s: %v", what, err)
+		}
+	}
+	for round := range rounds {
+		ids := make([]ledger.Identity, keys)
+		for k := range ids {
+			// Several tenants, so one batch spans tenants as well.
+			ids[k] = ledger.Identity{Tenant: fmt.Sprintf("tenant-%d", k%3), Scope: "race", Key: fmt.Sprintf("r%d-k%d", round, k)}
+		}
+		// Each caller Begins every key of its own random order of the
+		// round's keys, four callers per key at each step.
+		tokens := make([][]string, keys) // per key, the tokens acquired
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for c := range callers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				// A random order in which the caller's own key c%keys
+				// comes among the first four: every key is begun.
+				order := rand.Perm(keys)
+				for i, k := range order {
+					if k == c%keys {
+						j := rand.IntN(4)
+						order[i], order[j] = order[j], order[i]
+					}
+				}
+				s := stores[c%2]
+				<-start
+				for _, k := range order[:4] {
+					res, err := s.Begin(ctx, &ledger.BeginParams{ID: ids[k], Event: ev})
+					if err != nil {
+						fail(fmt.Sprintf("round %d Begin %s", round, ids[k].Key), err)
+						continue
+					}
+					if res.Outcome == statemachine.OutcomeAcquired {
+						mu.Lock()
+						tokens[k] = append(tokens[k], res.Record.LeaseToken)
+						mu.Unlock()
+					}
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			break
+		}
+		// Every holder Completes through both stores at once, the keys in
+		// a random order per store: two batches of the same rows.
+		start = make(chan struct{})
+		for k, toks := range tokens {
+			if len(toks) != 1 {
+				t.Fatalf("round %d: key %s acquired %d times: %v", round, ids[k].Key, len(toks), toks)
+			}
+		}
+		for c := range 2 * keys {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				k := c % keys
+				<-start
+				_, err := stores[c/keys].Finish(ctx, &ledger.FinishParams{ID: ids[k], Event: statemachine.Event{
+					Kind: statemachine.EventComplete, Token: tokens[k][0], Response: &statemachine.Response{Body: []byte("done")}}})
+				if err != nil {
+					fail(fmt.Sprintf("round %d Complete %s", round, ids[k].Key), err)
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			break
+		}
+		for _, id := range ids {
+			rec, _, err := stores[0].Lookup(ctx, id)
+			if err != nil || rec.State != statemachine.StateCompleted {
+				t.Fatalf("round %d: %s after Complete: %+v %v", round, id.Key, rec, err)
+			}
+		}
+	}
+	if unavailable+other > 0 {
+		t.Fatalf("%d callers answered UNAVAILABLE, %d other errors", unavailable, other)
+	}
+	if n := deadlocks(t, url) - before; n != 0 {
+		t.Fatalf("PostgreSQL counted %d deadlocks", n)
+	}
+}
