@@ -159,3 +159,53 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 		t.Fatalf("PostgreSQL counted %d deadlocks", n)
 	}
 }
+
+// TestCloseAnswersQueuedCalls closes a store while many Begins and
+// Completes without a deadline are queued or in flight: every call
+// returns, each with its own answer or ErrUnavailable, and calls after
+// Close return ErrUnavailable.
+func TestCloseAnswersQueuedCalls(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	s, err := ledger.Open(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background() // a library caller without a deadline
+	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	const callers = 2000
+	errs := make(chan error, callers)
+	started := make(chan struct{}, callers)
+	for i := range callers {
+		go func() {
+			id := ledger.Identity{Tenant: "t", Scope: "s", Key: fmt.Sprintf("close-%d", i)}
+			started <- struct{}{}
+			res, err := s.Begin(ctx, &ledger.BeginParams{ID: id, Event: ev})
+			if err == nil {
+				_, err = s.Finish(ctx, &ledger.FinishParams{ID: id, Event: statemachine.Event{
+					Kind: statemachine.EventComplete, Token: res.Record.LeaseToken}})
+			}
+			errs <- err
+		}()
+	}
+	for range callers / 2 {
+		<-started
+	}
+	s.Close()
+	// A generous watchdog: without it a regression hangs the test binary.
+	watchdog := time.After(2 * time.Minute)
+	for i := range callers {
+		select {
+		case err := <-errs:
+			if err != nil && !errors.Is(err, ledger.ErrUnavailable) {
+				t.Errorf("call %d: %v, want success or ErrUnavailable", i, err)
+			}
+		case <-watchdog:
+			t.Fatalf("%d of %d calls still blocked after Close", callers-i, callers)
+		}
+	}
+	_, err = s.Begin(ctx, &ledger.BeginParams{ID: ledger.Identity{Tenant: "t", Scope: "s", Key: "after"}, Event: ev})
+	if !errors.Is(err, ledger.ErrUnavailable) {
+		t.Fatalf("Begin after Close: %v, want ErrUnavailable", err)
+	}
+}
