@@ -209,10 +209,14 @@ func newToken() string {
 	return "lt1." + base64.RawURLEncoding.EncodeToString(b[:])
 }
 
-// Begin applies a Begin event. A new key takes one round trip (an INSERT …
+// Begin applies a Begin event. An identity longer than MaxIdentityBytes is
+// refused with ErrIdentityTooLong. A new key takes one round trip (an INSERT …
 // ON CONFLICT DO NOTHING that also reads the existing row); a decision that
 // changes an existing record is taken again under its row lock.
 func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
@@ -401,6 +405,9 @@ const maxRaceRetries = 8
 // locked takes the decision for ev under the row lock and applies it in the
 // same transaction.
 func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (*Result, error) {
+	if err := checkIdentity(id); err != nil {
+		return nil, err
+	}
 	for range maxRaceRetries {
 		res, retry, err := s.lockedOnce(ctx, id, ev, pol)
 		switch {

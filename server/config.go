@@ -344,6 +344,9 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		names[tn.name] = true
 		out.tenants = append(out.tenants, tn)
 	}
+	if err := checkIdentityLimits(out.limits, out.tenants); err != nil {
+		errs = append(errs, err)
+	}
 	if rl := cfg.RateLimit; rl != nil {
 		if rl.RequestsPerSecond <= 0 || rl.Burst < 0 {
 			errs = append(errs, fmt.Errorf("rate_limit: requests_per_second must be positive and burst not negative"))
@@ -380,6 +383,22 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		return nil, err
 	}
 	return out, nil
+}
+
+// checkIdentityLimits refuses limits under which a key could not be
+// stored: the longest tenant name plus max_scope_bytes plus max_key_bytes
+// must fit the primary key index (ledger.MaxIdentityBytes).
+func checkIdentityLimits(l Limits, tenants []tenant) error {
+	longest := len(DefaultTenant)
+	for _, t := range tenants {
+		longest = max(longest, len(t.name))
+	}
+	if n := longest + l.MaxScopeBytes + l.MaxKeyBytes; n > ledger.MaxIdentityBytes {
+		return fmt.Errorf("limits: max_key_bytes %d + max_scope_bytes %d + the longest tenant name (%d bytes) = %d bytes, "+
+			"more than the %d bytes the database index can store for one record; lower max_key_bytes or max_scope_bytes",
+			l.MaxKeyBytes, l.MaxScopeBytes, longest, n, ledger.MaxIdentityBytes)
+	}
+	return nil
 }
 
 func (tc TenantConfig) resolve() (tenant, error) {
