@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
@@ -55,5 +56,42 @@ func TestKeyLimitFitsTheIndex(t *testing.T) {
 	wantCode(t, err, codes.InvalidArgument, "")
 	if n := env.rowCount(); n != 1 {
 		t.Fatalf("%d records after a refused key, want 1", n)
+	}
+}
+
+// TestStoredBytesBoundedByResponseLimit stores a response at the size
+// limit whose metadata is made of the characters JSON escapes six-fold:
+// what the database holds stays within the limit (plus a few bytes), and
+// the replay returns the metadata unchanged.
+func TestStoredBytesBoundedByResponseLimit(t *testing.T) {
+	t.Parallel()
+	env := newEnv(t, envOptions{})
+	limit := server.DefaultLimits().MaxResponseBytes
+	meta := map[string]string{"html": strings.Repeat("<&>", (limit-64)/3), "ctl": "\x01\x1f\u2028"}
+	stored := &idempotencyv1.StoredResponse{SchemaVersion: "v1", Metadata: meta}
+	if n := proto.Size(stored); n > limit {
+		t.Fatalf("test response is %d bytes, over the limit %d", n, limit)
+	}
+	resp := env.mustBegin("s", "k", idempotencyv1.Outcome_OUTCOME_ACQUIRED)
+	if _, err := env.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k",
+		LeaseToken: resp.GetLeaseToken(), Response: stored}); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgxConnect(env.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(t.Context())
+	var n int
+	if err := conn.QueryRow(t.Context(), `SELECT coalesce(octet_length(body), 0) + coalesce(octet_length(metadata), 0)
+		+ octet_length(schema_version) + octet_length(content_type) FROM idempotency_records`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n > limit+64 {
+		t.Fatalf("a response within the %d-byte limit is stored as %d bytes", limit, n)
+	}
+	replay := env.mustBegin("s", "k", idempotencyv1.Outcome_OUTCOME_REPLAY)
+	if !proto.Equal(replay.GetRecord().GetResponse(), stored) {
+		t.Fatal("the replayed response differs from the stored one")
 	}
 }
