@@ -49,6 +49,9 @@ type options struct {
 	keyring  *Keyring
 	noBatch  bool
 	cacheMax int64
+	// notifyQueueLimit, when set, is the session's
+	// idemcoord.notify_queue_limit (tests lower it).
+	notifyQueueLimit string
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -109,6 +112,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if o.notifyQueueLimit != "" {
+		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
+	}
 	if !hasParam(databaseURL, "pool_max_conns") {
 		cfg.MaxConns = o.maxConns
 	}
@@ -125,17 +131,20 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax)
+		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.fresh(cacheFreshness) })
 		s.notifier.onPayload = s.cache.notified
-		s.notifier.onConnect = s.cache.invalidateAll
-		s.notifier.start()
-		ctx, cancel := context.WithCancel(context.Background())
-		s.stopPing, s.pingDone = cancel, make(chan struct{})
-		go func() {
-			defer close(s.pingDone)
-			s.pingLoop(ctx)
-		}()
+		s.notifier.onLost = s.cache.invalidateAll
 	}
+	// The listener and its pings run from the start: the pings measure the
+	// listener's delay and carry the count of changes not notified, which
+	// the replay cache and waiting Begins rely on.
+	s.notifier.start()
+	pctx, cancel := context.WithCancel(context.Background())
+	s.stopPing, s.pingDone = cancel, make(chan struct{})
+	go func() {
+		defer close(s.pingDone)
+		s.pingLoop(pctx)
+	}()
 	return s, nil
 }
 
@@ -146,10 +155,8 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 // calls made after Close return ErrUnavailable too. Close waits for calls
 // on their own connection to finish.
 func (s *Store) Close() {
-	if s.stopPing != nil {
-		s.stopPing()
-		<-s.pingDone
-	}
+	s.stopPing()
+	<-s.pingDone
 	if s.begins != nil {
 		s.begins.close()
 		s.completes.close()
