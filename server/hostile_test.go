@@ -1,11 +1,14 @@
 package server_test
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
@@ -94,4 +97,58 @@ func TestStoredBytesBoundedByResponseLimit(t *testing.T) {
 	if !proto.Equal(replay.GetRecord().GetResponse(), stored) {
 		t.Fatal("the replayed response differs from the stored one")
 	}
+}
+
+// TestWaitersDoNotReadOnHeartbeats holds a key while 20 Begins wait on it,
+// heartbeats it twenty times, then completes it, and counts the database
+// reads of Begin (the replay cache's misses: every Begin that is not a
+// cached replay reads the database). Each waiter reads when it starts,
+// perhaps once more when it learns the listener is up, and once after the
+// Complete (a machine slow enough to delay the listener's pings may add a
+// round of polling: one more); a Heartbeat changes nothing a waiter waits
+// for, so it adds no read.
+func TestWaitersDoNotReadOnHeartbeats(t *testing.T) {
+	t.Parallel()
+	env := newEnv(t, envOptions{})
+	store := env.coord.Store
+	holder := env.mustBegin("s", "k", idempotencyv1.Outcome_OUTCOME_ACQUIRED, withLease(time.Hour))
+	const waiters, heartbeats = 20, 20
+	before := store.CacheStats().Misses
+	answers := make(chan *idempotencyv1.BeginResponse, waiters)
+	for range waiters {
+		go func() {
+			c, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			resp, err := env.client.Begin(c, &idempotencyv1.BeginRequest{Scope: "s", Key: "k",
+				Wait: durationpb.New(30 * time.Second)})
+			if err != nil {
+				t.Error(err)
+			}
+			answers <- resp
+		}()
+	}
+	// Every waiter has read once and waits.
+	for store.CacheStats().Misses-before < waiters {
+		time.Sleep(10 * time.Millisecond)
+	}
+	for range heartbeats {
+		if _, err := env.client.Heartbeat(ctx(t), &idempotencyv1.HeartbeatRequest{Scope: "s", Key: "k",
+			LeaseToken: holder.GetLeaseToken(), Lease: durationpb.New(time.Hour)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := env.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k",
+		LeaseToken: holder.GetLeaseToken()}); err != nil {
+		t.Fatal(err)
+	}
+	for range waiters {
+		if resp := <-answers; resp.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY {
+			t.Fatalf("a waiter was answered %v, want the replay", resp.GetOutcome())
+		}
+	}
+	reads := store.CacheStats().Misses - before
+	if reads > 4*waiters {
+		t.Fatalf("%d waiters read the database %d times over %d Heartbeats, want at most %d", waiters, reads, heartbeats, 4*waiters)
+	}
+	t.Logf("%d waiters, %d Heartbeats: %d reads", waiters, heartbeats, reads)
 }
