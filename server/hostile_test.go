@@ -10,10 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
 )
@@ -151,4 +153,45 @@ func TestWaitersDoNotReadOnHeartbeats(t *testing.T) {
 		t.Fatalf("%d waiters read the database %d times over %d Heartbeats, want at most %d", waiters, reads, heartbeats, 4*waiters)
 	}
 	t.Logf("%d waiters, %d Heartbeats: %d reads", waiters, heartbeats, reads)
+}
+
+// TestMaxConcurrentStreamsBoundsWaiters runs a coordinator that allows two
+// calls in flight per connection: with two Begins waiting on a held key, a
+// third call on the same connection waits for a slot (its deadline runs
+// out) instead of adding to the load, while another connection has
+// slots of its own.
+func TestMaxConcurrentStreamsBoundsWaiters(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{
+		server.WithGRPCOptions(grpc.MaxConcurrentStreams(2))}})
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	holder, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := c.Store.CacheStats().Misses
+	answers := make(chan error, 2)
+	for range 2 {
+		go func() {
+			_, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Wait: durationpb.New(15 * time.Second)})
+			answers <- err
+		}()
+	}
+	for c.Store.CacheStats().Misses-before < 2 {
+		time.Sleep(10 * time.Millisecond)
+	}
+	short, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	_, err = client.Lookup(short, &idempotencyv1.LookupRequest{Scope: "s", Key: "k"})
+	wantCode(t, err, codes.DeadlineExceeded, "")
+	// Another connection has slots of its own.
+	other := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	if _, err := other.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: holder.GetLeaseToken()}); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := <-answers; err != nil {
+			t.Fatal(err)
+		}
+	}
 }

@@ -78,8 +78,23 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
+	notif := func() ledger.NotificationStats { return store.NotificationStats() }
 	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost,
 		newRecordsCollector(store, logger),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
+			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
+			func() float64 { return notif().QueueUsage }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_notifications_dropped_total",
+			Help: "Changes the database did not notify because the notification queue was over its limit (database-wide, as last seen)."},
+			func() float64 { return float64(max(notif().Dropped, 0)) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notifications_polling",
+			Help: "1 while this replica does not trust change notifications: waiting Begins poll every second and the replay cache is not served."},
+			func() float64 {
+				if notif().Polling {
+					return 1
+				}
+				return 0
+			}),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
