@@ -111,6 +111,10 @@ type PolicyConfig struct {
 	OnExpired   *string   `yaml:"on_expired"`
 	OnUnknown   *string   `yaml:"on_unknown"`
 	MaxAttempts *int32    `yaml:"max_attempts"`
+	// UnknownRetention is how long an UNKNOWN record (or an IN_PROGRESS
+	// one whose lease lapsed) stays in the live table before the reaper
+	// moves it to the archive (default 720h, 30 days).
+	UnknownRetention *Duration `yaml:"unknown_retention"`
 }
 
 // ScopeConfig is one per-scope entry.
@@ -158,15 +162,17 @@ type Policy struct {
 	OnExpired   statemachine.OnExpired
 	OnUnknown   statemachine.OnUnknown
 	MaxAttempts int32
+	// UnknownRetention: see PolicyConfig.UnknownRetention.
+	UnknownRetention time.Duration
 }
 
 // DefaultPolicy is the built-in policy: ttl 24h, failure_ttl 1h, lease 30s,
 // on_expired restart, on_unknown takeover, max_attempts 0 (unlimited),
-// max_ttl 720h.
+// max_ttl 720h, unknown_retention 720h.
 func DefaultPolicy() Policy {
 	return Policy{TTL: 24 * time.Hour, FailureTTL: time.Hour, Lease: 30 * time.Second,
 		MaxTTL: 720 * time.Hour, OnExpired: statemachine.ExpiredRestart,
-		OnUnknown: statemachine.UnknownTakeover}
+		OnUnknown: statemachine.UnknownTakeover, UnknownRetention: 720 * time.Hour}
 }
 
 // Limits bound the fields of requests.
@@ -270,6 +276,16 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		keys[kc.ID] = key
 	}
 	return ledger.NewKeyring(e.ActiveKey, keys)
+}
+
+// unknownRetention returns the default unknown retention and the
+// per-scope ones, in the order the scopes are matched.
+func (p *Policies) unknownRetention() (time.Duration, []ledger.ScopeRetention) {
+	rules := make([]ledger.ScopeRetention, len(p.scopes))
+	for i, sc := range p.scopes {
+		rules[i] = ledger.ScopeRetention{Glob: sc.match, Retention: sc.policy.UnknownRetention}
+	}
+	return p.defaults.UnknownRetention, rules
 }
 
 // Reaper returns the reaper settings.
@@ -429,6 +445,7 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	set(&p.FailureTTL, c.FailureTTL)
 	set(&p.Lease, c.Lease)
 	set(&p.MaxTTL, c.MaxTTL)
+	set(&p.UnknownRetention, c.UnknownRetention)
 	if c.MaxAttempts != nil {
 		p.MaxAttempts = *c.MaxAttempts
 	}
@@ -464,6 +481,9 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	}
 	if p.Lease < time.Second || p.Lease > time.Hour {
 		errs = append(errs, fmt.Errorf("lease %v: must be between 1s and 1h", p.Lease))
+	}
+	if p.UnknownRetention <= 0 {
+		errs = append(errs, fmt.Errorf("unknown_retention %v: must be positive", p.UnknownRetention))
 	}
 	if p.MaxAttempts < 0 {
 		errs = append(errs, fmt.Errorf("max_attempts %d: must be 0 (unlimited) or more", p.MaxAttempts))

@@ -92,7 +92,14 @@ type ListRecordsRequest struct {
 	PageSize int32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	// The next_page_token of the previous page, sent with the same state and
 	// scope_glob; empty for the first page.
-	PageToken     string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// List the archive instead of the live records: the UNKNOWN records (and
+	// IN_PROGRESS ones whose lease lapsed) that the reaper moved there, with
+	// their metadata, once they were older than their policy's
+	// unknown_retention. Archived records are in (scope, key, archived_at)
+	// order, read STATE_UNKNOWN, carry archived_at, and no longer take part
+	// in Begin (the key is new again).
+	Archived      bool `protobuf:"varint,5,opt,name=archived,proto3" json:"archived,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -153,6 +160,13 @@ func (x *ListRecordsRequest) GetPageToken() string {
 		return x.PageToken
 	}
 	return ""
+}
+
+func (x *ListRecordsRequest) GetArchived() bool {
+	if x != nil {
+		return x.Archived
+	}
+	return false
 }
 
 // ListRecordsResponse is one page of records.
@@ -436,7 +450,7 @@ var File_idempotency_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xd4\x01\n" +
+	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xf0\x01\n" +
 	"\x12ListRecordsRequest\x125\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x15.idempotency.v1.StateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x125\n" +
 	"\n" +
@@ -444,7 +458,8 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\tpage_size\x18\x03 \x01(\x05B\n" +
 	"\xbaH\a\x1a\x05\x18\xe8\a(\x00R\bpageSize\x12'\n" +
 	"\n" +
-	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\"o\n" +
+	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\x12\x1a\n" +
+	"\barchived\x18\x05 \x01(\bR\barchived\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xea\x01\n" +
