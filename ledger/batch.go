@@ -88,6 +88,13 @@ func (c *coalescer[T]) work() {
 				break drain
 			}
 		}
+		if c.closing() {
+			// Closed while these were queued: close answers the rest.
+			for _, r := range batch {
+				c.reject(r)
+			}
+			return
+		}
 		ctx, cancel := context.WithTimeout(c.base, batchTimeout)
 		c.run(ctx, batch)
 		cancel()

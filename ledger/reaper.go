@@ -154,7 +154,13 @@ func archiveStatement(p *ReapParams) (string, []any) {
 		retention.WriteString(" WHEN scope LIKE $" + strconv.Itoa(len(args)+1) + " THEN $" + strconv.Itoa(len(args)+2) + "::int8")
 	}
 	args = append(args, p.UnknownRetention.Microseconds())
-	retention.WriteString(" ELSE $" + strconv.Itoa(len(args)+2) + "::int8 END")
+	def := "$" + strconv.Itoa(len(args)+2) + "::int8"
+	if len(p.ScopeRetention) == 0 {
+		retention.Reset()
+		retention.WriteString(def)
+	} else {
+		retention.WriteString(" ELSE " + def + " END")
+	}
 	args[0] = least.Microseconds()
 	cutoff := func(us string) string {
 		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
