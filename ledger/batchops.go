@@ -232,7 +232,7 @@ locked AS MATERIALIZED (
 UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = i.has_response,
 	schema_version = i.schema_version, content_type = i.content_type, status_code = i.status_code,
 	body = i.body, metadata = i.metadata, enc_key_id = i.enc_key_id, failure_reason = '',
-	lease_expires_at = NULL, updated_at = clock.now,
+	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM input i, clock, locked l
 WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key
