@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 	"testing"
 	"time"
@@ -109,4 +110,59 @@ func TestCoalescerCloseAnswersEveryone(t *testing.T) {
 	if c.submit(context.Background(), 9) {
 		t.Error("submit after close was accepted")
 	}
+}
+
+// TestBeginBatchFailingAsAWhole feeds a batch statement a row the index
+// cannot hold (past the Store's own identity check), so the statement
+// fails for everyone: each caller is sent back to run on its own, where
+// the others acquire. A caller whose row a failed batch had committed
+// (its token is in the record) acquires it as its own when it runs again.
+func TestBeginBatchFailingAsAWhole(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	s, err := Open(context.Background(), url, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx := context.Background()
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	huge := Identity{Tenant: "t", Scope: "s", Key: randomKey(4000)}
+	var batch []*beginReq
+	for i := range 8 {
+		id := Identity{Tenant: "t", Scope: "s", Key: fmt.Sprintf("k%d", i)}
+		if i == 3 {
+			id = huge
+		}
+		e := ev
+		e.NewToken = newToken()
+		batch = append(batch, &beginReq{ctx: ctx, p: &BeginParams{ID: id, Event: e}, ev: e, out: make(chan beginRes, 1)})
+	}
+	s.runBeginBatch(ctx, batch)
+	for _, r := range batch {
+		if out := <-r.out; out.err != nil || out.found {
+			t.Fatalf("%.20s after the batch failed: %+v, want to run on its own", r.p.ID.Key, out)
+		}
+		if r.p.ID == huge {
+			continue
+		}
+		res, err := s.begin(ctx, r.p, r.ev)
+		if err != nil || res.Outcome != statemachine.OutcomeAcquired || res.Record.LeaseToken != r.ev.NewToken {
+			t.Fatalf("%s on its own: %+v %v", r.p.ID.Key, res, err)
+		}
+		// As if that had been the batch, committed, and this the retry.
+		again, err := s.begin(ctx, r.p, r.ev)
+		if err != nil || again.Outcome != statemachine.OutcomeAcquired || again.Record.LeaseToken != r.ev.NewToken {
+			t.Fatalf("%s run again with its committed token: %+v %v", r.p.ID.Key, again, err)
+		}
+	}
+}
+
+// randomKey returns n printable bytes that do not compress.
+func randomKey(n int) string {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte('!' + rand.IntN(94))
+	}
+	return string(b)
 }

@@ -209,3 +209,71 @@ func TestCloseAnswersQueuedCalls(t *testing.T) {
 		t.Fatalf("Begin after Close: %v, want ErrUnavailable", err)
 	}
 }
+
+// TestUnreadableRowAmongConcurrentBegins plants a record sealed with a key
+// the store lacks (a replica during a key rotation) and Begins it among
+// many concurrent Begins of other tenants, round after round: only its
+// caller fails (ErrUnreadable); every other caller acquires, and its token
+// completes the record.
+func TestUnreadableRowAmongConcurrentBegins(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	ctx := context.Background()
+	keyring, err := ledger.NewKeyring("new", map[string][]byte{"new": make([]byte, ledger.KeySize)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := ledger.Open(ctx, url, ledger.WithKeyring(keyring), ledger.WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	bad := ledger.Identity{Tenant: "victim", Scope: "s", Key: "sealed-by-a-lost-key"}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `INSERT INTO idempotency_records (tenant, scope, key, state, attempt, generation,
+		lease_token, has_response, body, ttl_us, failure_ttl_us, created_at, updated_at, expires_at, enc_key_id)
+		VALUES ($1, $2, $3, 2, 1, 1, 'lt1.old', true, '\x0102030405060708090a0b0c0d0e0f10111213141516171819',
+			3600000000, 3600000000, now(), now(), now() + interval '1 day', 'old')`, bad.Tenant, bad.Scope, bad.Key); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(ctx)
+	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	for round := range 10 {
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for c := range 64 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				id := ledger.Identity{Tenant: fmt.Sprintf("tenant-%d", c%8), Scope: "s", Key: fmt.Sprintf("r%d-c%d", round, c)}
+				if c == 0 {
+					id = bad
+				}
+				<-start
+				res, err := s.Begin(ctx, &ledger.BeginParams{ID: id, Event: ev})
+				if id == bad {
+					if !errors.Is(err, ledger.ErrUnreadable) {
+						t.Errorf("round %d: the unreadable record's caller: %+v %v, want ErrUnreadable", round, res, err)
+					}
+					return
+				}
+				if err != nil || res.Outcome != statemachine.OutcomeAcquired {
+					t.Errorf("round %d: %s: %+v %v, want acquired", round, id.Key, res, err)
+					return
+				}
+				if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id, Event: statemachine.Event{
+					Kind: statemachine.EventComplete, Token: res.Record.LeaseToken}}); err != nil {
+					t.Errorf("round %d: Complete %s with its token: %v", round, id.Key, err)
+				}
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if t.Failed() {
+			return
+		}
+	}
+}

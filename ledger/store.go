@@ -227,7 +227,11 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
+	return s.begin(ctx, p, ev)
+}
 
+// begin is Begin with ev's new token chosen.
+func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
