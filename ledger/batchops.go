@@ -224,19 +224,18 @@ input AS (
 		AS i(tenant, scope, key, token, has_response, schema_version, content_type, status_code,
 			body, metadata, enc_key_id)),
 locked AS MATERIALIZED (
-	SELECT r.tenant, r.scope, r.key FROM idempotency_records r
+	SELECT i.* FROM idempotency_records r
 	JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key
 	WHERE r.lease_token = i.token AND r.state IN (1, 6)
 	ORDER BY r.tenant COLLATE "C", r.scope COLLATE "C", r.key COLLATE "C"
 	FOR UPDATE OF r)
-UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = i.has_response,
-	schema_version = i.schema_version, content_type = i.content_type, status_code = i.status_code,
-	body = i.body, metadata = i.metadata, enc_key_id = i.enc_key_id, failure_reason = '',
+UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = l.has_response,
+	schema_version = l.schema_version, content_type = l.content_type, status_code = l.status_code,
+	body = l.body, metadata = l.metadata, enc_key_id = l.enc_key_id, failure_reason = '',
 	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
-FROM input i, clock, locked l
-WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key
-	AND r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key AND r.lease_token = i.token
+FROM locked l, clock
+WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
 	AND r.state IN (1, 6)
 RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`
 

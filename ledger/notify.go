@@ -69,8 +69,9 @@ type notifier struct {
 	// unknown); pollUntil the end of polling after un-notified changes.
 	lastSeen, connectedAt, dropped, pollUntil atomic.Int64
 	// usage is the notification queue usage (math.Float64bits) at the
-	// latest ping.
-	usage atomic.Uint64
+	// latest ping; connects counts the listener's connections.
+	usage    atomic.Uint64
+	connects atomic.Int64
 
 	mu         sync.Mutex
 	subs       map[string]map[*subscription]struct{}
@@ -239,8 +240,15 @@ func (n *notifier) reconnect() {
 }
 
 func (n *notifier) run(ctx context.Context) {
-	defer close(n.done)
-	go n.pollLoop(ctx)
+	polled := make(chan struct{})
+	defer func() {
+		<-polled
+		close(n.done)
+	}()
+	go func() {
+		defer close(polled)
+		n.pollLoop(ctx)
+	}()
 	backoff := 50 * time.Millisecond
 	for ctx.Err() == nil {
 		err := n.listen(ctx)
@@ -301,6 +309,7 @@ func (n *notifier) listen(ctx context.Context) error {
 		n.onLost()
 	}
 	n.connectedAt.Store(time.Now().UnixNano())
+	n.connects.Add(1)
 	n.setConnected(true)
 	defer n.setConnected(false)
 	n.wakeAll()
@@ -400,12 +409,21 @@ func (s *Store) pingLoop(ctx context.Context) {
 				"(a stalled replica?); past idemcoord.notify_queue_limit (default 50%) changes are no longer notified "+
 				"and every replica polls", "usage", usage)
 		}
-		seen := max(n.lastSeen.Load(), n.connectedAt.Load())
-		if lag := sent.Sub(time.Unix(0, seen)); seen > 0 && lag > listenerLagLimit {
-			s.logger.Warn("change listener fell behind; reconnecting it (replay cache dropped, waiting Begins poll)", "lag", lag)
-			n.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
-			n.connectedAt.Store(time.Now().UnixNano()) // one reconnect per lag limit
-			n.reconnect()
-		}
+		n.checkLag(sent)
+	}
+}
+
+// checkLag reconnects the listener when the own pings sent up to sent (the
+// latest sent fine) have not come back for listenerLagLimit: it has fallen
+// behind, and holds PostgreSQL's queue back for every replica. Until the
+// new connection is up, the replay cache is not served and waiting Begins
+// poll; the reconnect drops the cache (onLost).
+func (n *notifier) checkLag(sent time.Time) {
+	seen := max(n.lastSeen.Load(), n.connectedAt.Load())
+	if lag := sent.Sub(time.Unix(0, seen)); seen > 0 && lag > listenerLagLimit {
+		n.logger.Warn("change listener fell behind; reconnecting it (replay cache dropped, waiting Begins poll)", "lag", lag)
+		n.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
+		n.connectedAt.Store(time.Now().UnixNano()) // one reconnect per lag limit
+		n.reconnect()
 	}
 }
