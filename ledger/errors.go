@@ -27,8 +27,8 @@ var ErrUnreadable = errors.New("stored record cannot be read")
 const MaxIdentityBytes = 2600
 
 // ErrIdentityTooLong is returned, before any database work, for an
-// identity longer than MaxIdentityBytes.
-var ErrIdentityTooLong = errors.New("tenant, scope and key together are too long to be stored")
+// identity longer than MaxIdentityBytes. It wraps ErrInvalidArgument.
+var ErrIdentityTooLong = fmt.Errorf("%w: tenant, scope and key together are too long to be stored", ErrInvalidArgument)
 
 // checkIdentity refuses an identity the primary key index cannot hold, so
 // it never reaches a statement (where it would fail a whole batch).
