@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"fmt"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"strconv"
 	"strings"
@@ -16,6 +17,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
 )
@@ -193,5 +195,70 @@ func TestMaxConcurrentStreamsBoundsWaiters(t *testing.T) {
 		if err := <-answers; err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestWaiterOutlastsAnOutage: a Begin waits on a held key while the
+// database stops. Waiters poll while the listener is down, and a poll
+// that finds the database unreachable keeps waiting on what the last read
+// found; when the database is back and the key completes, the waiter gets
+// the replay, not UNAVAILABLE.
+func TestWaiterOutlastsAnOutage(t *testing.T) {
+	t.Parallel()
+	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
+	url := cluster.URL("postgres")
+	if err := ledger.Migrate(context.Background(), url); err != nil {
+		t.Fatal(err)
+	}
+	c := coordtest.Start(t, coordtest.Options{DatabaseURL: url})
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	holder, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := c.Store.CacheStats().Misses
+	answer := make(chan error, 1)
+	go func() {
+		w, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		resp, err := client.Begin(w, &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Wait: durationpb.New(30 * time.Second)})
+		if err == nil && resp.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY {
+			err = fmt.Errorf("outcome %v, want the replay", resp.GetOutcome())
+		}
+		answer <- err
+	}()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("never %s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitFor("waiting", func() bool { return c.Store.CacheStats().Misses > before })
+	if err := cluster.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	// The waiter re-reads (polls) at least twice while the database is down.
+	down := c.Store.CacheStats().Misses
+	waitFor("polled during the outage", func() bool {
+		select {
+		case err := <-answer:
+			t.Fatalf("the waiter answered during the outage: %v", err)
+		default:
+		}
+		return c.Store.CacheStats().Misses >= down+2
+	})
+	if err := cluster.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("back", func() bool { return c.Server.Ready() })
+	if _, err := client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: holder.GetLeaseToken()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-answer; err != nil {
+		t.Fatalf("the waiter: %v", err)
 	}
 }
