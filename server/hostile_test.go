@@ -216,6 +216,20 @@ func TestWaiterOutlastsAnOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("never %s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	// With the listener up, a new waiter reads, then reads once more at
+	// once (the subscription's first wake-up): after two reads its first
+	// one has finished.
+	waitFor("listening", func() bool { return !c.Store.NotificationStats().Polling })
 	before := c.Store.CacheStats().Misses
 	answer := make(chan error, 1)
 	go func() {
@@ -227,17 +241,7 @@ func TestWaiterOutlastsAnOutage(t *testing.T) {
 		}
 		answer <- err
 	}()
-	waitFor := func(what string, cond func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(30 * time.Second)
-		for !cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("never %s", what)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}
-	waitFor("waiting", func() bool { return c.Store.CacheStats().Misses > before })
+	waitFor("waiting", func() bool { return c.Store.CacheStats().Misses >= before+2 })
 	if err := cluster.Stop(); err != nil {
 		t.Fatal(err)
 	}
