@@ -99,10 +99,11 @@ func checkExposure(c *config, authEnabled bool) error {
 		"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
 }
 
-// tlsCredentials builds the server's TLS credentials from the flags, or
+// tlsConfig builds the server's TLS configuration from the flags, or
 // returns nil without TLS. With a client CA, client certificates are
-// verified when given (callers may still use bearer tokens).
-func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
+// verified when given (callers may still use bearer tokens). The gRPC and
+// the HTTP listener both use it.
+func tlsConfig(c *config) (*tls.Config, error) {
 	if c.tlsCert == "" {
 		return nil, nil
 	}
@@ -123,7 +124,7 @@ func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
 		cfg.ClientCAs = pool
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
-	return credentials.NewTLS(cfg), nil
+	return cfg, nil
 }
 
 func envBool(name string) bool {
@@ -180,7 +181,7 @@ func run(args []string, logOut *os.File) error {
 	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
 		return err
 	}
-	creds, err := tlsCredentials(c)
+	tlsCfg, err := tlsConfig(c)
 	if err != nil {
 		return err
 	}
@@ -204,8 +205,8 @@ func run(args []string, logOut *os.File) error {
 	defer store.Close()
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
-	if creds != nil {
-		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
+	if tlsCfg != nil {
+		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(tlsCfg))))
 	}
 	tracing, stopTracing, err := setupTracing(ctx, c.otlpEndpoint)
 	if err != nil {
@@ -237,7 +238,14 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
+	// The HTTP listener also serves the API (HTTP/JSON): with TLS on, it
+	// serves HTTPS with the same certificates, so client certificates
+	// authenticate there too and tokens never travel in clear.
 	httpSrv := &http.Server{Handler: srv.HTTPHandler(), ReadHeaderTimeout: 10 * time.Second}
+	if tlsCfg != nil {
+		httpSrv.TLSConfig = tlsCfg.Clone()
+		hlis = tls.NewListener(hlis, httpSrv.TLSConfig)
+	}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
 	serveErr := make(chan error, 2)
