@@ -140,9 +140,9 @@ func WithHTTPRequireKey() HTTPOption {
 
 // WithHTTPFailOpen runs the handler unprotected when the coordinator
 // cannot be reached at the start of a request (Begin still answers
-// UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED after the Client's
-// retries). Only such transport failures open: a refusal by the
-// coordinator never does. By default the request fails closed with 503
+// UNAVAILABLE or DEADLINE_EXCEEDED after the Client's retries). Only such
+// transport failures open: a refusal by the coordinator, its rate limit
+// included, never does. AttemptFrom then reports ok = false. By default the request fails closed with 503
 // (ProblemUnavailable) and the handler does not run.
 func WithHTTPFailOpen() HTTPOption {
 	return func(o *httpOptions) { o.failOpen = true }
@@ -381,12 +381,14 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // beginFailed answers a Begin that failed.
 func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err error) {
 	ctx := r.Context()
-	switch {
-	case ctx.Err() != nil:
+	if ctx.Err() != nil {
 		// The client has gone; what is written here reaches no one.
 		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Request cancelled", ctx.Err().Error())
 		return
-	case unreachable(err):
+	}
+	st := status.Convert(err)
+	switch st.Code() {
+	case codes.Unavailable, codes.DeadlineExceeded:
 		if m.o.failOpen {
 			m.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable; running the handler unprotected (fail open)", "err", err)
 			m.next.ServeHTTP(w, r)
@@ -396,9 +398,13 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
 			"the request was not processed; retry later with the same Idempotency-Key")
 		return
-	}
-	st := status.Convert(err)
-	switch st.Code() {
+	case codes.ResourceExhausted:
+		// The coordinator's rate limit: an answer, not an outage, so it
+		// never fails open.
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator busy",
+			"the request was not processed; retry later with the same Idempotency-Key")
+		return
 	case codes.FailedPrecondition:
 		switch errorReason(st) {
 		case "FINGERPRINT_MISMATCH", "SCHEMA_VERSION_NOT_ACCEPTED":

@@ -566,3 +566,24 @@ func FuzzParseIdempotencyKey(f *testing.F) {
 		}
 	})
 }
+
+// Fail-open opens only on transport failures: the coordinator's refusal
+// (bad credentials here) or its rate limit never runs the handler.
+func TestHTTPFailOpenOnlyOnTransportFailure(t *testing.T) {
+	t.Parallel()
+	refused := startHTTP(t, httpSetup{opts: []clients.HTTPOption{clients.WithHTTPFailOpen()},
+		config: "tenants:\n  - { name: a, token_sha256: 0000000000000000000000000000000000000000000000000000000000000000, scopes: [\"*\"] }\n"})
+	wantProblem(t, refused.post(t, "k", "{}"), http.StatusInternalServerError, clients.ProblemInternal)
+	limited := startHTTP(t, httpSetup{opts: []clients.HTTPOption{clients.WithHTTPFailOpen()},
+		clientOpts: []clients.Option{clients.WithMaxAttempts(1)},
+		config:     "rate_limit: { requests_per_second: 0.001, burst: 2 }\n"})
+	if r := limited.post(t, "k1", "{}"); r.status != http.StatusCreated {
+		t.Fatalf("first request within the burst: %v", r)
+	}
+	// The burst is spent by Begin and Complete; the next Begin is refused.
+	r := limited.post(t, "k2", "{}")
+	wantProblem(t, r, http.StatusServiceUnavailable, clients.ProblemUnavailable)
+	if refused.runs.Load() != 0 || limited.runs.Load() != 1 {
+		t.Fatalf("handler runs: refused %d, limited %d", refused.runs.Load(), limited.runs.Load())
+	}
+}
