@@ -587,3 +587,44 @@ func TestHTTPFailOpenOnlyOnTransportFailure(t *testing.T) {
 		t.Fatalf("handler runs: refused %d, limited %d", refused.runs.Load(), limited.runs.Load())
 	}
 }
+
+// A handler that runs longer than the lease keeps the key: the middleware
+// heartbeats, and a duplicate meanwhile gets 409, not a second run.
+func TestHTTPHeartbeatsWhileHandlerRuns(t *testing.T) {
+	t.Parallel()
+	var f *httpFixture
+	leaseExpiry := func() time.Time {
+		rec, _ := f.record(t, "long")
+		return rec.GetLeaseExpiresAt().AsTime()
+	}
+	extended, proceed := make(chan struct{}), make(chan struct{})
+	f = startHTTP(t, httpSetup{
+		clientOpts: []clients.Option{clients.WithLease(time.Second)},
+		opts:       []clients.HTTPOption{clients.WithHTTPWait(0)},
+		handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+			first := leaseExpiry()
+			deadline := time.Now().Add(45 * time.Second)
+			for !leaseExpiry().After(first.Add(time.Second)) { // past the first lease: extended twice at least
+				if time.Now().After(deadline) || r.Context().Err() != nil {
+					w.WriteHeader(http.StatusInternalServerError)
+					return
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			close(extended)
+			<-proceed
+			createProject(w, r, n)
+		},
+	})
+	done := make(chan httpResp, 1)
+	go func() { done <- f.post(t, "long", "{}") }()
+	<-extended
+	wantProblem(t, f.post(t, "long", "{}"), http.StatusConflict, clients.ProblemInProgress)
+	close(proceed)
+	if r := <-done; r.status != http.StatusCreated || r.header.Get("Idempotency-Result") != "created" {
+		t.Fatalf("long request: %v", r)
+	}
+	if rec, c := f.record(t, "long"); c != codes.OK || rec.GetState() != idempotencyv1.State_STATE_COMPLETED || rec.GetAttempt() != 1 {
+		t.Fatalf("record %v %v", rec, c)
+	}
+}
