@@ -16,7 +16,6 @@ import (
 	"unicode"
 	"unicode/utf8"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -241,9 +240,15 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 // the request's fingerprint (method, path with query, body; see
 // WithHTTPFingerprintFunc), and then:
 //
-//   - acquired: runs the handler (which can read AttemptFrom), heartbeating
-//     while it runs, and passes its response through to the client as it
-//     is written, keeping a copy. The response is recorded by its status:
+//   - acquired: runs the handler (which can read AttemptFrom and LeaseFrom
+//     from r.Context(), and calls MarkSideEffect before its first
+//     irreversible step), heartbeating while it runs, and passes its
+//     response through to the client as it is written, keeping a copy. The
+//     handler's context is cancelled (cause ErrLeaseUnconfirmed) when no
+//     heartbeat can confirm the lease before it would run out by the local
+//     clock, and when the lease cannot be confirmed before the handler
+//     starts (after a long wait), the handler does not run and the answer
+//     is 503. The response is recorded by its status:
 //     1xx-3xx are stored (status, Content-Type, Location and the headers of
 //     WithHTTPReplayHeaders, and the body) and answered with
 //     "Idempotency-Result: created"; 404, 409 and 422 (see
@@ -253,8 +258,11 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     503 is RETRYABLE (nothing happened: the next request runs the
 //     handler); other 5xx are UNKNOWN (the side effect may have happened:
 //     the next request runs the handler with AttemptFrom's previous state
-//     STATE_UNKNOWN, or gets 409 under on_unknown: hold). A panicking
-//     handler is recorded UNKNOWN and the panic goes on. If Complete or
+//     STATE_UNKNOWN, or gets 409 under on_unknown: hold). After
+//     MarkSideEffect, every response that is not stored is recorded
+//     UNKNOWN; the stored ones (1xx-3xx and the replayable statuses, which
+//     are the handler's definitive answers) are stored as before. A
+//     panicking handler is recorded UNKNOWN and the panic goes on. If Complete or
 //     Fail cannot reach the coordinator it is retried in the background
 //     for up to one lease (see Client.Shutdown);
 //   - replay: answers the stored status, headers and body byte for byte,
@@ -354,14 +362,14 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		AcceptSchemaVersions: []string{HTTPSchemaVersion},
 		AttemptId:            newAttemptID(),
 	}
-	res, err := m.c.beginWaiting(ctx, breq, time.Now().Add(m.o.wait))
+	res, sent, err := m.c.beginWaiting(ctx, breq, time.Now().Add(m.o.wait))
 	if err != nil {
 		m.beginFailed(w, r, err)
 		return
 	}
 	switch res.GetOutcome() {
 	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
-		m.run(w, r, breq, res)
+		m.run(w, r, m.c.newLease(breq, res, sent))
 		return
 	case idempotencyv1.Outcome_OUTCOME_REPLAY:
 		replayHTTP(w, res.GetRecord().GetResponse())
@@ -387,8 +395,8 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 		return
 	}
 	st := status.Convert(err)
-	switch st.Code() {
-	case codes.Unavailable, codes.DeadlineExceeded:
+	switch {
+	case transportFailure(err):
 		if m.o.failOpen {
 			m.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable; running the handler unprotected (fail open)", "err", err)
 			m.next.ServeHTTP(w, r)
@@ -398,15 +406,15 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
 			"the request was not processed; retry later with the same Idempotency-Key")
 		return
-	case codes.ResourceExhausted:
+	case st.Code() == codes.ResourceExhausted:
 		// The coordinator's rate limit: an answer, not an outage, so it
 		// never fails open.
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator busy",
 			"the request was not processed; retry later with the same Idempotency-Key")
 		return
-	case codes.FailedPrecondition:
-		switch errorReason(st) {
+	case st.Code() == codes.FailedPrecondition:
+		switch errorReason(err) {
 		case "FINGERPRINT_MISMATCH", "SCHEMA_VERSION_NOT_ACCEPTED":
 			writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused, "Idempotency-Key reused",
 				"this Idempotency-Key was first used with another request")
@@ -420,7 +428,7 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 				"requests with this Idempotency-Key failed as many times as allowed")
 			return
 		}
-	case codes.InvalidArgument:
+	case st.Code() == codes.InvalidArgument:
 		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid", st.Message())
 		return
 	}
@@ -430,35 +438,46 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 }
 
 // run runs the handler under the acquired lease and records its response.
-func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, breq *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse) {
+func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
 	ctx := r.Context()
-	l := m.c.newLease(breq, res)
 	rec := &httpRecorder{w: w, m: m}
-	lost := l.run(ctx, res, func(ctx context.Context) { m.next.ServeHTTP(rec, r.WithContext(ctx)) })
-	if !rec.wrote {
-		rec.WriteHeader(http.StatusOK)
-	}
-	if lost {
+	switch l.run(ctx, func(ctx context.Context) { m.next.ServeHTTP(rec, r.WithContext(ctx)) }) {
+	case runNotStarted:
+		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
+			reason: "the lease could not be confirmed before the handler started"})
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
+			"the request was not processed; retry later with the same Idempotency-Key")
+		return
+	case runLost:
+		if !rec.wrote {
+			rec.WriteHeader(http.StatusOK)
+		}
 		m.c.logger.WarnContext(ctx, "idempotency: lease lost while the handler ran; its response is not stored",
 			"scope", l.scope, "key", l.key, "status", rec.status)
 		return
 	}
-	_ = l.finish(ctx, m.ending(rec))
+	if !rec.wrote {
+		rec.WriteHeader(http.StatusOK)
+	}
+	_ = l.finish(ctx, m.ending(rec, l.marked()))
 }
 
-// ending is how a handler's response is recorded.
-func (m *httpMiddleware) ending(rec *httpRecorder) ending {
+// ending is how a handler's response is recorded. After MarkSideEffect,
+// a response that is not stored (see stores) is recorded UNKNOWN.
+func (m *httpMiddleware) ending(rec *httpRecorder, marked bool) ending {
 	reason := fmt.Sprintf("HTTP %d %s", rec.status, http.StatusText(rec.status))
 	kind := m.kind(rec.status)
-	if rec.overflow && (kind == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED || kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE) {
+	switch {
+	case rec.overflow && (kind == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED || kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE):
 		return ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN,
 			reason: reason + ": response body too large to store"}
-	}
-	switch kind {
-	case idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED:
+	case kind == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED:
 		return ending{complete: rec.stored()}
-	case idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE:
+	case kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE:
 		return ending{kind: kind, response: rec.stored(), reason: reason}
+	case marked:
+		return ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, reason: reason + " after MarkSideEffect"}
 	}
 	return ending{kind: kind, reason: reason}
 }
@@ -647,14 +666,4 @@ func writeProblem(w http.ResponseWriter, status int, typ, title, detail string) 
 // least 1.
 func retryAfterSeconds(d time.Duration) string {
 	return strconv.FormatInt(max(int64(math.Ceil(d.Seconds())), 1), 10)
-}
-
-// errorReason returns the ErrorInfo reason of st, if any.
-func errorReason(st *status.Status) string {
-	for _, d := range st.Details() {
-		if ei, ok := d.(*errdetails.ErrorInfo); ok {
-			return ei.GetReason()
-		}
-	}
-	return ""
 }

@@ -628,3 +628,87 @@ func TestHTTPHeartbeatsWhileHandlerRuns(t *testing.T) {
 		t.Fatalf("record %v %v", rec, c)
 	}
 }
+
+// Inside an HTTP handler, LeaseFrom gives the lease (key as stored, after
+// principal folding) and MarkSideEffect turns every response that is not
+// stored into UNKNOWN, while stored ones stay stored.
+func TestHTTPLeaseFromAndMarkSideEffect(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	leases := map[string]clients.Lease{} // by the X-Case header
+	f := startHTTP(t, httpSetup{
+		opts: []clients.HTTPOption{clients.WithHTTPPrincipal(func(r *http.Request) (string, error) { return "u1", nil })},
+		handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+			l, ok := clients.LeaseFrom(r.Context())
+			if ok {
+				mu.Lock()
+				leases[r.Header.Get("X-Case")] = l
+				mu.Unlock()
+			}
+			if r.URL.Query().Get("mark") == "1" {
+				clients.MarkSideEffect(r.Context())
+			}
+			code, _ := strconv.Atoi(r.URL.Query().Get("status"))
+			w.WriteHeader(code)
+			fmt.Fprintf(w, "run %d", n)
+		},
+	})
+	for _, c := range []struct {
+		mark   bool
+		status int
+		want   idempotencyv1.State // UNSPECIFIED: no record
+	}{
+		{false, 400, idempotencyv1.State_STATE_UNSPECIFIED},
+		{true, 400, idempotencyv1.State_STATE_UNKNOWN},
+		{false, 503, idempotencyv1.State_STATE_FAILED_RETRYABLE},
+		{true, 503, idempotencyv1.State_STATE_UNKNOWN},
+		{true, 500, idempotencyv1.State_STATE_UNKNOWN},
+		{true, 201, idempotencyv1.State_STATE_COMPLETED},
+		{true, 422, idempotencyv1.State_STATE_FAILED_REPLAYABLE},
+	} {
+		name := fmt.Sprintf("mark=%v status=%d", c.mark, c.status)
+		key := fmt.Sprintf("mark-%v-%d", c.mark, c.status)
+		mark := "0"
+		if c.mark {
+			mark = "1"
+		}
+		r := f.send(t, http.MethodPost, "/projects?mark="+mark+"&status="+strconv.Itoa(c.status), key, "{}", "X-Case: "+name)
+		if r.status != c.status {
+			t.Fatalf("%s: %v", name, r)
+		}
+		rec, code := f.record(t, clients.FoldPrincipal("u1", key))
+		if c.want == idempotencyv1.State_STATE_UNSPECIFIED {
+			if code != codes.NotFound {
+				t.Fatalf("%s left a record: %v", name, rec)
+			}
+		} else if code != codes.OK || rec.GetState() != c.want {
+			t.Fatalf("%s: record %v (%v), want %v", name, rec, code, c.want)
+		}
+		mu.Lock()
+		l, ok := leases[name]
+		mu.Unlock()
+		if !ok || l.Scope != clients.DefaultHTTPScope || l.Key != clients.FoldPrincipal("u1", key) || l.Token == "" ||
+			l.Generation != 1 || l.Attempt != 1 || l.Previous != idempotencyv1.State_STATE_UNSPECIFIED || l.Uncertain {
+			t.Fatalf("%s: LeaseFrom = %+v, %v", name, l, ok)
+		}
+		if c.want != idempotencyv1.State_STATE_UNSPECIFIED && rec.GetAttempt() != l.Attempt {
+			t.Fatalf("%s: lease attempt %d, record %v", name, l.Attempt, rec)
+		}
+	}
+	// The retry after a marked failure runs as an uncertain attempt.
+	f.send(t, http.MethodPost, "/projects?mark=1&status=400", "mark-true-400", "{}", "X-Case: retry")
+	mu.Lock()
+	l := leases["retry"]
+	mu.Unlock()
+	if l.Attempt != 2 || l.Previous != idempotencyv1.State_STATE_UNKNOWN || !l.Uncertain {
+		t.Fatalf("retry after a marked 400: %+v", l)
+	}
+	// Without a key the handler runs unprotected: no lease.
+	f.send(t, http.MethodPost, "/projects?mark=1&status=201", "", "{}", "X-Case: no key")
+	mu.Lock()
+	_, ok := leases["no key"]
+	mu.Unlock()
+	if ok {
+		t.Fatal("LeaseFrom answered ok without a key")
+	}
+}
