@@ -42,6 +42,7 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzBegin$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzComplete$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzFail$$'
+	go test ./clients $(FUZZFLAGS) -fuzz '^FuzzParseIdempotencyKey$$'
 
 ## lint: gofmt, go vet, buf lint, generated code up to date
 lint: tools check-generated

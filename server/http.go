@@ -7,6 +7,7 @@ import (
 	"io"
 	"mime"
 	"net/http"
+	"strings"
 
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
@@ -81,7 +82,9 @@ func (c strictJSONCodec) Unmarshal(data []byte, msg proto.Message) error {
 // Connect-Protocol-Version header as a Connect call. Vanguard would
 // otherwise take it for a REST call, which these services do not map. It
 // also answers an empty JSON body invalid_argument (as connect-go does),
-// which vanguard would pass on as no request at all.
+// which vanguard would pass on as no request at all, and a POST of another
+// content type (curl's default form encoding, say) 415 with a hint, where
+// vanguard would answer a bare 404.
 func connectByDefault(next http.Handler) http.Handler {
 	errw := connect.NewErrorWriter()
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -89,14 +92,18 @@ func connectByDefault(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		ct := r.Header.Values("Content-Type")
-		if len(ct) != 1 {
+		mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+		switch {
+		case err == nil && (mt == "application/json" || mt == "application/proto"):
+		case err == nil && (mt == "application/grpc" || mt == "application/grpc-web" ||
+			strings.HasPrefix(mt, "application/grpc+") || strings.HasPrefix(mt, "application/grpc-web+") ||
+			strings.HasPrefix(mt, "application/connect+")):
 			next.ServeHTTP(w, r)
 			return
-		}
-		mt, _, err := mime.ParseMediaType(ct[0])
-		if err != nil || mt != "application/json" && mt != "application/proto" {
-			next.ServeHTTP(w, r)
+		default:
+			w.Header().Set("Accept-Post", "application/json, application/proto, application/grpc-web+proto, application/grpc-web+json")
+			http.Error(w, "unsupported Content-Type: send the request message as JSON with `Content-Type: application/json`",
+				http.StatusUnsupportedMediaType)
 			return
 		}
 		if len(r.Header.Values(connectVersionHeader)) == 0 {

@@ -173,6 +173,11 @@ func TestHTTPBeginCompleteReplay(t *testing.T) {
 	if r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
 		t.Fatalf("Lookup with the Connect header: HTTP %d %s", r.status, r.body)
 	}
+	// The Admin service is served too.
+	r = api.post("idempotency.v1.Admin/ListRecords", `{"scopeGlob":"build"}`)
+	if recs, _ := r.json(t)["records"].([]any); r.status != http.StatusOK || len(recs) != 1 {
+		t.Fatalf("Admin ListRecords: HTTP %d %s", r.status, r.body)
+	}
 	r = api.post(httpComplete, `{"scope":"build","key":"k","lease_token":"`+token+
 		`","response":{"status_code":201,"body":"aGVsbG8=","metadata":{"location":"/builds/7"}}}`)
 	if r.status != http.StatusOK {
@@ -234,6 +239,12 @@ func TestHTTPErrors(t *testing.T) {
 		if !strings.Contains(metrics, want) {
 			t.Fatalf("/metrics lacks %s", want)
 		}
+	}
+	// A POST of another content type (curl -d without -H) gets a hint.
+	req, _ = http.NewRequest(http.MethodPost, api.url+"/"+httpBegin, strings.NewReader(`{"scope":"build","key":"k"}`))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if r := api.do(req); r.status != http.StatusUnsupportedMediaType || !strings.Contains(string(r.body), "application/json") {
+		t.Fatalf("form-encoded POST: HTTP %d %s", r.status, r.body)
 	}
 	// Only the two API services are served: health stays gRPC only.
 	if r := api.post("grpc.health.v1.Health/Check", `{}`); r.status != http.StatusNotFound {
