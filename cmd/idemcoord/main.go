@@ -49,6 +49,7 @@ type config struct {
 	logLevel        string
 	otlpEndpoint    string
 	shutdownTimeout time.Duration
+	console         bool
 }
 
 // env returns the value of the environment variable name, or def.
@@ -73,6 +74,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -99,10 +101,19 @@ func checkExposure(c *config, authEnabled bool) error {
 		"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
 }
 
-// tlsConfig builds the server's TLS configuration from the flags, or
+// tlsCredentials builds the server's TLS credentials from the flags, or
 // returns nil without TLS. With a client CA, client certificates are
-// verified when given (callers may still use bearer tokens). The gRPC and
-// the HTTP listener both use it.
+// verified when given (callers may still use bearer tokens).
+func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
+	cfg, err := tlsConfig(c)
+	if cfg == nil || err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(cfg), nil
+}
+
+// tlsConfig is the server's TLS configuration from the flags, or nil
+// without TLS.
 func tlsConfig(c *config) (*tls.Config, error) {
 	if c.tlsCert == "" {
 		return nil, nil
@@ -181,7 +192,10 @@ func run(args []string, logOut *os.File) error {
 	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
 		return err
 	}
-	tlsCfg, err := tlsConfig(c)
+	if err := checkConsoleExposure(c, policies.AuthEnabled()); err != nil {
+		return err
+	}
+	creds, err := tlsCredentials(c)
 	if err != nil {
 		return err
 	}
@@ -205,8 +219,8 @@ func run(args []string, logOut *os.File) error {
 	defer store.Close()
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
-	if tlsCfg != nil {
-		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(tlsCfg))))
+	if creds != nil {
+		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
 	}
 	tracing, stopTracing, err := setupTracing(ctx, c.otlpEndpoint)
 	if err != nil {
@@ -238,14 +252,23 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
-	// The HTTP listener also serves the API (HTTP/JSON): with TLS on, it
-	// serves HTTPS with the same certificates, so client certificates
-	// authenticate there too and tokens never travel in clear.
-	httpSrv := &http.Server{Handler: srv.HTTPHandler(), ReadHeaderTimeout: 10 * time.Second}
-	if tlsCfg != nil {
-		httpSrv.TLSConfig = tlsCfg.Clone()
-		hlis = tls.NewListener(hlis, httpSrv.TLSConfig)
+	httpHandler := srv.HTTPHandler()
+	if c.console {
+		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
+			return err
+		}
+	} else if c.tlsCert != "" {
+		// The HTTP listener serves the API too (HTTP/JSON): with TLS on it
+		// serves HTTPS with the same certificates (as with the console), so
+		// client certificates authenticate there and tokens never travel in
+		// clear.
+		cfg, err := tlsConfig(c)
+		if err != nil {
+			return err
+		}
+		hlis = tls.NewListener(hlis, cfg)
 	}
+	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
 	serveErr := make(chan error, 2)
