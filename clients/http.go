@@ -249,7 +249,7 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     clock, and when the lease cannot be confirmed before the handler
 //     starts (after a long wait), the handler does not run and the answer
 //     is 503. The response is recorded by its status:
-//     1xx-3xx are stored (status, Content-Type, Location and the headers of
+//     2xx and 3xx are stored (status, Content-Type, Location and the headers of
 //     WithHTTPReplayHeaders, and the body) and answered with
 //     "Idempotency-Result: created"; 404, 409 and 422 (see
 //     WithHTTPReplayableStatuses) are stored FAILED_REPLAYABLE and
@@ -260,7 +260,7 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     the next request runs the handler with AttemptFrom's previous state
 //     STATE_UNKNOWN, or gets 409 under on_unknown: hold). After
 //     MarkSideEffect, every response that is not stored is recorded
-//     UNKNOWN; the stored ones (1xx-3xx and the replayable statuses, which
+//     UNKNOWN; the stored ones (2xx and 3xx and the replayable statuses, which
 //     are the handler's definitive answers) are stored as before. A
 //     panicking handler is recorded UNKNOWN and the panic goes on. If Complete or
 //     Fail cannot reach the coordinator it is retried in the background
@@ -482,7 +482,8 @@ func (m *httpMiddleware) ending(rec *httpRecorder, marked bool) ending {
 	return ending{kind: kind, reason: reason}
 }
 
-// kind classifies a status: UNSPECIFIED means stored as a success.
+// kind classifies a final status (2xx-5xx; the recorder passes 1xx through):
+// UNSPECIFIED means stored as a success.
 func (m *httpMiddleware) kind(status int) idempotencyv1.FailureKind {
 	switch {
 	case status < 400:

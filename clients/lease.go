@@ -98,7 +98,7 @@ func LeaseFrom(ctx context.Context) (Lease, bool) {
 // sees previous state STATE_UNKNOWN and checks the outside world before it
 // repeats the step. Before the mark, errors are classified by their code as
 // usual. Under HTTPMiddleware, after the mark every response that would not
-// be stored (any status but 1xx-3xx and the replayable ones, 404, 409 and
+// be stored (any status but 2xx and 3xx and the replayable ones, 404, 409 and
 // 422 by default) ends the attempt UNKNOWN. Outside an attempt (no key, fail-open, plain calls) it does
 // nothing. Calling it more than once is harmless.
 func MarkSideEffect(ctx context.Context) {
