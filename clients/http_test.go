@@ -28,6 +28,7 @@ import (
 
 // httpSetup configures an httpFixture.
 type httpSetup struct {
+	coord      *coordtest.Coordinator // nil: a new one
 	config     string
 	clientOpts []clients.Option
 	opts       []clients.HTTPOption
@@ -48,7 +49,10 @@ type httpFixture struct {
 
 func startHTTP(t *testing.T, s httpSetup) *httpFixture {
 	t.Helper()
-	f := &httpFixture{coord: coordtest.Start(t, coordtest.Options{Config: s.config})}
+	f := &httpFixture{coord: s.coord}
+	if f.coord == nil {
+		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config})
+	}
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	f.idem = clients.New(f.coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
 	h := s.handler
