@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -172,6 +173,21 @@ func TestHTTPBeginCompleteReplay(t *testing.T) {
 	r = api.post(httpLookup, `{"scope":"build","key":"k"}`, "Connect-Protocol-Version: 1")
 	if r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
 		t.Fatalf("Lookup with the Connect header: HTTP %d %s", r.status, r.body)
+	}
+	// Lookup (no side effects) may be a Connect GET; Begin may not.
+	get := func(method string) httpReply {
+		req, err := http.NewRequest(http.MethodGet, api.url+"/"+method+"?connect=v1&encoding=json&message="+
+			url.QueryEscape(`{"scope":"build","key":"k"}`), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return api.do(req)
+	}
+	if r := get(httpLookup); r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
+		t.Fatalf("GET Lookup: HTTP %d %s", r.status, r.body)
+	}
+	if r := get(httpBegin); r.status != http.StatusMethodNotAllowed {
+		t.Fatalf("GET Begin: HTTP %d %s", r.status, r.body)
 	}
 	// The Admin service is served too.
 	r = api.post("idempotency.v1.Admin/ListRecords", `{"scopeGlob":"build"}`)
