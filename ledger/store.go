@@ -109,6 +109,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
 	if !hasParam(databaseURL, "pool_max_conns") {
 		cfg.MaxConns = o.maxConns
 	}
