@@ -356,16 +356,20 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 
 // completeHeldOne runs completeHeldSQL for one record; rargs are its
 // responseArgs. It returns (nil, nil) when the token does not hold it.
+// The statement commits by itself and is never cancelled by ctx (see
+// commitTimeout).
 func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, rargs []any) (*Result, error) {
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
-	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
-	if err == pgx.ErrNoRows {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	return detached(ctx, func(cctx context.Context) (*Result, error) {
+		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
+		if err == pgx.ErrNoRows {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	})
 }
 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
@@ -473,7 +477,9 @@ func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
 
 // withTx runs fn in a transaction and commits it. On error it rolls back
 // under context.WithoutCancel, so a cancelled call still releases its locks
-// at once.
+// at once. The COMMIT itself is never cancelled by ctx (see commitTimeout):
+// when ctx ends during it, withTx returns ctx's error and the commit goes
+// on by itself.
 func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -483,7 +489,14 @@ func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) erro
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		return err
 	}
-	return tx.Commit(ctx)
+	if err := ctx.Err(); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	_, err = detached(ctx, func(cctx context.Context) (struct{}, error) {
+		return struct{}{}, tx.Commit(cctx)
+	})
+	return err
 }
 
 // hasParam reports whether a URL or DSN sets the named parameter.
