@@ -108,7 +108,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if !hasParam(databaseURL, "application_name") {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	}
 	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
 	if !hasParam(databaseURL, "pool_max_conns") {
 		cfg.MaxConns = o.maxConns
