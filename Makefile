@@ -19,6 +19,12 @@ all: test
 run: build
 	@scripts/run-local.sh
 
+## run-ha: the coordinator on a local pg_auto_failover cluster under .data-ha/ (monitor + three nodes,
+## number_sync_standbys = 1) via its multi-host URL; `scripts/run-ha.sh failover` in another terminal fails over
+.PHONY: run-ha
+run-ha: build
+	@scripts/run-ha.sh
+
 ## build: compile every package and the binaries into ./bin
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
