@@ -271,8 +271,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			if r.State == StateCompleted {
 				ttl = r.TTL
 			}
-			if !r.ExpiresAt.Equal(now.Add(ttl)) || !r.LeaseExpiresAt.IsZero() {
-				fail("%v written with expires_at %v (want now+%v) or a lease", r.State, r.ExpiresAt, ttl)
+			want := now.Add(ttl)
+			if r.State == StateFailedRetryable && r.Uncertain && ev.Kind == EventFail {
+				want = time.Time{} // an uncertain failure needs a decision: no expiry
+			}
+			if !r.ExpiresAt.Equal(want) || !r.LeaseExpiresAt.IsZero() {
+				fail("%v written with expires_at %v (want %v) or a lease", r.State, r.ExpiresAt, want)
 			}
 		default:
 			fail("written in state %v", r.State)
@@ -307,6 +311,9 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 	if written && d.Record.State.Replayable() && d.Record.Uncertain {
 		fail("written %v still uncertain", d.Record.State)
 	}
+	if written && ev.Kind == EventFail && d.Record.Uncertain && !d.Record.ExpiresAt.IsZero() {
+		fail("a Fail wrote an uncertain %v record with an expiry: the warning would expire with it", d.Record.State)
+	}
 	if cur != nil && good && eff.Uncertain {
 		if d.Write == WriteDelete {
 			fail("an uncertain record was deleted")
@@ -331,10 +338,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 		fail("EnteredUnknown without writing UNKNOWN down, taking it over or resolving a lapse")
 	}
 
-	// Resolve ends only a record that reads UNKNOWN, as COMPLETED or
-	// FAILED_RETRYABLE, and revokes the holder's token.
+	// Resolve ends only a record that needs a decision (reads UNKNOWN, or
+	// an uncertain FAILED_RETRYABLE), as COMPLETED or FAILED_RETRYABLE, and
+	// revokes the holder's token.
 	if ev.Kind == EventResolve && cur != nil {
-		if eff.State != StateUnknown && !errors.Is(d.Err, ErrNotUnknown) {
+		decidable := eff.State == StateUnknown || eff.State == StateFailedRetryable && eff.Uncertain
+		if !decidable && !errors.Is(d.Err, ErrNotUnknown) {
 			fail("a Resolve of a record that reads %v is not NOT_UNKNOWN", eff.State)
 		}
 		if d.Err == nil && (d.Record.State != ev.ResolveAs || d.Record.LeaseToken != "" || d.Record.AttemptID != "" ||

@@ -196,9 +196,10 @@ func fxUnknownLapsed(m ...mod) *Record {
 }
 
 // fxRetryableUncertain is FAILED_RETRYABLE after attempt 2, which took over
-// from UNKNOWN and then failed RETRYABLE: the generation stays uncertain.
+// from UNKNOWN and then failed RETRYABLE: the generation stays uncertain,
+// and the record never expires (it needs a decision, like UNKNOWN).
 func fxRetryableUncertain(m ...mod) *Record {
-	return fxFailedRetryable(append([]mod{attempt(2), from(StateUnknown), uncertain(true)}, m...)...)
+	return fxFailedRetryable(append([]mod{attempt(2), from(StateUnknown), uncertain(true), expiresAt(time.Time{})}, m...)...)
 }
 
 // fxUnknownAbandoned is UNKNOWN after attempt 2, which took over from
@@ -468,7 +469,7 @@ func nextRows() []row {
 			wantUpdated(with(fxLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
 		{"IN_PROGRESS lapsed/Fail RETRYABLE/FAILED_RETRYABLE past the lease",
 			fxLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
-			wantUpdated(with(fxLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL), uncertain(true)))},
+			wantUpdated(with(fxLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{}), uncertain(true)))},
 		{"IN_PROGRESS lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE past the lease",
 			fxLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
 			wantUpdated(with(fxLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
@@ -790,7 +791,7 @@ func nextRows() []row {
 			wantUpdated(with(fxUnknownFailed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL), uncertain(false)))},
 		{"UNKNOWN by Fail/Fail RETRYABLE/as from IN_PROGRESS: FAILED_RETRYABLE",
 			fxUnknownFailed(), evFail(tokHeld, FailureRetryable, nil, "checked: nothing happened"), polDefault,
-			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "checked: nothing happened", recFailureTTL)))},
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "checked: nothing happened", 0), expiresAt(time.Time{})))},
 		{"UNKNOWN by Fail/Fail REPLAYABLE/as from IN_PROGRESS: FAILED_REPLAYABLE",
 			fxUnknownFailed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
 			wantUpdated(with(fxUnknownFailed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL), uncertain(false)))},
@@ -838,7 +839,7 @@ func nextRows() []row {
 			wantUpdated(with(fxUnknownLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL), uncertain(false)))},
 		{"UNKNOWN lapsed/Fail RETRYABLE/FAILED_RETRYABLE",
 			fxUnknownLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
-			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
 		{"UNKNOWN lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE",
 			fxUnknownLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
 			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL), uncertain(false)))},
@@ -868,7 +869,7 @@ func nextRows() []row {
 		{"IN_PROGRESS uncertain/Fail RETRYABLE/FAILED_RETRYABLE, still uncertain",
 			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
 			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)),
-				ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+				ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
 		{"IN_PROGRESS uncertain/Fail ABANDONED/back to UNKNOWN with its fingerprint kept, counted",
 			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
@@ -905,7 +906,7 @@ func nextRows() []row {
 			wantUpdated(with(fxUnknownAbandoned(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
 		{"UNKNOWN by Fail/Fail RETRYABLE after Fail UNKNOWN/FAILED_RETRYABLE, still uncertain",
 			fxUnknownFailed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
-			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
 		{"UNKNOWN stored before the uncertain column/Begin/reads uncertain, takeover as from UNKNOWN",
 			fxUnknownFailed(uncertain(false)), evBegin(fpA), polDefault,
 			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
@@ -932,6 +933,12 @@ func nextRows() []row {
 		{"UNKNOWN taken over from FAILED_RETRYABLE, attempt 2/Resolve COMPLETED/attempt and fingerprint kept",
 			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evResolve(StateCompleted, respOK()), polDefault,
 			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"FAILED_RETRYABLE uncertain/Resolve COMPLETED/it needs a decision: COMPLETED, certain, expires ttl after",
+			fxRetryableUncertain(), evResolve(StateCompleted, respOK()), polDefault,
+			wantUpdated(with(fxRetryableUncertain(), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"FAILED_RETRYABLE uncertain/Resolve FAILED_RETRYABLE/certain again, expires failure_ttl after",
+			fxRetryableUncertain(), evResolve(StateFailedRetryable, nil), polDefault,
+			wantUpdated(with(fxRetryableUncertain(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
 		{"IN_PROGRESS lapsed/Resolve COMPLETED/reads UNKNOWN so it resolves; the lapse is counted",
 			fxLapsed(), evResolve(StateCompleted, respOK()), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
@@ -983,7 +990,7 @@ func nextRows() []row {
 	// Resolve refuses every record that does not read UNKNOWN, whatever the
 	// resolution, and changes nothing.
 	for _, s := range fixtureStates() {
-		if s.reads.State == StateUnknown {
+		if s.reads.NeedsDecision() {
 			continue
 		}
 		for _, as := range []State{StateCompleted, StateFailedRetryable} {
@@ -1316,6 +1323,10 @@ func TestStickyUncertainty(t *testing.T) {
 	step("attempt 2 fails RETRYABLE", evFail("t2", FailureRetryable, nil, "could not reach the bank"), polDefault)
 	if cur.State != StateFailedRetryable || !cur.Uncertain {
 		t.Fatalf("after Fail RETRYABLE: %v, uncertain %v", cur.State, cur.Uncertain)
+	}
+	now = now.Add(24 * time.Hour) // long past failure_ttl: the warning must not expire
+	if got := Effective(*cur, now); got.State != StateFailedRetryable || !got.Uncertain {
+		t.Fatalf("a day later the record reads %v, uncertain %v; want FAILED_RETRYABLE, uncertain", got.State, got.Uncertain)
 	}
 	d = begin("attempt 3", "a3", "t3", fpA)
 	if d.PreviousState != StateUnknown {
