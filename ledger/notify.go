@@ -63,6 +63,9 @@ func recordHash(id Identity) string {
 // once if it is connected), and a function that ends the subscription. Subscribe before reading the record,
 // so no change between the read and the wait is missed.
 func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) {
+	if s.notifier == nil {
+		return pollSubscription() // WithoutNotifications
+	}
 	return s.notifier.subscribe(recordHash(id))
 }
 

@@ -49,6 +49,28 @@ type options struct {
 	keyring  *Keyring
 	noBatch  bool
 	cacheMax int64
+	// notifyURL, if set, is where the change listener connects;
+	// noNotify turns the listener off (see WithoutNotifications).
+	notifyURL string
+	noNotify  bool
+}
+
+// WithNotifyDatabaseURL makes the change listener (one connection that
+// LISTENs) connect to url instead of the database URL given to Open: to
+// reach PostgreSQL directly when the other connections go through a
+// transaction-pooling PgBouncer, where LISTEN does not work. url may be
+// multi-host, like the database URL.
+func WithNotifyDatabaseURL(url string) Option {
+	return func(o *options) { o.notifyURL = url }
+}
+
+// WithoutNotifications runs without the change listener: no LISTEN
+// connection and no replay cache (every Begin reads the database), and a
+// subscriber (a waiting Begin) polls, every 50 ms at first and backing off
+// to once a second, instead of being woken by a notification. For a
+// database reached only through a transaction-pooling PgBouncer.
+func WithoutNotifications() Option {
+	return func(o *options) { o.noNotify = true }
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -120,7 +142,21 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
-	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
+	if o.noNotify {
+		o.cacheMax = 0 // the cache learns of changes only from notifications
+	} else {
+		listenCfg := cfg.ConnConfig.Copy()
+		if o.notifyURL != "" {
+			ncfg, err := pgx.ParseConfig(o.notifyURL)
+			if err != nil {
+				pool.Close()
+				return nil, fmt.Errorf("ledger: parse notify database URL: %w", err)
+			}
+			ncfg.RuntimeParams["application_name"] = cfg.ConnConfig.RuntimeParams["application_name"]
+			listenCfg = ncfg
+		}
+		s.notifier = newNotifier(listenCfg, o.logger)
+	}
 	if !o.noBatch {
 		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
 		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
@@ -151,7 +187,9 @@ func (s *Store) Close() {
 		s.begins.close()
 		s.completes.close()
 	}
-	s.notifier.close()
+	if s.notifier != nil {
+		s.notifier.close()
+	}
 	s.pool.Close()
 }
 
