@@ -145,4 +145,3 @@ logfile = %s
 		time.Sleep(10 * time.Millisecond)
 	}
 }
-
