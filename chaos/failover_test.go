@@ -184,7 +184,15 @@ func startFailoverPair(t *testing.T, synchronous bool) *failoverPair {
 			t.Fatalf("the standby does not stream (%s) after a minute: %v", want, err)
 		}
 	}
-	f.coord = coordtest.Start(t, coordtest.Options{DatabaseURL: f.multiHostURL("idemcoord-lin"), FakeClock: true,
+	f.startLinCallers(t, f.multiHostURL("idemcoord-lin"))
+	return f
+}
+
+// startLinCallers starts the coordinator of the linearizability callers,
+// with a test clock, on databaseURL, and the callers.
+func (f *failoverPair) startLinCallers(t *testing.T, databaseURL string) {
+	t.Helper()
+	f.coord = coordtest.Start(t, coordtest.Options{DatabaseURL: databaseURL, FakeClock: true,
 		Config: linConfig, ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
 	client := idempotencyv1.NewCoordinatorClient(dial(t, f.coord.Addr))
 	f.h = &linHistory{start: time.Now()}
@@ -193,7 +201,6 @@ func startFailoverPair(t *testing.T, synchronous bool) *failoverPair {
 		f.clients = append(f.clients, &linClient{id: i, h: f.h, client: client, rng: rand.New(rand.NewPCG(s, uint64(10+i))),
 			tokens: map[string][]string{}, attempts: map[string]string{}})
 	}
-	return f
 }
 
 // multiHostURL is the URL naming both servers, primary first, that only

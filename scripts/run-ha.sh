@@ -12,11 +12,15 @@
 # Try a failover from another terminal while it runs:
 #   scripts/run-ha.sh failover     (pg_autoctl perform failover)
 #   scripts/run-ha.sh state        (pg_autoctl show state)
+# `scripts/run-ha.sh cluster` starts the cluster without a coordinator,
+# prints "run-ha: cluster ready: DATABASE_URL=…" and runs until signalled
+# (the long failover test in chaos/ uses it).
 #
 # Environment:
 #   IDEMCOORD_BIN        coordinator binary (default bin/idemcoord)
 #   IDEMCOORD_HA_PORT    port of the monitor (default 55430); the data nodes
 #                        use the next three ports
+#   IDEMCOORD_HA_DIR     data directory (default .data-ha)
 #   PG_BIN               directory of the PostgreSQL server binaries (default:
 #                        newest /usr/lib/postgresql/*/bin)
 # Needs pg_autoctl (Debian: postgresql-15-auto-failover, pg-auto-failover-cli).
@@ -27,7 +31,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd -P)
 bin=${IDEMCOORD_BIN:-bin/idemcoord}
 base=${IDEMCOORD_HA_PORT:-55430}
-ha=$root/.data-ha
+ha=${IDEMCOORD_HA_DIR:-$root/.data-ha}
 
 say() { echo "run-ha: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -63,7 +67,12 @@ state)
 	;;
 esac
 
-[[ -x $bin ]] || die "no coordinator binary at $bin (run 'make build', or set IDEMCOORD_BIN)"
+cluster_only=0
+if [[ ${1:-} == cluster ]]; then
+	cluster_only=1
+	shift
+fi
+[[ $cluster_only == 1 || -x $bin ]] || die "no coordinator binary at $bin (run 'make build', or set IDEMCOORD_BIN)"
 
 mkdir -p "$ha/config" "$ha/share" "$ha/run" "$ha/log"
 chmod 0755 "$ha"
@@ -156,6 +165,10 @@ durable() {
 wait_for "the primary to take writes" durable
 autoctl show state --monitor "$monitor_uri" >&2 || true
 say "data in $ha (logs $ha/log/); DATABASE_URL=$DATABASE_URL"
+if [[ $cluster_only == 1 ]]; then
+	say "cluster ready: DATABASE_URL=$DATABASE_URL"
+	while true; do sleep 1; done
+fi
 say "coordinator gRPC ${IDEMCOORD_LISTEN:-127.0.0.1:50051}, metrics/health http://${IDEMCOORD_HTTP_LISTEN:-127.0.0.1:9090}; 'scripts/run-ha.sh failover' in another terminal fails over"
 
 "$bin" "$@" &

@@ -17,17 +17,13 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// PgBouncerURLParams are the URL parameters a client of StartPgBouncer
-// needs: pgx's "exec" mode runs every statement as one unnamed
-// Parse/Bind/Execute, which a transaction pooler cannot split across two
-// server connections (named prepared statements, pgx's default, need
-// PgBouncer 1.21 or later).
-const PgBouncerURLParams = "default_query_exec_mode=exec"
-
 // StartPgBouncer starts a PgBouncer in transaction pooling mode in front of
 // the server that databaseURL names (any database on it, as "postgres"
 // without a password) and returns databaseURL rewritten to go through it,
-// with PgBouncerURLParams added. It is stopped when t's cleanup runs. The
+// with default_query_exec_mode=exec added: pgx then runs every statement
+// as one unnamed Parse/Bind/Execute, which a transaction pooler cannot
+// split across two server connections (named prepared statements, pgx's
+// default, need PgBouncer 1.21 or later). It is stopped when t's cleanup runs. The
 // test is skipped when no pgbouncer binary is installed (Debian:
 // pgbouncer; .ci/run installs it).
 func StartPgBouncer(t testing.TB, databaseURL string) string {
