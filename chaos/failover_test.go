@@ -11,6 +11,7 @@ import (
 
 	"github.com/anishathalye/porcupine"
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
@@ -45,6 +46,27 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 		slots: 12, lease: time.Second, callTimeout: 3 * time.Second, dieChance: 0.05, slowChance: 0.03})
 	w.start(byMode(6, 16), rng.Uint64())
 
+	// A Begin that waits on a held key across the failover: the listener
+	// reconnects to the new primary and wakes it, and it sees the
+	// holder's Complete made there.
+	wc := idempotencyv1.NewCoordinatorClient(dial(t, cw.Addr))
+	held, err := wc.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "wait", Key: "k",
+		Lease: durationpb.New(time.Hour)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type answer struct {
+		r   *idempotencyv1.BeginResponse
+		err error
+	}
+	waited := make(chan answer, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		r, err := wc.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "wait", Key: "k", Wait: durationpb.New(30 * time.Second)})
+		waited <- answer{r, err}
+	}()
+
 	var killedAt, promotedAt time.Time
 	lin := f.runLinearizable(t, rng, byMode(30, 120), func(round int) {
 		if round != byMode(15, 60) {
@@ -55,6 +77,21 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 		f.failover(t)
 		promotedAt = time.Now()
 	})
+	for try := 0; ; try++ {
+		_, err := wc.Complete(context.Background(), &idempotencyv1.CompleteRequest{Scope: "wait", Key: "k",
+			LeaseToken: held.GetLeaseToken(), Response: &idempotencyv1.StoredResponse{Body: []byte("after failover")}})
+		if err == nil {
+			break
+		}
+		if !ambiguous(err) || try == 200 {
+			t.Fatalf("Complete of the waited-on key after the failover: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if a := <-waited; a.err != nil || a.r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY ||
+		string(a.r.GetRecord().GetResponse().GetBody()) != "after failover" {
+		t.Errorf("a Begin waiting across the failover answered %v, %v; want the replay of the Complete made after it", a.r, a.err)
+	}
 	// Keep the load on until a call succeeded after the promotion (a
 	// minute at most: a condition, not a measure).
 	for end := time.Now().Add(time.Minute); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
