@@ -53,6 +53,9 @@ type options struct {
 	// noNotify turns the listener off (see WithoutNotifications).
 	notifyURL string
 	noNotify  bool
+	// notifyQueueLimit, when set, is the session's
+	// idemcoord.notify_queue_limit (tests lower it).
+	notifyQueueLimit string
 }
 
 // WithNotifyDatabaseURL makes the change listener (one connection that
@@ -65,10 +68,11 @@ func WithNotifyDatabaseURL(url string) Option {
 }
 
 // WithoutNotifications runs without the change listener: no LISTEN
-// connection and no replay cache (every Begin reads the database), and a
-// subscriber (a waiting Begin) polls, every 50 ms at first and backing off
-// to once a second, instead of being woken by a notification. For a
-// database reached only through a transaction-pooling PgBouncer.
+// connection and no replay cache (every Begin reads the database), and
+// subscribers (waiting Begins) are woken every second to read again, as
+// they are whenever notifications cannot be trusted, instead of by a
+// notification. For a database reached only through a transaction-pooling
+// PgBouncer.
 func WithoutNotifications() Option {
 	return func(o *options) { o.noNotify = true }
 }
@@ -134,6 +138,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
 	}
 	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
+	if o.notifyQueueLimit != "" {
+		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
+	}
 	if !hasParam(databaseURL, "pool_max_conns") {
 		cfg.MaxConns = o.maxConns
 	}
@@ -142,54 +149,69 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
-	if o.noNotify {
-		o.cacheMax = 0 // the cache learns of changes only from notifications
-	} else {
-		listenCfg := cfg.ConnConfig.Copy()
-		if o.notifyURL != "" {
-			ncfg, err := pgx.ParseConfig(o.notifyURL)
-			if err != nil {
-				pool.Close()
-				return nil, fmt.Errorf("ledger: parse notify database URL: %w", err)
-			}
-			ncfg.RuntimeParams["application_name"] = cfg.ConnConfig.RuntimeParams["application_name"]
-			listenCfg = ncfg
+	listenCfg := cfg.ConnConfig.Copy()
+	if o.notifyURL != "" {
+		ncfg, err := pgx.ParseConfig(o.notifyURL)
+		if err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("ledger: parse notify database URL: %w", err)
 		}
-		s.notifier = newNotifier(listenCfg, o.logger)
+		for _, p := range []string{"synchronous_commit", "application_name", "idemcoord.notify_queue_limit"} {
+			if v, ok := cfg.ConnConfig.RuntimeParams[p]; ok {
+				ncfg.RuntimeParams[p] = v
+			}
+		}
+		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
+		listenCfg = ncfg
+	}
+	s.notifier = newNotifier(listenCfg, o.logger)
+	if o.noNotify {
+		// No listener: the notifier never trusts notifications, so
+		// subscribers poll, and there is no replay cache (it learns of
+		// changes only from notifications) and no ping.
+		s.notifier.noListen = true
+		o.cacheMax = 0
 	}
 	if !o.noBatch {
-		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
-		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
+		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
+			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
+		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch,
+			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax)
+		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.fresh(cacheFreshness) })
 		s.notifier.onPayload = s.cache.notified
-		s.notifier.onConnect = s.cache.invalidateAll
-		s.notifier.start()
-		ctx, cancel := context.WithCancel(context.Background())
-		s.stopPing, s.pingDone = cancel, make(chan struct{})
-		go func() {
-			defer close(s.pingDone)
-			s.pingLoop(ctx)
-		}()
+		s.notifier.onLost = s.cache.invalidateAll
 	}
+	// The listener and its pings run from the start: the pings measure the
+	// listener's delay and carry the count of changes not notified, which
+	// the replay cache and waiting Begins rely on.
+	s.notifier.start()
+	pctx, cancel := context.WithCancel(context.Background())
+	s.stopPing, s.pingDone = cancel, make(chan struct{})
+	go func() {
+		defer close(s.pingDone)
+		if !o.noNotify {
+			s.pingLoop(pctx)
+		}
+	}()
 	return s, nil
 }
 
 // Close stops the batch workers and the change listener and closes every
-// connection.
+// connection. Every call queued for a batch, or in a batch statement that
+// Close interrupts, returns ErrUnavailable (a Begin or Complete whose
+// statement was interrupted may have committed, as ErrUnavailable allows);
+// calls made after Close return ErrUnavailable too. Close waits for calls
+// on their own connection to finish.
 func (s *Store) Close() {
-	if s.stopPing != nil {
-		s.stopPing()
-		<-s.pingDone
-	}
+	s.stopPing()
+	<-s.pingDone
 	if s.begins != nil {
 		s.begins.close()
 		s.completes.close()
 	}
-	if s.notifier != nil {
-		s.notifier.close()
-	}
+	s.notifier.close()
 	s.pool.Close()
 }
 
@@ -244,14 +266,22 @@ func newToken() string {
 	return "lt1." + base64.RawURLEncoding.EncodeToString(b[:])
 }
 
-// Begin applies a Begin event. A new key takes one round trip (an INSERT …
+// Begin applies a Begin event. An identity longer than MaxIdentityBytes is
+// refused with ErrIdentityTooLong. A new key takes one round trip (an INSERT …
 // ON CONFLICT DO NOTHING that also reads the existing row); a decision that
 // changes an existing record is taken again under its row lock.
 func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
+	return s.begin(ctx, p, ev)
+}
 
+// begin is Begin with ev's new token chosen.
+func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -267,6 +297,12 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	if s.clock == nil {
 		s.clockOffset.Store(int64(now.Sub(time.Now())))
+	}
+	if found && !inserted && rec.LeaseToken == ev.NewToken && rec.State == statemachine.StateInProgress {
+		// This Begin's own insert, committed by a batch statement that
+		// failed afterwards (tokens are unique): it is this caller's
+		// acquisition, not someone else's lease.
+		inserted = true
 	}
 	if inserted {
 		d := statemachine.Next(nil, ev, p.Policy, now)
@@ -336,7 +372,7 @@ func submitErr(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return fmt.Errorf("%w: the store is closed", ErrUnavailable)
+	return errStoreClosed
 }
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
@@ -434,6 +470,9 @@ const maxRaceRetries = 8
 // locked takes the decision for ev under the row lock and applies it in the
 // same transaction.
 func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (*Result, error) {
+	if err := checkIdentity(id); err != nil {
+		return nil, err
+	}
 	for range maxRaceRetries {
 		res, retry, err := s.lockedOnce(ctx, id, ev, pol)
 		switch {
