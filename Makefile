@@ -23,15 +23,18 @@ run: build
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
-## test: lint, check generated code, run every test with the race detector
+## test: lint, check generated code, run every test with the race detector; tests' artifacts
+## (the console's browser screenshot) land under .artifacts/_artifacts/
+ARTIFACTS := $(CURDIR)/.artifacts
 test: lint
-	go test -race -count=1 $(GO_PACKAGES)
+	@mkdir -p $(ARTIFACTS)
+	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
-## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability; each prints a `chaos: <test>:` line
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL; each prints a `chaos: <test>:` line
 .PHONY: chaos fuzz-short
 chaos:
-	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/
+	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
 ## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does; a new input is
 ## minimized for at most 2s (the default 60s would eat a short run)
@@ -91,6 +94,11 @@ bench: build $(BIN)/.ghz-$(GHZ_VERSION)
 $(BIN)/.ghz-$(GHZ_VERSION):
 	GOBIN=$(BIN) go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 	@touch $@
+
+## console-screenshot: regenerate the README's console pictures (docs/console-*.png) in headless Chromium
+.PHONY: console-screenshot
+console-screenshot:
+	CI=true IDEMCOORD_CONSOLE_SCREENSHOTS=$(CURDIR)/docs go test -count=1 -run '^TestBrowserResolvesUnknown$$' ./console/
 
 ## clean-data: delete the local PostgreSQL cluster that `make run` keeps under .data/
 clean-data:

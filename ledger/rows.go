@@ -19,7 +19,7 @@ import (
 var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
 	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
 	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
-	"updated_at", "lease_expires_at", "expires_at", "enc_key_id"}
+	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain"}
 
 var (
 	// recordColumns lists recordColumnNames for SELECT and RETURNING.
@@ -131,7 +131,7 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
 		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
 		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
-		&rec.UpdatedAt, &leaseExpires, &expires, &keyID}
+		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain}
 	decode := func() error {
 		rec.State = statemachine.State(state)
 		rec.AcquiredFrom = statemachine.State(acquiredFrom)
@@ -222,7 +222,7 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
 		rec.FailureReason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6]}, nil
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.

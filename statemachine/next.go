@@ -26,9 +26,10 @@ var (
 	ErrSchemaVersionNotAccepted = errors.New("stored schema version is not accepted")
 	// ErrKeyExpired: the record expired and the policy rejects a restart.
 	ErrKeyExpired = errors.New("key expired and the policy rejects reuse")
-	// ErrNotUnknown: a Resolve found the record in a state other than
-	// UNKNOWN (as in effect now). The error names that state.
-	ErrNotUnknown = errors.New("only an UNKNOWN record can be resolved")
+	// ErrNotUnknown: a Resolve found a record that needs no decision: not
+	// UNKNOWN and not an uncertain FAILED_RETRYABLE (as in effect now). The
+	// error names its state.
+	ErrNotUnknown = errors.New("only an UNKNOWN or uncertain record can be resolved")
 )
 
 // ResolvedReason is the failure_reason of a record resolved as
@@ -74,16 +75,20 @@ type Decision struct {
 // Effective returns rec as in effect at now: an IN_PROGRESS record whose
 // lease ran out (now at or after LeaseExpiresAt) reads UNKNOWN, and a
 // COMPLETED or FAILED_* record at or after ExpiresAt reads EXPIRED with its
-// response dropped. An EXPIRED record never reads with a response.
+// response dropped. An EXPIRED record never reads with a response, and a
+// record that reads UNKNOWN always reads Uncertain.
 func Effective(rec Record, now time.Time) Record {
 	switch {
 	case rec.State == StateInProgress && !rec.LeaseExpiresAt.IsZero() && !now.Before(rec.LeaseExpiresAt):
 		rec.State = StateUnknown
+		rec.Uncertain = true
 	case rec.State.Terminal() && !rec.ExpiresAt.IsZero() && !now.Before(rec.ExpiresAt):
 		rec.State = StateExpired
 		rec.Response = nil
 	case rec.State == StateExpired:
 		rec.Response = nil
+	case rec.State == StateUnknown:
+		rec.Uncertain = true
 	}
 	return rec
 }
@@ -121,7 +126,9 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	lapsed := cur.State == StateInProgress && eff.State == StateUnknown
 
 	if eff.State == StateExpired {
-		if pol.OnExpired == ExpiredReject {
+		// on_expired protects results, not failures: an expired
+		// FAILED_RETRYABLE record restarts under either policy.
+		if pol.OnExpired == ExpiredReject && !eff.EndedBy.failure(eff.FailureReason) {
 			d := refuse(ErrKeyExpired, eff)
 			d.FoundExpired = true
 			return d
@@ -129,6 +136,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		rec := eff
 		rec.Generation++
 		rec.Attempt = 0
+		rec.Uncertain = false // uncertainty belongs to a generation
 		acquire(&rec, ev, now, StateExpired)
 		rec.Fingerprint = clone(ev.Fingerprint)
 		d := acquired(rec, StateExpired)
@@ -143,8 +151,12 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	switch eff.State {
 	case StateInProgress:
 		if sameAttempt {
-			// A repeated Begin of the holder's attempt: same token again.
-			return Decision{Outcome: OutcomeAcquired, Record: eff, Exists: true, PreviousState: eff.AcquiredFrom}
+			// A repeated Begin of the holder's attempt: same token again,
+			// with a full lease from now.
+			rec := eff
+			rec.LeaseExpiresAt = now.Add(ev.Lease)
+			rec.UpdatedAt = now
+			return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: eff.AcquiredFrom}
 		}
 		return inProgress(eff, eff.LeaseExpiresAt.Sub(now))
 
@@ -214,6 +226,18 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 		}
 		return refuse(ErrAlreadyFinished, eff)
 	}
+	if eff.EndedBy != EndingNone {
+		// UNKNOWN by a Fail of this token (UNKNOWN, or ABANDONED of an
+		// uncertain attempt). A Heartbeat never revives an ended attempt;
+		// a repeat of that Fail changes nothing; another Complete or Fail
+		// still ends it as from IN_PROGRESS.
+		if ev.Kind == EventHeartbeat {
+			return refuse(ErrAlreadyFinished, eff)
+		}
+		if sameEnding(eff, ev) {
+			return Decision{Record: eff, Exists: true}
+		}
+	}
 
 	rec := eff
 	rec.UpdatedAt = now
@@ -230,26 +254,40 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 			resp = &Response{}
 		}
 		end(&rec, StateCompleted, EndingCompleted, resp, "", now.Add(rec.TTL))
+		rec.Uncertain = false
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 	}
 
 	// EventFail.
 	switch ev.FailureKind {
 	case FailureRetryable:
-		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, now.Add(rec.FailureTTL))
+		expires := now.Add(rec.FailureTTL)
+		if rec.Uncertain {
+			// An earlier attempt of this generation may have acted: like
+			// UNKNOWN, the record needs a decision and never expires, so
+			// no restart after failure_ttl can forget the warning.
+			expires = time.Time{}
+		}
+		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, expires)
 	case FailureReplayable:
 		resp := ev.Response
 		if resp == nil {
 			resp = &Response{}
 		}
 		end(&rec, StateFailedReplayable, EndingReplayable, resp, ev.Reason, now.Add(rec.FailureTTL))
+		rec.Uncertain = false
 	case FailureUnknown:
-		if eff.State == StateUnknown && sameEnding(eff, ev) {
-			return Decision{Record: eff, Exists: true}
-		}
 		end(&rec, StateUnknown, EndingUnknown, ev.Response, ev.Reason, time.Time{})
+		rec.Uncertain = true
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
 	case FailureAbandoned:
+		if rec.Uncertain {
+			// An attempt of this generation may have acted (a lapsed
+			// lease, a Fail UNKNOWN): abandoning never frees the key. It
+			// goes back to UNKNOWN with its fingerprint kept.
+			end(&rec, StateUnknown, EndingAbandoned, nil, ev.Reason, time.Time{})
+			return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
+		}
 		if rec.Attempt <= 1 {
 			// This acquisition created the generation: forget it.
 			return Decision{Write: WriteDelete}
@@ -262,8 +300,8 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 }
 
-// resolve ends an UNKNOWN record (a lapsed lease included) as an operator
-// decided: COMPLETED with ev.Response, or FAILED_RETRYABLE, expiring after
+// resolve ends a record that needs a decision (UNKNOWN, a lapsed lease
+// included, or an uncertain FAILED_RETRYABLE) as an operator decided: COMPLETED with ev.Response, or FAILED_RETRYABLE, expiring after
 // the record's own ttl or failure_ttl like an ending call. The operator
 // takes the holder's place: its token and attempt_id stop being valid, so a
 // late Complete, Fail or Heartbeat of the vanished holder fails LEASE_LOST.
@@ -272,13 +310,14 @@ func resolve(cur *Record, ev Event, now time.Time) Decision {
 		return Decision{Err: ErrNotFound}
 	}
 	eff := Effective(*cur, now)
-	if eff.State != StateUnknown {
+	if !eff.NeedsDecision() {
 		return refuse(fmt.Errorf("%w: it is %v", ErrNotUnknown, eff.State), eff)
 	}
 	rec := eff
 	rec.UpdatedAt = now
 	rec.LeaseToken = ""
 	rec.AttemptID = ""
+	rec.Uncertain = false // the operator checked the outside world
 	switch ev.ResolveAs {
 	case StateCompleted:
 		resp := ev.Response
@@ -287,7 +326,7 @@ func resolve(cur *Record, ev Event, now time.Time) Decision {
 		}
 		end(&rec, StateCompleted, EndingResolved, resp, "", now.Add(rec.TTL))
 	case StateFailedRetryable:
-		end(&rec, StateFailedRetryable, EndingResolved, nil, ResolvedReason, now.Add(rec.FailureTTL))
+		end(&rec, StateFailedRetryable, EndingResolvedRetryable, nil, ResolvedReason, now.Add(rec.FailureTTL))
 	default:
 		return refuse(errors.New("a record can be resolved only as COMPLETED or FAILED_RETRYABLE"), eff)
 	}
@@ -313,7 +352,12 @@ func acquire(rec *Record, ev Event, now time.Time, from State) {
 	rec.ExpiresAt = time.Time{}
 }
 
+// takeover acquires a record that reads FAILED_RETRYABLE or UNKNOWN. An
+// uncertain record is taken over as from UNKNOWN, whatever it reads.
 func takeover(eff Record, ev Event, now time.Time, from State, lapsed bool) Decision {
+	if eff.Uncertain {
+		from = StateUnknown
+	}
 	rec := eff
 	acquire(&rec, ev, now, from)
 	if len(rec.Fingerprint) == 0 {

@@ -49,6 +49,7 @@ type config struct {
 	logLevel        string
 	otlpEndpoint    string
 	shutdownTimeout time.Duration
+	console         bool
 }
 
 // env returns the value of the environment variable name, or def.
@@ -73,6 +74,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -103,6 +105,16 @@ func checkExposure(c *config, authEnabled bool) error {
 // returns nil without TLS. With a client CA, client certificates are
 // verified when given (callers may still use bearer tokens).
 func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
+	cfg, err := tlsConfig(c)
+	if cfg == nil || err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(cfg), nil
+}
+
+// tlsConfig is the server's TLS configuration from the flags, or nil
+// without TLS.
+func tlsConfig(c *config) (*tls.Config, error) {
 	if c.tlsCert == "" {
 		return nil, nil
 	}
@@ -123,7 +135,7 @@ func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
 		cfg.ClientCAs = pool
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
-	return credentials.NewTLS(cfg), nil
+	return cfg, nil
 }
 
 func envBool(name string) bool {
@@ -178,6 +190,9 @@ func run(args []string, logOut *os.File) error {
 	}
 
 	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
+		return err
+	}
+	if err := checkConsoleExposure(c, policies.AuthEnabled()); err != nil {
 		return err
 	}
 	creds, err := tlsCredentials(c)
@@ -237,7 +252,13 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
-	httpSrv := &http.Server{Handler: srv.HTTPHandler(), ReadHeaderTimeout: 10 * time.Second}
+	httpHandler := srv.HTTPHandler()
+	if c.console {
+		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
+			return err
+		}
+	}
+	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
 	serveErr := make(chan error, 2)
