@@ -229,7 +229,7 @@ func refEffective(k refKey, now int64) (e refKey, lapsed, expired bool) {
 	switch {
 	case k.state == rsInProgress && now >= k.lease:
 		e.state, e.uncertain, lapsed = rsUnknown, true, true
-	case (k.state == rsCompleted || k.state == rsFailedRetryable || k.state == rsFailedReplayable) && now >= k.expires:
+	case (k.state == rsCompleted || k.state == rsFailedRetryable || k.state == rsFailedReplayable) && k.expires != 0 && now >= k.expires:
 		e.expiredFrom, e.state, e.resp, e.hasResp, expired = k.state, rsExpired, "", false, true
 	}
 	return e, lapsed, expired
@@ -661,6 +661,12 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 	switch c.failKind {
 	case rfRetryable:
 		n.state, n.expires, n.reason = rsFailedRetryable, fttl, c.reason
+		if n.uncertain {
+			// open (README): an uncertain FAILED_RETRYABLE never
+			// expires, as UNKNOWN never does, so failure_ttl cannot
+			// turn "an attempt may have acted" into a fresh generation.
+			n.expires = 0
+		}
 		n.resp, n.hasResp = "", false
 		return []refDecision{upd("Fail RETRYABLE")}
 	case rfReplayable:
@@ -681,6 +687,9 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 		retryable.state, retryable.expires, retryable.fp, retryable.reason = rsFailedRetryable, fttl, "", c.reason
 		retryable.resp, retryable.hasResp = "", false
 		retry := refDecision{write: true, next: retryable, answered: retryable, label: from + "/Fail ABANDONED takeover"}
+		if retryable.uncertain {
+			retryable.expires = 0 // as for Fail RETRYABLE
+		}
 		unknown := n
 		unknown.state, unknown.expires, unknown.reason = rsUnknown, 0, c.reason
 		unknown.resp, unknown.hasResp = "", false
@@ -719,7 +728,13 @@ func refResolve(k, e refKey, c refCall, now int64) []refDecision {
 	if !k.exists {
 		return []refDecision{refuse("NOT_FOUND", "(none)/Resolve")}
 	}
-	if e.state != rsUnknown {
+	from := rsNames[e.state]
+	switch {
+	case e.state == rsFailedRetryable && e.uncertain:
+		// open (README): an uncertain FAILED_RETRYABLE needs a decision
+		// like UNKNOWN (it never expires), so an operator may resolve it.
+		from = "FAILED_RETRYABLE uncertain"
+	case e.state != rsUnknown:
 		return []refDecision{refuse("NOT_UNKNOWN", rsNames[e.state]+"/Resolve")}
 	}
 	n := e
@@ -733,7 +748,7 @@ func refResolve(k, e refKey, c refCall, now int64) []refDecision {
 	} else {
 		n.state, n.resp, n.hasResp, n.expires = rsFailedRetryable, "", false, now+n.fttl.Microseconds()
 	}
-	return []refDecision{{write: true, next: n, answered: n, label: "UNKNOWN/Resolve " + as}}
+	return []refDecision{{write: true, next: n, answered: n, label: from + "/Resolve " + as}}
 }
 
 // refReap is one reaper pass over the key: the stored row catches up with
