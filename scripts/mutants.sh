@@ -34,7 +34,8 @@ results=()
 # The tests must pass before any bug is planted, or a "kill" means nothing.
 if [[ -z ${MUTANTS_SKIP_BASELINE:-} ]]; then
 	for cmd in "$ref" "$power" 'go test -race ./ledger -run ^TestLockedPathHasOneWinner$' \
-		"go test ./server -run '^(TestConfigRejectsUnknownKeys|TestFirstMatchingPolicyWins)\$'"; do
+		"go test ./server -run '^(TestConfigRejectsUnknownKeys|TestFirstMatchingPolicyWins)\$'" \
+		'go test ./clients -run ^TestInterceptorErrorClasses$'; do
 		echo "=== baseline: $cmd"
 		if ! bash -c "$cmd" >"$work/baseline.log" 2>&1; then
 			tail -50 "$work/baseline.log"
@@ -132,6 +133,14 @@ mutant server-config-last-match-wins server/config.go \
 	'for _, s := range p.scopes {\n\t\tif globMatch(s.match, scope) {' \
 	'for i := len(p.scopes) - 1; i >= 0; i-- {\n\t\ts := p.scopes[i]\n\t\tif globMatch(s.match, scope) {' \
 	'go test ./server -run ^TestFirstMatchingPolicyWins$'
+mutant clients-out-of-range-not-replayable clients/options.go \
+	'codes.AlreadyExists: replayable, codes.OutOfRange: replayable,' \
+	'codes.AlreadyExists: replayable, codes.OutOfRange: unknown,' \
+	'go test ./clients -run ^TestInterceptorErrorClasses$'
+mutant clients-aborted-abandoned clients/options.go \
+	'codes.Unavailable:   retryable, codes.Aborted: retryable,' \
+	'codes.Unavailable:   retryable, codes.Aborted: abandoned,' \
+	'go test ./clients -run ^TestInterceptorErrorClasses$'
 
 echo
 echo "mutants: planted bugs and the tests that must catch them"
