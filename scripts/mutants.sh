@@ -38,8 +38,9 @@ if [[ -z ${MUTANTS_SKIP_BASELINE:-} ]]; then
 		'go test ./clients -run ^TestInterceptorErrorClasses$'; do
 		echo "=== baseline: $cmd"
 		if ! bash -c "$cmd" >"$work/baseline.log" 2>&1; then
+			cp "$work/baseline.log" "$root/mutants-baseline.log"
 			tail -50 "$work/baseline.log"
-			echo "mutants: the tests fail with no bug planted: $cmd" >&2
+			echo "mutants: the tests fail with no bug planted: $cmd (log: $root/mutants-baseline.log)" >&2
 			exit 1
 		fi
 	done
