@@ -77,7 +77,7 @@ func TestNodeCaller(t *testing.T) {
 func TestPythonCaller(t *testing.T) {
 	t.Parallel()
 	if _, err := os.Stat(python); err != nil {
-		missingRuntime(t, "skipping the Python caller: no "+python+"; install it with `apt-get install python3 python3-grpcio python3-protobuf`")
+		missingRuntime(t, "skipping the Python caller: no %s; install it with `apt-get install python3 python3-grpcio python3-protobuf`", python)
 	}
 	if out, err := exec.Command(python, "-c", "import grpc, google.protobuf").CombinedOutput(); err != nil {
 		missingRuntime(t, "skipping the Python caller: %s cannot import grpc and protobuf (%s); install them with `apt-get install python3-grpcio python3-protobuf`",
