@@ -80,12 +80,20 @@ type ReaperSettings struct {
 
 // TenantConfig is one tenant. A caller is this tenant when it presents a
 // bearer token whose SHA-256 is TokenSHA256, or a verified TLS client
-// certificate whose subject common name or a URI SAN equals Name.
+// certificate whose subject common name or one of whose URI SANs is listed,
+// exactly, in ClientCertNames. A tenant's Name alone never matches a
+// certificate. A tenant needs at least one of the two.
 type TenantConfig struct {
+	// Name identifies the tenant: it separates its records from every
+	// other tenant's. Printable (valid UTF-8, no control characters).
 	Name string `yaml:"name"`
 	// TokenSHA256 is the hex SHA-256 of the tenant's bearer token (the
 	// token itself is never stored). Optional for certificate-only tenants.
 	TokenSHA256 string `yaml:"token_sha256"`
+	// ClientCertNames are the exact subject common names and URI SANs
+	// (e.g. "spiffe://example.org/ci") of the client certificates that
+	// authenticate as this tenant. Empty: certificates never do.
+	ClientCertNames []string `yaml:"client_cert_names"`
 	// Scopes are the scope globs the tenant may use (`*` matches any run of
 	// bytes); ["*"] allows all.
 	Scopes []string `yaml:"scopes"`
@@ -204,10 +212,11 @@ type Policies struct {
 
 // tenant is a validated TenantConfig.
 type tenant struct {
-	name   string
-	token  []byte // SHA-256 of the token, nil for certificate-only tenants
-	scopes []string
-	admin  bool
+	name      string
+	token     []byte   // SHA-256 of the token, nil for certificate-only tenants
+	certNames []string // exact certificate CNs / URI SANs that name this tenant
+	scopes    []string
+	admin     bool
 }
 
 type scopePolicy struct {
@@ -331,19 +340,7 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		errs = append(errs, fmt.Errorf("limits: %w", err))
 	}
 	out.limits = limits
-	names := map[string]bool{}
-	for i, tc := range cfg.Tenants {
-		tn, err := tc.resolve()
-		if err == nil && names[tn.name] {
-			err = fmt.Errorf("name %q is used twice", tn.name)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, err))
-			continue
-		}
-		names[tn.name] = true
-		out.tenants = append(out.tenants, tn)
-	}
+	errs = append(errs, out.resolveTenants(cfg.Tenants)...)
 	if rl := cfg.RateLimit; rl != nil {
 		if rl.RequestsPerSecond <= 0 || rl.Burst < 0 {
 			errs = append(errs, fmt.Errorf("rate_limit: requests_per_second must be positive and burst not negative"))
@@ -382,10 +379,57 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	return out, nil
 }
 
+// resolveTenants validates the tenants and adds them to p. Two tenants may
+// not share a name, a token hash or a certificate name: any of those would
+// let one tenant's credentials select another.
+func (p *Policies) resolveTenants(tcs []TenantConfig) []error {
+	var errs []error
+	names, tokens, certs := map[string]int{}, map[string]int{}, map[string]int{}
+	for i, tc := range tcs {
+		tn, err := tc.resolve()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, err))
+			continue
+		}
+		var dups []error
+		if j, dup := names[tn.name]; dup {
+			dups = append(dups, fmt.Errorf("name %q is used by tenants[%d] too", tn.name, j))
+		}
+		if tn.token != nil {
+			if j, dup := tokens[string(tn.token)]; dup {
+				dups = append(dups, fmt.Errorf("tenant %q: token_sha256 is the same as tenants[%d]'s: one token would select two tenants", tn.name, j))
+			}
+			tokens[string(tn.token)] = i
+		}
+		for _, cn := range tn.certNames {
+			if j, dup := certs[cn]; dup {
+				dups = append(dups, fmt.Errorf("tenant %q: client certificate name %q is listed twice (also by tenants[%d])", tn.name, cn, j))
+			}
+			certs[cn] = i
+		}
+		names[tn.name] = i
+		if len(dups) > 0 {
+			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, errors.Join(dups...)))
+			continue
+		}
+		p.tenants = append(p.tenants, tn)
+	}
+	return errs
+}
+
 func (tc TenantConfig) resolve() (tenant, error) {
 	tn := tenant{name: tc.Name, scopes: tc.Scopes, admin: tc.Admin}
 	if tc.Name == "" {
 		return tn, errors.New("name is required")
+	}
+	if !printableName(tc.Name) {
+		return tn, fmt.Errorf("name %q: must be valid UTF-8 without control characters", tc.Name)
+	}
+	for _, cn := range tc.ClientCertNames {
+		if cn == "" || !printableName(cn) {
+			return tn, fmt.Errorf("tenant %q: client_cert_names entry %q: must be a non-empty printable certificate CN or URI SAN", tc.Name, cn)
+		}
+		tn.certNames = append(tn.certNames, cn)
 	}
 	if tc.TokenSHA256 != "" {
 		sum, err := hex.DecodeString(tc.TokenSHA256)
@@ -393,6 +437,9 @@ func (tc TenantConfig) resolve() (tenant, error) {
 			return tn, fmt.Errorf("tenant %q: token_sha256 must be 64 hex digits (the SHA-256 of the token, e.g. from `printf %%s TOKEN | sha256sum`)", tc.Name)
 		}
 		tn.token = sum
+	}
+	if tn.token == nil && len(tn.certNames) == 0 {
+		return tn, fmt.Errorf("tenant %q: give token_sha256, client_cert_names or both: no caller could authenticate as it", tc.Name)
 	}
 	if len(tc.Scopes) == 0 {
 		return tn, fmt.Errorf("tenant %q: scopes is required (use [\"*\"] to allow every scope)", tc.Name)
