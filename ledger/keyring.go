@@ -6,6 +6,8 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 )
 
 // KeySize is the size of an encryption key: AES-256.
@@ -51,6 +53,14 @@ func NewKeyring(active string, keys map[string][]byte) (*Keyring, error) {
 		k.aeads[id] = aead
 	}
 	return k, nil
+}
+
+// ActiveKeyID returns the id of the key that seals new rows.
+func (k *Keyring) ActiveKeyID() string { return k.active }
+
+// KeyIDs returns the ids of every key in the ring, sorted.
+func (k *Keyring) KeyIDs() []string {
+	return slices.Sorted(maps.Keys(k.aeads))
 }
 
 // additionalData binds a ciphertext to its record and column.

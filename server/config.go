@@ -208,6 +208,8 @@ type Policies struct {
 	rateLimit *RateLimitConfig
 	reaper    ReaperSettings
 	keyring   *ledger.Keyring
+	// empty: the file held no YAML document (nothing, or only comments).
+	empty bool
 }
 
 // tenant is a validated TenantConfig.
@@ -309,10 +311,17 @@ func ParsePolicies(data []byte) (*Policies, error) {
 	var cfg Config
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
-	if err := dec.Decode(&cfg); err != nil && !errors.Is(err, io.EOF) { // io.EOF: an empty file
+	err := dec.Decode(&cfg)
+	empty := errors.Is(err, io.EOF) // no document: an empty file, or only comments
+	if err != nil && !empty {
 		return nil, err
 	}
-	return cfg.Resolve()
+	p, err := cfg.Resolve()
+	if err != nil {
+		return nil, err
+	}
+	p.empty = empty
+	return p, nil
 }
 
 // Resolve validates cfg and merges it over the built-in defaults.

@@ -32,6 +32,8 @@ type metrics struct {
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
 
+	reloadFailures prometheus.Counter
+
 	scopes scopeLabels
 }
 
@@ -76,9 +78,11 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Begins refused because the fingerprint differed.", "scope"),
 		leaseLost: counter("idempotency_lease_lost_total",
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
+		reloadFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "idempotency_config_reload_failures_total",
+			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.reloadFailures,
 		newRecordsCollector(store, logger),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -141,7 +141,8 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 }
 
 // SetPolicies replaces the policy and limits for calls that start after it
-// returns.
+// returns, unchecked; a running coordinator reloads its file with Reload,
+// which refuses changes that take a restart.
 func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
 
 // Ready reports whether the database answered the latest health check.

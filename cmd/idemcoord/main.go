@@ -232,7 +232,9 @@ func run(args []string, logOut *os.File) error {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
 	go srv.RunReaper(ctx)
-	go watchConfig(ctx, logger, c.configPath, hup, srv)
+	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
+		return checkExposure(c, p.AuthEnabled())
+	})
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
