@@ -105,14 +105,13 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		}
 		var lr ListedRecord
 		id := Identity{Tenant: p.Tenant}
-		dest, fin := s.scanTargets(&lr.Record, &id)
+		dest, fin := s.scanTargetsMode(&lr.Record, &id, scanList)
 		if err := rows.Scan(append(append([]any{&id.Scope, &id.Key}, dest...), &now)...); err != nil {
 			return nil, classify(err)
 		}
 		if err := fin(); err != nil {
 			return nil, err
 		}
-		lr.Scope, lr.Key = id.Scope, id.Key
 		lr.Scope, lr.Key = id.Scope, id.Key
 		lr.Record = statemachine.Effective(lr.Record, now.UTC())
 		res.Records = append(res.Records, lr)
@@ -166,7 +165,9 @@ type ForgetParams struct {
 }
 
 // Forget deletes a record whatever its state and returns it as it was in
-// effect just before, or statemachine.ErrNotFound. A holder's later
+// effect just before, or statemachine.ErrNotFound. A record that does not
+// open (ErrUnreadable elsewhere) is deleted too and returned without its
+// sealed columns (response, failure reason, fingerprint). A holder's later
 // Complete, Fail or Heartbeat then finds no record; the next Begin acquires
 // the key as new. Waiting Begins wake.
 func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Record, error) {
@@ -175,12 +176,19 @@ func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Recor
 		WHERE tenant = $1 AND scope = $2 AND key = $3
 		RETURNING `+recordColumns+`, clock.now`,
 		p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
-	rec, now, err := s.scanRecordNow(row, p.ID)
+	var rec statemachine.Record
+	var now time.Time
+	id := p.ID
+	dest, fin := s.scanTargetsMode(&rec, &id, scanLenient)
+	err := row.Scan(append(dest, &now)...)
+	if err == nil {
+		err = fin()
+	}
 	if err == pgx.ErrNoRows {
 		return statemachine.Record{}, statemachine.ErrNotFound
 	}
 	if err != nil {
 		return statemachine.Record{}, classify(err)
 	}
-	return statemachine.Effective(rec, now), nil
+	return statemachine.Effective(rec, now.UTC()), nil
 }

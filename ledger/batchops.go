@@ -35,8 +35,9 @@ type beginRes struct {
 // beginBatchSQL creates every key of the batch that does not exist yet and
 // reads every one that does, in one statement: beginSQL for many records.
 // $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
-// attempt_id, ttl µs, failure ttl µs, lease µs. The first column says
-// whether the row was created; created rows carry the creator's token.
+// attempt_id, ttl µs, failure ttl µs, lease µs; $11 enc_key_id, $12
+// seal_version. The first column says whether the row was created; created
+// rows carry the creator's token.
 var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
@@ -44,9 +45,10 @@ input AS (
 		AS i(tenant, scope, key, fp, token, attempt_id, ttl, fttl, lease)),
 ins AS (
 	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
-		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at)
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
 	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
-		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond'
+		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond', $11, $12
 	FROM input i, clock
 	ON CONFLICT DO NOTHING
 	RETURNING tenant, scope, key, ` + recordColumns + `)
@@ -95,7 +97,8 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		inserted bool
 	}
 	found := map[Identity]row{}
-	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases)
+	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
+		s.newRowKeyID(), int16(sealVersion))
 	if err == nil {
 		for rows.Next() {
 			var id Identity

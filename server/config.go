@@ -40,13 +40,21 @@ type Config struct {
 	Encryption *EncryptionConfig `yaml:"encryption"`
 }
 
-// EncryptionConfig encrypts stored bodies and metadata with AES-256-GCM.
-// New rows use ActiveKey; rows written under any listed key stay readable,
-// so a key is rotated by adding a new one, making it active, and removing
-// the old one only once no row uses it (after the longest ttl).
+// EncryptionConfig seals every record's sensitive columns (the stored
+// response's body and metadata, the failure reason) with AES-256-GCM, bound
+// to the record, and stores fingerprints as keyed hashes. New rows use
+// ActiveKey; rows written under any listed key stay readable, so a key is
+// rotated by adding a new one, making it active, and removing the old one
+// only once no row uses it (after the longest ttl).
 type EncryptionConfig struct {
 	ActiveKey string                `yaml:"active_key"`
 	Keys      []EncryptionKeyConfig `yaml:"keys"`
+	// AcceptLegacyRows reads rows stored in clear or sealed by versions
+	// before seal_version 2 instead of answering them DATA_LOSS, and
+	// converts them at start-up. For the upgrade (or encryption switch-on)
+	// window only: while it is on, rows planted in clear by a database
+	// writer are served.
+	AcceptLegacyRows bool `yaml:"accept_legacy_rows"`
 }
 
 // EncryptionKeyConfig names a 32-byte key, written base64-encoded in a file
@@ -280,7 +288,11 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		}
 		keys[kc.ID] = key
 	}
-	return ledger.NewKeyring(e.ActiveKey, keys)
+	k, err := ledger.NewKeyring(e.ActiveKey, keys)
+	if err != nil || !e.AcceptLegacyRows {
+		return k, err
+	}
+	return k.AcceptingLegacyRows(), nil
 }
 
 // Reaper returns the reaper settings.

@@ -71,5 +71,6 @@ func sameKeys(a, b *Policies) bool {
 	if a.keyring == nil || b.keyring == nil {
 		return a.keyring == b.keyring
 	}
-	return a.keyring.ActiveKeyID() == b.keyring.ActiveKeyID() && slices.Equal(a.keyring.KeyIDs(), b.keyring.KeyIDs())
+	return a.keyring.ActiveKeyID() == b.keyring.ActiveKeyID() && slices.Equal(a.keyring.KeyIDs(), b.keyring.KeyIDs()) &&
+		a.keyring.AcceptsLegacyRows() == b.keyring.AcceptsLegacyRows()
 }

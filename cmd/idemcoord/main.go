@@ -195,13 +195,16 @@ func run(args []string, logOut *os.File) error {
 	lopts := []ledger.Option{ledger.WithLogger(logger)}
 	if k := policies.Keyring(); k != nil {
 		lopts = append(lopts, ledger.WithKeyring(k))
-		logger.Info("stored responses are encrypted at rest")
+		logger.Info("records are encrypted at rest", "active_key", k.ActiveKeyID(), "accept_legacy_rows", k.AcceptsLegacyRows())
 	}
 	store, err := ledger.Open(ctx, c.databaseURL, lopts...)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
+	if k := policies.Keyring(); k != nil {
+		go checkLegacyRows(ctx, logger, store, k)
+	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
 	if creds != nil {
@@ -261,6 +264,31 @@ func run(args []string, logOut *os.File) error {
 	_ = httpSrv.Shutdown(sctx)
 	logger.Info("stopped")
 	return nil
+}
+
+// checkLegacyRows converts the records not yet in the current sealed form
+// when the keyring accepts legacy rows, and otherwise warns about them:
+// each answers DATA_LOSS until it is converted.
+func checkLegacyRows(ctx context.Context, logger *slog.Logger, store *ledger.Store, k *ledger.Keyring) {
+	if k.AcceptsLegacyRows() {
+		converted, skipped, err := store.ConvertLegacyRows(ctx, 500)
+		if err != nil {
+			logger.Error("converting legacy rows failed; restart to try again", "converted", converted, "err", err)
+			return
+		}
+		n, err := store.CountLegacyRows(ctx)
+		logger.Warn("legacy rows converted to the current sealed form; remove encryption.accept_legacy_rows once none remain",
+			"converted", converted, "unreadable", skipped, "remaining", n, "err", err)
+		return
+	}
+	n, err := store.CountLegacyRows(ctx)
+	switch {
+	case err != nil:
+		logger.Warn("cannot count legacy rows", "err", err)
+	case n > 0:
+		logger.Error("records stored in clear or in the legacy sealed form answer DATA_LOSS (RECORD_UNREADABLE) "+
+			"until converted: set encryption.accept_legacy_rows: true and restart once to convert them", "rows", n)
+	}
 }
 
 // migrateWithRetry applies migrations, waiting for the database to come up
