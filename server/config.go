@@ -249,6 +249,23 @@ func (p *Policies) For(scope string) Policy {
 	return p.defaults
 }
 
+// scopeLabel is the metrics label of scope: the scope itself when a
+// `scopes:` entry names it exactly, the entry's match pattern when the
+// first entry matching it is a glob, and "other" for every scope the file
+// does not name. The label set is thus fixed by the operator, never grown
+// by callers, and reveals no scope the operator did not write down.
+func (p *Policies) scopeLabel(scope string) string {
+	for _, s := range p.scopes {
+		if globMatch(s.match, scope) {
+			if !strings.Contains(s.match, "*") {
+				return scope
+			}
+			return s.match
+		}
+	}
+	return otherScope
+}
+
 func defaultReaper() ReaperSettings {
 	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour}
 }

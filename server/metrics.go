@@ -16,8 +16,9 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// otherScope is the scope label of scopes seen after maxScopeLabels
-// distinct ones, so callers cannot grow the metrics without bound.
+// otherScope is the scope label of scopes the policy file does not name
+// (and of any seen after maxScopeLabels distinct labels), so callers cannot
+// grow the metrics, nor learn other tenants' scopes from them.
 const otherScope = "other"
 
 // metrics are the server's Prometheus collectors, on a registry of its own.
@@ -37,15 +38,23 @@ type metrics struct {
 	scopes scopeLabels
 }
 
-// scopeLabels maps scopes to label values: the scope itself for the first
-// max distinct scopes, otherScope after that.
+// scopeLabels maps scopes to label values: named maps a scope to the label
+// the policy file gives it (see Policies.scopeLabel), and of those the
+// first max distinct ones are kept, otherScope after that.
 type scopeLabels struct {
-	mu   sync.Mutex
-	seen map[string]struct{}
-	max  int
+	named func(scope string) string
+	mu    sync.Mutex
+	seen  map[string]struct{}
+	max   int
 }
 
 func (l *scopeLabels) label(scope string) string {
+	if l.named != nil {
+		scope = l.named(scope)
+	}
+	if scope == otherScope {
+		return otherScope
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.seen[scope]; ok {

@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -48,6 +49,7 @@ type config struct {
 	logFormat       string
 	logLevel        string
 	otlpEndpoint    string
+	metricsToken    string
 	shutdownTimeout time.Duration
 }
 
@@ -73,6 +75,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -124,6 +127,20 @@ func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
 	return credentials.NewTLS(cfg), nil
+}
+
+// readMetricsToken reads the /metrics bearer token from path (surrounding
+// white space removed).
+func readMetricsToken(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("--metrics-token-file: %w", err)
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("--metrics-token-file %s is empty", path)
+	}
+	return token, nil
 }
 
 func envBool(name string) bool {
@@ -207,6 +224,13 @@ func run(args []string, logOut *os.File) error {
 	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
+	if c.metricsToken != "" {
+		token, err := readMetricsToken(c.metricsToken)
+		if err != nil {
+			return err
+		}
+		sopts = append(sopts, server.WithMetricsToken(token))
+	}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
 	}
