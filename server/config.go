@@ -284,7 +284,7 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		case (kc.File == "") == (kc.Env == ""):
 			return nil, fmt.Errorf("key %q: give exactly one of file or env", kc.ID)
 		case kc.File != "":
-			data, err := os.ReadFile(kc.File)
+			data, err := readKeyFile(kc.File)
 			if err != nil {
 				return nil, fmt.Errorf("key %q: %w", kc.ID, err)
 			}
@@ -310,6 +310,35 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		return k, err
 	}
 	return k.AcceptingLegacyRows(), nil
+}
+
+// maxKeyFileBytes bounds a key file: 32 bytes in base64 and white space.
+const maxKeyFileBytes = 4096
+
+// readKeyFile reads a key file, which must be a regular file (a symbolic
+// link to one is fine) of at most maxKeyFileBytes: never a device or pipe
+// that would block or never end.
+func readKeyFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, maxKeyFileBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > maxKeyFileBytes {
+		return nil, fmt.Errorf("%s is larger than a key file (%d bytes at most)", path, maxKeyFileBytes)
+	}
+	return data, nil
 }
 
 // Reaper returns the reaper settings.
