@@ -207,3 +207,13 @@ tenants:
 		t.Fatalf("failures = %v after a good reload, want %v", got, failures)
 	}
 }
+
+// httpGet returns the status code of a GET.
+func httpGet(url string) (int, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err
+	}
+	resp.Body.Close()
+	return resp.StatusCode, nil
+}
