@@ -21,16 +21,21 @@ var ErrReloadRefused = errors.New("config reload refused; the configuration in f
 // start-up exposure check) runs on the new configuration too; any error
 // refuses it; nil checks are skipped.
 func (s *Server) Reload(path string, checks ...func(*Policies) error) (*Policies, error) {
-	next, err := s.admissible(path, checks)
+	cur := s.policies.Load()
+	next, err := s.admissible(cur, path, checks)
+	if err == nil && !s.policies.CompareAndSwap(cur, next) {
+		err = errors.New("the configuration changed while this reload was being checked; reload again")
+	}
 	if err != nil {
 		s.metrics.reloadFailures.Inc()
 		return nil, fmt.Errorf("%w: %w", ErrReloadRefused, err)
 	}
-	s.policies.Store(next)
 	return next, nil
 }
 
-func (s *Server) admissible(path string, checks []func(*Policies) error) (*Policies, error) {
+// admissible reads the file at path and checks it against cur, the
+// configuration in force.
+func (s *Server) admissible(cur *Policies, path string, checks []func(*Policies) error) (*Policies, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
@@ -42,7 +47,6 @@ func (s *Server) admissible(path string, checks []func(*Policies) error) (*Polic
 	if next.empty {
 		return nil, fmt.Errorf("%s is empty: a configuration file always says something (a truncated or half-written file is refused)", path)
 	}
-	cur := s.policies.Load()
 	var errs []error
 	switch {
 	case cur.AuthEnabled() && !next.AuthEnabled():
