@@ -5,16 +5,22 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
@@ -292,5 +298,61 @@ func TestTamperedRowsAreNotServed(t *testing.T) {
 	}
 	if strings.Contains(fmt.Sprint(list), "4111") {
 		t.Fatalf("ListRecords shows sealed text: %v", list)
+	}
+}
+
+// failingHealth is a service whose handler fails with personal data in its
+// error text, as real handlers do.
+type failingHealth struct {
+	healthpb.UnimplementedHealthServer
+	err error
+}
+
+func (h failingHealth) Check(context.Context, *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	return nil, h.err
+}
+
+// TestHandlerErrorSealed: a service behind clients.UnaryServerInterceptor
+// whose handler fails with a card number and an e-mail address in its
+// error text (stored as the failure reason, and the REPLAYABLE status as
+// the response) leaves neither readable in any column of the table.
+func TestHandlerErrorSealed(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: sealedConfig(t, "")})
+	client := clients.New(c.Dial(t))
+	const card, mail = "4111111111111111", "ada@example.org"
+	for i, code := range []codes.Code{codes.Internal, codes.FailedPrecondition, codes.Unavailable} {
+		srv := grpc.NewServer(grpc.ChainUnaryInterceptor(clients.UnaryServerInterceptor(client)))
+		healthpb.RegisterHealthServer(srv, failingHealth{err: status.Errorf(code, "charge of card %s for %s declined", card, mail)})
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = srv.Serve(lis) }()
+		t.Cleanup(srv.Stop)
+		conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		ctx := metadata.AppendToOutgoingContext(context.Background(), "idempotency-key", fmt.Sprint("order-", i))
+		if _, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "pay " + mail}); status.Code(err) != code {
+			t.Fatalf("%v: the handler's error came back as %v", code, err)
+		}
+	}
+	table := wholeTable(t, c.DatabaseURL)
+	if strings.Count(table, "\n") != 3 {
+		t.Fatalf("want 3 records, table:\n%s", table)
+	}
+	for _, p := range []string{card, mail, "declined"} {
+		if strings.Contains(table, p) || strings.Contains(table, hex.EncodeToString([]byte(p))) {
+			t.Fatalf("%q is stored in clear:\n%s", p, table)
+		}
+	}
+	// The coordinator still has the text, for the operator who has the keys.
+	l, err := idempotencyv1.NewCoordinatorClient(c.Dial(t)).Lookup(context.Background(),
+		&idempotencyv1.LookupRequest{Scope: "/grpc.health.v1.Health/Check", Key: "order-0"})
+	if err != nil || !strings.Contains(l.GetRecord().GetFailureReason(), card) {
+		t.Fatalf("failure reason through the API: %v %v", l, err)
 	}
 }
