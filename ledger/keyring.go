@@ -112,8 +112,8 @@ func (k *Keyring) KeyIDs() []string {
 
 // binding is what a sealed column is bound to besides its record and
 // column: the record's generation, attempt and ending and, for the
-// response's body and metadata (response true), its state and the response
-// columns stored in clear. The failure reason is not bound to the state:
+// response's body and metadata (response true), its state, the response
+// columns stored in clear and whether it has metadata. The failure reason is not bound to the state:
 // the reaper moves FAILED_* records to EXPIRED without the keys; the ending,
 // which it never changes, says how the attempt ended.
 type binding struct {
@@ -125,6 +125,7 @@ type binding struct {
 	statusCode    int32
 	schemaVersion string
 	contentType   string
+	hasMetadata   bool // so the metadata cannot be dropped unnoticed
 }
 
 // additionalData is the associated data of a sealed column: a version tag,
@@ -148,6 +149,11 @@ func additionalData(id Identity, column string, b binding) []byte {
 		out = binary.BigEndian.AppendUint32(out, uint32(b.statusCode))
 		str(b.schemaVersion)
 		str(b.contentType)
+		if b.hasMetadata {
+			out = append(out, 1)
+		} else {
+			out = append(out, 0)
+		}
 	} else {
 		out = append(out, 0)
 	}

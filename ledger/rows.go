@@ -190,6 +190,7 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 		if hasResponse {
 			rb := o.b
 			rb.response, rb.state, rb.statusCode, rb.schemaVersion, rb.contentType = true, state, statusCode, schemaVersion, contentType
+			rb.hasMetadata = metadata != nil
 			if body, err = o.open("body", rb, body); err != nil {
 				return err
 			}
@@ -331,6 +332,7 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *binding) 
 		}
 		rb := *b
 		rb.response, rb.statusCode, rb.schemaVersion, rb.contentType = true, r.StatusCode, r.SchemaVersion, r.ContentType
+		rb.hasMetadata = metadata != nil
 		body = s.keyring.seal(id, "body", rb, body)
 		if metadata != nil {
 			metadata = s.keyring.seal(id, "metadata", rb, metadata)

@@ -244,6 +244,8 @@ func TestTamperedRowsAreNotServed(t *testing.T) {
 		{"schema_version changed", `UPDATE idempotency_records SET schema_version = 'pay/2' WHERE key = $1`, false},
 		{"content_type changed", `UPDATE idempotency_records SET content_type = 'application/json' WHERE key = $1`, false},
 		{"FAILED_REPLAYABLE turned COMPLETED", `UPDATE idempotency_records SET state = 2, ended_by = 5 WHERE key = $1`, true},
+		{"response metadata dropped", `UPDATE idempotency_records SET metadata = NULL WHERE key = $1`, false},
+		{"body and metadata swapped", `UPDATE idempotency_records SET body = metadata, metadata = body WHERE key = $1`, false},
 		{"response dropped from COMPLETED", `UPDATE idempotency_records SET has_response = false, body = NULL, metadata = NULL WHERE key = $1`, false},
 		{"attempt changed", `UPDATE idempotency_records SET attempt = attempt + 1 WHERE key = $1`, false},
 		{"generation changed", `UPDATE idempotency_records SET generation = generation + 1 WHERE key = $1`, false},
