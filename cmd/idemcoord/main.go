@@ -201,6 +201,12 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
+	var metricsToken string
+	if c.metricsToken != "" {
+		if metricsToken, err = readMetricsToken(c.metricsToken); err != nil {
+			return err
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -224,12 +230,8 @@ func run(args []string, logOut *os.File) error {
 	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
-	if c.metricsToken != "" {
-		token, err := readMetricsToken(c.metricsToken)
-		if err != nil {
-			return err
-		}
-		sopts = append(sopts, server.WithMetricsToken(token))
+	if metricsToken != "" {
+		sopts = append(sopts, server.WithMetricsToken(metricsToken))
 	}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
