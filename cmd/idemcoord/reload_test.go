@@ -217,3 +217,23 @@ func httpGet(url string) (int, error) {
 	resp.Body.Close()
 	return resp.StatusCode, nil
 }
+
+func TestMetricsTokenFile(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	if tok, err := readMetricsToken(write("ok", "  scrape-secret\n")); err != nil || tok != "scrape-secret" {
+		t.Fatalf("token %q, %v", tok, err)
+	}
+	if _, err := readMetricsToken(write("empty", " \n")); err == nil {
+		t.Fatal("an empty token file accepted: /metrics would be open to an empty bearer token")
+	}
+	if _, err := readMetricsToken(filepath.Join(dir, "missing")); err == nil {
+		t.Fatal("a missing token file accepted")
+	}
+}
