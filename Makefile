@@ -23,9 +23,12 @@ run: build
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
-## test: lint, check generated code, run every test with the race detector
+## test: lint, check generated code, run every test with the race detector; tests' artifacts
+## (the console's browser screenshot) land under .artifacts/_artifacts/
+ARTIFACTS := $(CURDIR)/.artifacts
 test: lint
-	go test -race -count=1 $(GO_PACKAGES)
+	@mkdir -p $(ARTIFACTS)
+	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
 ## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability; each prints a `chaos: <test>:` line
@@ -93,6 +96,11 @@ bench: build $(BIN)/.ghz-$(GHZ_VERSION)
 $(BIN)/.ghz-$(GHZ_VERSION):
 	GOBIN=$(BIN) go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 	@touch $@
+
+## console-screenshot: regenerate the README's console pictures (docs/console-*.png) in headless Chromium
+.PHONY: console-screenshot
+console-screenshot:
+	CI=true IDEMCOORD_CONSOLE_SCREENSHOTS=$(CURDIR)/docs go test -count=1 -run '^TestBrowserResolvesUnknown$$' ./console/
 
 ## clean-data: delete the local PostgreSQL cluster that `make run` keeps under .data/
 clean-data:

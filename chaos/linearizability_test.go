@@ -386,8 +386,8 @@ func recordView(r statemachine.Record) string {
 		}
 		return t.UTC().Format("15:04:05.000000")
 	}
-	return fmt.Sprintf("%v a%d g%d fp=%q reason=%q created=%s updated=%s lease=%s expires=%s resp=%s",
-		r.State, r.Attempt, r.Generation, r.Fingerprint, r.FailureReason, ts(r.CreatedAt), ts(r.UpdatedAt),
+	return fmt.Sprintf("%v a%d g%d uncertain=%v fp=%q reason=%q created=%s updated=%s lease=%s expires=%s resp=%s",
+		r.State, r.Attempt, r.Generation, r.Uncertain, r.Fingerprint, r.FailureReason, ts(r.CreatedAt), ts(r.UpdatedAt),
 		ts(r.LeaseExpiresAt), ts(r.ExpiresAt), resp)
 }
 
@@ -639,6 +639,7 @@ func recordFromProto(r *idempotencyv1.Record) *statemachine.Record {
 	rec := &statemachine.Record{State: statemachine.State(r.GetState()), Fingerprint: r.GetFingerprint(),
 		Attempt: r.GetAttempt(), Generation: r.GetGeneration(), FailureReason: r.GetFailureReason(),
 		CreatedAt: ts(r.GetCreatedAt()), UpdatedAt: ts(r.GetUpdatedAt()),
-		LeaseExpiresAt: ts(r.GetLeaseExpiresAt()), ExpiresAt: ts(r.GetExpiresAt()), Response: responseOf(r.GetResponse())}
+		LeaseExpiresAt: ts(r.GetLeaseExpiresAt()), ExpiresAt: ts(r.GetExpiresAt()), Response: responseOf(r.GetResponse()),
+		Uncertain: r.GetUncertain()}
 	return rec
 }

@@ -14,15 +14,36 @@
 //     methods of a gRPC server.
 //   - DedupKey builds a key for callers that send none.
 //
-// The interceptor goes after authentication and inside recovery:
+// The interceptor goes after authentication and inside recovery, with the
+// end user folded into the key (or WithoutPrincipal, said on purpose):
 //
-//	grpc.ChainUnaryInterceptor(recovery, auth, clients.UnaryServerInterceptor(c))
+//	grpc.ChainUnaryInterceptor(recovery, auth,
+//		clients.UnaryServerInterceptor(c, clients.WithPrincipal(userID)))
 //
 // What the interceptor stores is the handler's response message (or, for
-// replayable failures, its gRPC status); a retry with the same key gets that
-// stored result decoded, never a second run of the handler. The
-// idempotency-result response header says which happened ("created" or
-// "replayed").
+// replayable failures, its gRPC status) with the headers and trailers the
+// handler set; a retry with the same key gets that stored result decoded,
+// never a second run of the handler. The idempotency-result response header
+// says which happened ("created" or "replayed"); nothing else differs.
+//
+// Recovery a handler can trust:
+//
+//   - AttemptFrom and LeaseFrom tell a handler (or a function Once runs)
+//     which attempt it is, what the key was before (STATE_UNKNOWN: an
+//     earlier attempt may have done the side effect, check the outside world
+//     first), and the lease token, key as stored and generation, with which
+//     it can fence its own write under a unique constraint;
+//   - MarkSideEffect, called just before the first irreversible step, makes
+//     every later error or panic of the attempt end it UNKNOWN, whatever its
+//     code: a failure after the charge is never taken for "nothing
+//     happened";
+//   - uncertainty is sticky on the coordinator: once an attempt may have
+//     acted, every later attempt of the generation is told STATE_UNKNOWN,
+//     even after a retryable or abandoned attempt in between;
+//   - a holder that cannot confirm its lease (the coordinator is cut off)
+//     has its context cancelled with cause ErrLeaseUnconfirmed before the
+//     lease would run out by the local clock, so two holders never run at
+//     once.
 //
 // The package imports the generated API (gen/idempotency/v1), grpc,
 // protobuf, genproto and go-grpc-middleware; it must never import the

@@ -56,6 +56,14 @@ var (
 	// context, and the error Once returns, when a heartbeat learns that
 	// another attempt took the key over.
 	ErrLeaseLost = errors.New("clients: the lease on the idempotency key was lost")
+	// ErrLeaseUnconfirmed is the cause with which Once and the interceptor
+	// cancel the context of the function or handler they run when no
+	// Heartbeat could confirm the lease before it would run out by the
+	// local clock (the coordinator is unreachable, say): another attempt may
+	// take the key over soon, so the cut-off holder stops first. Once also
+	// returns it when the lease could not be confirmed before its function
+	// started (which then does not run).
+	ErrLeaseUnconfirmed = errors.New("clients: the lease on the idempotency key could not be confirmed before it would run out")
 	// ErrUnknownHeld matches (with errors.Is) the error of a call whose key
 	// is held UNKNOWN for an operator. The error is also a gRPC status
 	// FAILED_PRECONDITION with ErrorInfo reason UNKNOWN_HELD.
@@ -131,6 +139,20 @@ func inProgressError(retryAfter time.Duration) error {
 // pushbackMillis renders d for the grpc-retry-pushback-ms trailer.
 func pushbackMillis(d time.Duration) string {
 	return strconv.FormatInt(max(d.Milliseconds(), 1), 10)
+}
+
+// endingKind is how an attempt whose function failed with err is recorded:
+// after MarkSideEffect always UNKNOWN, unless a FailureError names
+// REPLAYABLE; before it, as failureKind says.
+func endingKind(err error, kinds map[codes.Code]idempotencyv1.FailureKind, marked bool) idempotencyv1.FailureKind {
+	if !marked {
+		return failureKind(err, kinds)
+	}
+	var fe *FailureError
+	if errors.As(err, &fe) && fe.Kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
+		return fe.Kind
+	}
+	return idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN
 }
 
 // failureKind classifies err by kinds, FailureError first.
@@ -217,6 +239,32 @@ func callError(what string, err error) error {
 // contextStatus is the status of a call whose own context ended.
 func contextStatus(ctx context.Context) error {
 	return status.FromContextError(ctx.Err()).Err()
+}
+
+// reasonAlreadyFinished is the coordinator's ErrorInfo reason for a call
+// with a token whose attempt already ended.
+const reasonAlreadyFinished = "ALREADY_FINISHED"
+
+// errorReason returns the ErrorInfo reason in err's status details, if any.
+func errorReason(err error) string {
+	for _, d := range status.Convert(err).Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok {
+			return ei.GetReason()
+		}
+	}
+	return ""
+}
+
+// transportFailure reports whether err says that the coordinator could not
+// be reached or did not answer in time: the only failures fail-open may
+// run a handler unprotected for. A rate limit (RESOURCE_EXHAUSTED) or an
+// authentication refusal is the coordinator's answer, not an outage.
+func transportFailure(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		return true
+	}
+	return false
 }
 
 // unreachable reports whether err means the coordinator could not be

@@ -28,19 +28,24 @@ import (
 // For each wrapped call with a key (see the options) it calls Begin on scope
 // = the full method name, and then:
 //
-//   - acquired: runs the handler (which can read AttemptFrom), heartbeating
-//     while it runs, stores its response message (deterministic proto
-//     encoding, schema version = the message's full name) with Complete and
-//     answers it with header "idempotency-result: created". If Complete
-//     cannot reach the coordinator, the response is still answered and
-//     Complete is retried in the background for up to one lease (see
-//     Client.Shutdown). A handler error is recorded by its code (see
-//     WithFailureKinds) and answered as is; a replayable one also gets the
+//   - acquired: runs the handler (which can read AttemptFrom and LeaseFrom,
+//     and calls MarkSideEffect before its first irreversible step),
+//     heartbeating while it runs, stores its response message
+//     (deterministic proto encoding, schema version = the message's full
+//     name) and the headers and trailers it set (see WithReplayMetadata)
+//     with Complete and answers it with header "idempotency-result:
+//     created". If Complete cannot reach the coordinator, the response is
+//     still answered and Complete is retried in the background for up to one
+//     lease (see Client.Shutdown). A handler error is recorded by its code
+//     (see WithFailureKinds), or UNKNOWN once the handler called
+//     MarkSideEffect, and answered as is; a replayable one also gets the
 //     "created" header. A panicking handler is recorded UNKNOWN and the
-//     panic goes on to the recovery interceptor;
+//     panic goes on to the recovery interceptor. The handler's context is
+//     cancelled (cause ErrLeaseUnconfirmed) when no heartbeat can confirm
+//     the lease before it would run out by the local clock;
 //   - replay: answers the stored message (decoded into the method's response
-//     type) or the stored status, with "idempotency-result: replayed",
-//     without calling the handler;
+//     type) or the stored status, with the stored headers and trailers and
+//     "idempotency-result: replayed", without calling the handler;
 //   - in progress: ABORTED with google.rpc.RetryInfo and the
 //     grpc-retry-pushback-ms trailer, or waits for the result with
 //     WithWaitForResult; held UNKNOWN: FAILED_PRECONDITION with ErrorInfo
@@ -48,18 +53,29 @@ import (
 //   - the coordinator's refusals (fingerprint mismatch, attempts exhausted,
 //     key expired, schema version not accepted: FAILED_PRECONDITION with its
 //     ErrorInfo; an invalid key: INVALID_ARGUMENT) are answered as they come;
-//   - coordinator unreachable (after c's retries): UNAVAILABLE, handler not
-//     run, unless WithFailOpen. Other coordinator errors (bad credentials,
-//     say) are INTERNAL: they are this server's problem, not the caller's.
+//   - coordinator unreachable (UNAVAILABLE or DEADLINE_EXCEEDED after c's
+//     retries): UNAVAILABLE, handler not run, unless WithFailOpen. The
+//     coordinator's rate limit (RESOURCE_EXHAUSTED) is answered as
+//     RESOURCE_EXHAUSTED and never fails open. Other coordinator errors (bad
+//     credentials, say) are INTERNAL: they are this server's problem, not
+//     the caller's.
 //
-// Calls without a key run the handler unprotected unless WithRequireKey.
-// Headers and trailers the handler sets itself are not stored or replayed;
-// a handler that sends its headers itself (grpc.SendHeader) gets no
+// Calls without a key run the handler unprotected unless WithRequireKey. A
+// handler that sends its headers itself (grpc.SendHeader) gets no
 // idempotency-result header.
+//
+// Build it with WithPrincipal or WithoutPrincipal: with neither, it logs a
+// warning through c's logger, since two end users who send the same key and
+// request would share one record.
 func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServerInterceptor {
 	ic := &interceptor{c: c, o: defaultInterceptorOptions()}
 	for _, opt := range opts {
 		opt(&ic.o)
+	}
+	if !ic.o.principalSet {
+		c.logger.Warn("idempotency: UnaryServerInterceptor built without WithPrincipal or WithoutPrincipal: " +
+			"two end users who send the same idempotency key and request share one record; " +
+			"fold the end user in with WithPrincipal, or say WithoutPrincipal")
 	}
 	return ic.intercept
 }
@@ -122,13 +138,13 @@ func (ic *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryS
 		AcceptSchemaVersions: []string{m.schema, SchemaVersionStatus},
 		AttemptId:            newAttemptID(),
 	}
-	res, err := ic.c.beginWaiting(ctx, breq, time.Now().Add(ic.o.wait))
+	res, sent, err := ic.c.beginWaiting(ctx, breq, time.Now().Add(ic.o.wait))
 	if err != nil {
 		return ic.beginFailed(ctx, err, req, handler)
 	}
 	switch res.GetOutcome() {
 	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
-		return ic.run(ctx, m, req, handler, breq, res)
+		return ic.run(ctx, m, req, handler, ic.c.newLease(breq, res, sent))
 	case idempotencyv1.Outcome_OUTCOME_REPLAY:
 		return ic.replay(ctx, m, res.GetRecord())
 	}
@@ -148,25 +164,37 @@ func (ic *interceptor) beginFailed(ctx context.Context, err error, req any, hand
 	switch code := status.Code(err); {
 	case code == codes.FailedPrecondition || code == codes.InvalidArgument:
 		return nil, err
-	case unreachable(err):
+	case transportFailure(err):
 		if ic.o.failOpen {
 			ic.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable; running the handler unprotected (fail open)", "err", err)
 			return handler(ctx, req)
 		}
 		return nil, status.Error(codes.Unavailable, "idempotency coordinator unavailable; retry later")
+	case code == codes.ResourceExhausted:
+		// The coordinator's rate limit: an answer, not an outage. Never
+		// fail open on it.
+		return nil, status.Error(codes.ResourceExhausted, "idempotency coordinator rate limit reached; retry later")
 	}
 	ic.c.logger.ErrorContext(ctx, "idempotency: coordinator refused Begin", "err", err)
 	return nil, status.Error(codes.Internal, "idempotency coordinator refused the call")
 }
 
 // run runs the handler under the acquired lease and records its outcome.
-func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc.UnaryHandler,
-	breq *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse) (any, error) {
-	l := ic.c.newLease(breq, res)
+func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc.UnaryHandler, l *lease) (any, error) {
+	var rec *recordingStream
+	hctx := ctx
+	if st := grpc.ServerTransportStreamFromContext(ctx); st != nil {
+		rec = &recordingStream{ServerTransportStream: st}
+		hctx = grpc.NewContextWithServerTransportStream(ctx, rec)
+	}
 	var resp any
 	var herr error
-	lost := l.run(ctx, res, func(ctx context.Context) { resp, herr = handler(ctx, req) })
-	if lost {
+	switch l.run(hctx, func(ctx context.Context) { resp, herr = handler(ctx, req) }) {
+	case runNotStarted:
+		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
+			reason: "the lease could not be confirmed before the handler started"})
+		return nil, status.Error(codes.Unavailable, "idempotency coordinator unavailable; retry later")
+	case runLost:
 		ic.c.logger.WarnContext(ctx, "idempotency: lease lost while the handler ran; its result is not stored",
 			"scope", l.scope, "key", l.key, "handler_err", herr)
 		if herr != nil {
@@ -187,16 +215,17 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 			return resp, nil
 		}
 		_ = l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
-			ContentType: ContentTypeProto, Body: body}})
+			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}})
 		setResult(ctx, resultCreated)
 		return resp, nil
 	}
-	e := ending{kind: failureKind(herr, ic.o.kinds), reason: failReason(herr.Error())}
+	e := ending{kind: endingKind(herr, ic.o.kinds, l.marked()), reason: failReason(herr.Error())}
 	if e.kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
 		stored, err := statusResponse(herr)
 		if err != nil {
 			e.kind = idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN
 		} else {
+			stored.Metadata = rec.stored(&ic.o)
 			e.response = stored
 			setResult(ctx, resultCreated)
 		}
@@ -205,10 +234,16 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 	return nil, herr
 }
 
-// replay answers a stored result.
+// replay answers a stored result, with the headers and trailers stored
+// with it.
 func (ic *interceptor) replay(ctx context.Context, m *method, rec *idempotencyv1.Record) (any, error) {
-	setResult(ctx, resultReplayed)
 	stored := rec.GetResponse()
+	header, trailer := replayedMetadata(stored.GetMetadata())
+	header.Set(ResultHeader, resultReplayed)
+	_ = grpc.SetHeader(ctx, header)
+	if len(trailer) > 0 {
+		_ = grpc.SetTrailer(ctx, trailer)
+	}
 	if rec.GetState() == idempotencyv1.State_STATE_FAILED_REPLAYABLE {
 		return nil, storedStatus(rec).Err()
 	}

@@ -3,6 +3,7 @@ package clients
 import (
 	"context"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,9 +35,72 @@ const (
 
 type attemptKey struct{}
 
-type attemptInfo struct {
-	attempt  int32
-	previous idempotencyv1.State
+// attemptState is the attempt a context carries: its lease and whether its
+// function marked the start of its side effect.
+type attemptState struct {
+	lease  Lease
+	marked atomic.Bool
+}
+
+func attemptOf(ctx context.Context) *attemptState {
+	a, _ := ctx.Value(attemptKey{}).(*attemptState)
+	return a
+}
+
+// Lease describes the acquisition that a handler under
+// UnaryServerInterceptor, or a function run by Client.Once, runs under.
+// With it the handler can fence its own write: store (Key, Generation) or
+// Token with its side effect under a unique constraint, so that a second
+// attempt of the same generation cannot apply it twice even if the
+// coordinator's lease was lost meanwhile (see the LeaseFrom example).
+type Lease struct {
+	// Scope is the coordinator scope (the full method name, under the
+	// interceptor).
+	Scope string
+	// Key is the idempotency key as stored, after principal folding (see
+	// WithPrincipal).
+	Key string
+	// Token is this acquisition's lease token, a fencing token: a later
+	// acquisition of the key gets another one.
+	Token string
+	// Generation counts restarts of the key after expiry (1 for the
+	// first); Attempt counts acquisitions within the generation (1 for the
+	// first).
+	Generation, Attempt int32
+	// Previous is the state the key was in before this acquisition (see
+	// AttemptFrom).
+	Previous idempotencyv1.State
+	// Uncertain reports that an earlier attempt of this generation may have
+	// done the side effect (Record.uncertain); Previous is then
+	// STATE_UNKNOWN.
+	Uncertain bool
+}
+
+// LeaseFrom returns the lease of the attempt that ctx belongs to: inside a
+// handler the interceptor runs, or a function Once runs. ok is false
+// outside such a call, and when the interceptor runs a handler unprotected
+// (no key, or fail-open).
+func LeaseFrom(ctx context.Context) (Lease, bool) {
+	if a := attemptOf(ctx); a != nil {
+		return a.lease, true
+	}
+	return Lease{}, false
+}
+
+// MarkSideEffect tells Once or the interceptor that the attempt ctx belongs
+// to is about to take its first irreversible step (charge the card, send the
+// mail). Call it just before that step. From then on, any error or panic of
+// the attempt ends it FAILURE_KIND_UNKNOWN, whatever its gRPC code and
+// whatever WithFailureKinds says, except a *FailureError whose Kind is
+// FAILURE_KIND_REPLAYABLE, which is stored as such: the next attempt then
+// sees previous state STATE_UNKNOWN and checks the outside world before it
+// repeats the step. Before the mark, errors are classified by their code as
+// usual. Outside an attempt (no key, fail-open, plain calls) it does
+// nothing. Calling it more than once is harmless.
+func MarkSideEffect(ctx context.Context) {
+	if a := attemptOf(ctx); a != nil {
+		a.marked.Store(true)
+	}
 }
 
 // AttemptFrom reports, inside a handler the interceptor runs (or a function
@@ -44,17 +108,17 @@ type attemptInfo struct {
 // generation (1 for the first) and the state the key was in before this
 // attempt acquired it: STATE_UNSPECIFIED for a new key, STATE_FAILED_RETRYABLE
 // after a retryable failure, STATE_EXPIRED after expiry, and STATE_UNKNOWN
-// when an earlier attempt may have done the side effect: a handler that sees
-// STATE_UNKNOWN checks the outside world before it repeats the side effect.
+// when an earlier attempt of the generation may have done the side effect,
+// even if a later one failed retryably or was abandoned in between: a
+// handler that sees STATE_UNKNOWN checks the outside world before it repeats
+// the side effect.
 // ok is false outside such a call, and when the interceptor runs a handler
 // unprotected (no key, or fail-open).
 func AttemptFrom(ctx context.Context) (attempt int32, previous idempotencyv1.State, ok bool) {
-	info, ok := ctx.Value(attemptKey{}).(attemptInfo)
-	return info.attempt, info.previous, ok
-}
-
-func withAttempt(ctx context.Context, res *idempotencyv1.BeginResponse) context.Context {
-	return context.WithValue(ctx, attemptKey{}, attemptInfo{attempt: res.GetRecord().GetAttempt(), previous: res.GetPreviousState()})
+	if a := attemptOf(ctx); a != nil {
+		return a.lease.Attempt, a.lease.Previous, true
+	}
+	return 0, 0, false
 }
 
 // beginWaiting calls Begin and, while another attempt holds the key, waits
@@ -64,12 +128,16 @@ func withAttempt(ctx context.Context, res *idempotencyv1.BeginResponse) context.
 //
 // The first Begin asks for no wait, so a key held UNKNOWN (which only an
 // operator can change) is answered at once rather than after a long poll.
-func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, giveUp time.Time) (*idempotencyv1.BeginResponse, error) {
+//
+// sent is the local time at which the last Begin was sent: a lease it
+// granted runs at least until sent plus the lease, by the local clock.
+func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, giveUp time.Time) (res *idempotencyv1.BeginResponse, sent time.Time, err error) {
 	req.Wait = nil
-	res, err := c.Begin(ctx, req)
+	sent = time.Now()
+	res, err = c.Begin(ctx, req)
 	if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
 		res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
-		return res, err
+		return res, sent, err
 	}
 	for {
 		left := time.Duration(1<<63 - 1)
@@ -80,14 +148,15 @@ func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 			left = min(left, time.Until(dl)-deadlineMargin)
 		}
 		if left <= 0 {
-			return res, nil
+			return res, sent, nil
 		}
 		asked := min(left, maxBeginWait)
 		req.Wait = durationpb.New(asked)
 		start := time.Now()
+		sent = start
 		if res, err = c.Begin(ctx, req); err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
 			res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
-			return res, err
+			return res, sent, err
 		}
 		// The coordinator answered well before the wait we asked for ran
 		// out (its limit may be lower): pause as it suggests before asking
@@ -97,7 +166,7 @@ func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 			select {
 			case <-ctx.Done():
 				t.Stop()
-				return res, nil
+				return res, sent, nil
 			case <-t.C:
 			}
 		}
@@ -111,20 +180,42 @@ type lease struct {
 	token      string
 	length     time.Duration        // the lease in force
 	request    *durationpb.Duration // sent with heartbeats; nil: the policy's
+	// sent is when the Begin that granted the lease was sent (local clock).
+	sent    time.Time
+	attempt *attemptState
 }
 
-func (c *Client) newLease(req *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse) *lease {
-	l := &lease{c: c, scope: req.GetScope(), key: req.GetKey(), token: res.GetLeaseToken(), request: req.GetLease()}
+// newLease is the lease that res (the answer to req, sent at sent)
+// granted.
+func (c *Client) newLease(req *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse, sent time.Time) *lease {
+	rec := res.GetRecord()
+	l := &lease{c: c, scope: req.GetScope(), key: req.GetKey(), token: res.GetLeaseToken(), request: req.GetLease(),
+		sent: sent, attempt: &attemptState{lease: Lease{Scope: req.GetScope(), Key: req.GetKey(), Token: res.GetLeaseToken(),
+			Generation: rec.GetGeneration(), Attempt: rec.GetAttempt(), Previous: res.GetPreviousState(),
+			Uncertain: rec.GetUncertain()}}}
 	if l.request != nil {
 		l.length = l.request.AsDuration()
-	} else if rec := res.GetRecord(); rec.GetLeaseExpiresAt() != nil && rec.GetUpdatedAt() != nil {
-		l.length = rec.GetLeaseExpiresAt().AsTime().Sub(rec.GetUpdatedAt().AsTime())
+	} else {
+		l.length = leaseLength(rec)
 	}
 	if l.length <= 0 {
 		l.length = defaultLease
 	}
 	return l
 }
+
+// leaseLength is the lease a Begin or Heartbeat answer granted: from its
+// updated_at (the call's time) to lease_expires_at; 0 when not told.
+func leaseLength(rec *idempotencyv1.Record) time.Duration {
+	if rec.GetLeaseExpiresAt() == nil || rec.GetUpdatedAt() == nil {
+		return 0
+	}
+	return rec.GetLeaseExpiresAt().AsTime().Sub(rec.GetUpdatedAt().AsTime())
+}
+
+// margin is how long before the lease would run out, by the local clock,
+// fn's context is cancelled when no Heartbeat confirmed it.
+func (l *lease) margin() time.Duration { return max(l.length/10, minHeartbeat) }
 
 // leaseRequest is the lease Once and the interceptor ask for.
 func (c *Client) leaseRequest() *durationpb.Duration {
@@ -134,13 +225,52 @@ func (c *Client) leaseRequest() *durationpb.Duration {
 	return durationpb.New(c.opts.lease)
 }
 
-// run calls fn with ctx carrying the attempt (see AttemptFrom) and
-// heartbeats every third of the lease while fn runs. fn's context is
-// cancelled with cause ErrLeaseLost when a heartbeat learns that the lease
-// was lost; run then reports lost. If fn panics, run records the attempt
-// UNKNOWN and panics again with the same value.
-func (l *lease) run(ctx context.Context, res *idempotencyv1.BeginResponse, fn func(ctx context.Context)) (lost bool) {
-	fctx, stop := l.keepAlive(withAttempt(ctx, res))
+// runEnd is how run ended.
+type runEnd uint8
+
+const (
+	// runDone: fn ran and returned; its outcome is to be recorded.
+	runDone runEnd = iota
+	// runLost: a heartbeat learnt that the lease was lost; the new holder
+	// records the outcome.
+	runLost
+	// runNotStarted: the lease could not be confirmed before fn would have
+	// started, so fn did not run.
+	runNotStarted
+)
+
+// run calls fn with ctx carrying the attempt (see AttemptFrom, LeaseFrom,
+// MarkSideEffect) and heartbeats while fn runs. fn's context is cancelled
+// with cause ErrLeaseLost when a heartbeat learns that the lease was lost
+// (run then answers runLost), and with cause ErrLeaseUnconfirmed when no
+// heartbeat could confirm the lease before it would run out by the local
+// clock. If fn panics, run records the attempt UNKNOWN and panics again
+// with the same value.
+//
+// When the Begin that granted the lease took long (a wait for another
+// attempt), run first confirms the lease with a Heartbeat; if the lease
+// cannot be confirmed for long enough to start fn, fn does not run.
+func (l *lease) run(ctx context.Context, fn func(ctx context.Context)) runEnd {
+	confirmed := l.sent
+	if time.Since(confirmed) > l.length/3 {
+		sent := time.Now()
+		hctx, hcancel := context.WithTimeout(context.WithoutCancel(ctx), max(l.length/3, minHeartbeat))
+		length, err := l.heartbeat(hctx)
+		hcancel()
+		switch {
+		case err == nil:
+			confirmed = sent
+			if length > 0 {
+				l.length = length
+			}
+		case leaseGone(err):
+			return runLost
+		}
+	}
+	if time.Until(confirmed.Add(l.length-l.margin())) <= 0 {
+		return runNotStarted
+	}
+	fctx, stop := l.keepAlive(context.WithValue(ctx, attemptKey{}, l.attempt), confirmed)
 	defer func() {
 		if p := recover(); p != nil {
 			if !stop() {
@@ -151,20 +281,53 @@ func (l *lease) run(ctx context.Context, res *idempotencyv1.BeginResponse, fn fu
 		}
 	}()
 	fn(fctx)
-	return stop()
+	if stop() {
+		return runLost
+	}
+	return runDone
 }
 
-// keepAlive heartbeats until stop is called. stop waits for a heartbeat in
-// flight (so none lands after a later Fail) and reports whether the lease
-// was lost; calling it again is harmless.
-func (l *lease) keepAlive(ctx context.Context) (context.Context, func() (lost bool)) {
+// marked reports whether fn called MarkSideEffect.
+func (l *lease) marked() bool { return l.attempt.marked.Load() }
+
+// keepAlive heartbeats until stop is called: a third of the lease after the
+// last confirmation, and more often while the coordinator cannot be
+// reached. The returned context is cancelled with cause ErrLeaseLost when a
+// heartbeat learns that the lease was lost, and with cause
+// ErrLeaseUnconfirmed when no heartbeat confirmed the lease before it would
+// run out by the local clock (minus a margin): two holders never run at
+// once because one of them was cut off from the coordinator. stop waits
+// for a heartbeat in flight (so none lands after a later Fail) and reports
+// whether the lease was lost; calling it again is harmless.
+func (l *lease) keepAlive(ctx context.Context, confirmed time.Time) (context.Context, func() (lost bool)) {
 	fctx, cancel := context.WithCancelCause(ctx)
 	quit, done := make(chan struct{}), make(chan struct{})
 	var lost atomic.Bool
 	interval := max(l.length/3, minHeartbeat)
+	retry := max(interval/4, minHeartbeat)
+
+	// until is the local time at which fn's context is cancelled unless a
+	// heartbeat confirms the lease again; the watch timer enforces it on
+	// its own goroutine, so a heartbeat that hangs cannot delay it.
+	var until atomic.Int64
+	until.Store(confirmed.Add(l.length - l.margin()).UnixNano())
+	var watch *time.Timer
+	watch = time.AfterFunc(math.MaxInt64, func() {
+		if left := time.Until(time.Unix(0, until.Load())); left > 0 {
+			watch.Reset(left)
+			return
+		}
+		if context.Cause(fctx) == nil {
+			l.c.logger.WarnContext(ctx, "idempotency: could not confirm the lease before it would run out; cancelling the attempt",
+				"scope", l.scope, "key", l.key)
+		}
+		cancel(ErrLeaseUnconfirmed)
+	})
+	watch.Reset(time.Until(time.Unix(0, until.Load())))
+
 	go func() {
 		defer close(done)
-		t := time.NewTicker(interval)
+		t := time.NewTimer(time.Until(confirmed.Add(interval)))
 		defer t.Stop()
 		for {
 			select {
@@ -172,19 +335,30 @@ func (l *lease) keepAlive(ctx context.Context) (context.Context, func() (lost bo
 				return
 			case <-t.C:
 			}
+			sent := time.Now()
 			hctx, hcancel := context.WithTimeout(context.WithoutCancel(ctx), interval)
-			err := l.heartbeat(hctx)
+			length, err := l.heartbeat(hctx)
 			hcancel()
-			if leaseGone(err) {
+			switch {
+			case err == nil:
+				if length <= 0 {
+					length = l.length
+				}
+				until.Store(sent.Add(length - l.margin()).UnixNano())
+				t.Reset(time.Until(sent.Add(max(length/3, minHeartbeat))))
+			case leaseGone(err):
 				lost.Store(true)
 				cancel(ErrLeaseLost)
 				return
+			default:
+				t.Reset(retry)
 			}
 		}
 	}()
 	var once sync.Once
 	return fctx, func() bool {
 		once.Do(func() {
+			watch.Stop()
 			close(quit)
 			<-done
 			cancel(nil)
@@ -193,13 +367,18 @@ func (l *lease) keepAlive(ctx context.Context) (context.Context, func() (lost bo
 	}
 }
 
-func (l *lease) heartbeat(ctx context.Context) error {
-	_, err := l.c.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: l.scope, Key: l.key,
+// heartbeat extends the lease and answers the lease it was extended by (0
+// when the answer does not tell).
+func (l *lease) heartbeat(ctx context.Context) (time.Duration, error) {
+	res, err := l.c.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: l.scope, Key: l.key,
 		LeaseToken: l.token, Lease: l.request})
-	if err != nil && !unreachable(err) {
-		l.c.logger.WarnContext(ctx, "idempotency: heartbeat refused", "scope", l.scope, "key", l.key, "err", err)
+	if err != nil {
+		if !unreachable(err) {
+			l.c.logger.WarnContext(ctx, "idempotency: heartbeat refused", "scope", l.scope, "key", l.key, "err", err)
+		}
+		return 0, err
 	}
-	return err
+	return leaseLength(res.GetRecord()), nil
 }
 
 // leaseGone reports whether a Heartbeat's error means this attempt no
@@ -313,7 +492,9 @@ func (l *lease) tryFinish(ctx context.Context, e ending) (done bool, err error) 
 	if err == nil || !unreachable(err) || ctx.Err() != nil {
 		return true, err
 	}
-	if herr := l.heartbeat(cctx); leaseGone(herr) {
+	// ALREADY_FINISHED: the call did land and only its reply was lost (or
+	// another ending did); the next try of e tells which.
+	if _, herr := l.heartbeat(cctx); leaseGone(herr) && errorReason(herr) != reasonAlreadyFinished {
 		return true, herr
 	}
 	return false, err

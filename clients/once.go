@@ -30,16 +30,21 @@ type Result struct {
 // It calls Begin with fingerprint (empty skips the check) and:
 //
 //   - when it acquires the key, runs fn with a context that carries the
-//     attempt (see AttemptFrom; a fn that sees previous STATE_UNKNOWN checks
-//     the outside world first) and heartbeats every third of the lease while
-//     fn runs. If a heartbeat learns that the lease was lost, fn's context
-//     is cancelled with cause ErrLeaseLost and Once returns ErrLeaseLost
-//     without recording anything (the new holder will). Otherwise fn's
-//     outcome is recorded: its response with Complete (nil stores an empty
-//     response), its error with Fail of the kind a *FailureError in it names
-//     or, by default, of the kind its gRPC code maps to (see
-//     WithFailureKinds; errors without a status count as UNKNOWN). A panic
-//     in fn is recorded UNKNOWN and re-panicked;
+//     attempt (see AttemptFrom and LeaseFrom; a fn that sees previous
+//     STATE_UNKNOWN checks the outside world first) and heartbeats every
+//     third of the lease while fn runs. If a heartbeat learns that the lease
+//     was lost, fn's context is cancelled with cause ErrLeaseLost and Once
+//     returns ErrLeaseLost without recording anything (the new holder
+//     will). If no heartbeat can confirm the lease before it would run out
+//     by the local clock, fn's context is cancelled with cause
+//     ErrLeaseUnconfirmed, so a holder cut off from the coordinator stops
+//     before another can take over. Otherwise fn's outcome is recorded: its
+//     response with Complete (nil stores an empty response), its error with
+//     Fail of the kind a *FailureError in it names or, by default, of the
+//     kind its gRPC code maps to (see WithFailureKinds; errors without a
+//     status count as UNKNOWN). Once fn has called MarkSideEffect, any error
+//     is recorded UNKNOWN unless a *FailureError names REPLAYABLE. A panic in
+//     fn is recorded UNKNOWN and re-panicked;
 //   - when the key already has an outcome, returns it without running fn:
 //     Replayed is true;
 //   - while another attempt holds the key, waits for its outcome (with
@@ -62,7 +67,7 @@ func (c *Client) Once(ctx context.Context, scope, key string, fingerprint []byte
 	fn func(ctx context.Context) (*idempotencyv1.StoredResponse, error)) (*Result, error) {
 	breq := &idempotencyv1.BeginRequest{Scope: scope, Key: key, Fingerprint: fingerprint,
 		Lease: c.leaseRequest(), AttemptId: newAttemptID()}
-	res, err := c.beginWaiting(ctx, breq, time.Time{})
+	res, sent, err := c.beginWaiting(ctx, breq, time.Time{})
 	if err != nil {
 		return nil, err
 	}
@@ -84,11 +89,16 @@ func (c *Client) Once(ctx context.Context, scope, key string, fingerprint []byte
 		return nil, inProgressError(res.GetRetryAfter().AsDuration())
 	}
 
-	l := c.newLease(breq, res)
+	l := c.newLease(breq, res, sent)
 	var resp *idempotencyv1.StoredResponse
 	var ferr error
-	if l.run(ctx, res, func(ctx context.Context) { resp, ferr = fn(ctx) }) {
+	switch l.run(ctx, func(ctx context.Context) { resp, ferr = fn(ctx) }) {
+	case runLost:
 		return nil, ErrLeaseLost
+	case runNotStarted:
+		// fn never ran: the key goes back to how it was.
+		return nil, joinFinish(ErrLeaseUnconfirmed, l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
+			reason: "the lease could not be confirmed before the attempt started"}))
 	}
 	out := &Result{Attempt: rec.GetAttempt()}
 	if ferr == nil {
@@ -98,7 +108,7 @@ func (c *Client) Once(ctx context.Context, scope, key string, fingerprint []byte
 		out.Response, out.State = resp, idempotencyv1.State_STATE_COMPLETED
 		return out, l.finish(ctx, ending{complete: resp})
 	}
-	e := ending{kind: failureKind(ferr, defaultFailureKinds()), reason: failReason(ferr.Error())}
+	e := ending{kind: endingKind(ferr, defaultFailureKinds(), l.marked()), reason: failReason(ferr.Error())}
 	if e.kind != idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
 		return nil, joinFinish(ferr, l.finish(ctx, e))
 	}

@@ -3,6 +3,7 @@ package clients
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
@@ -77,17 +78,19 @@ type FingerprintFunc func(ctx context.Context, req any) ([]byte, error)
 type PrincipalFunc func(ctx context.Context) (string, error)
 
 type interceptorOptions struct {
-	key         KeyFunc
-	principal   PrincipalFunc
-	scope       func(fullMethod string) string
-	fingerprint FingerprintFunc
-	selector    func(fullMethod string) bool
-	explicit    bool // the selection names methods on purpose
-	requireKey  bool
-	schemas     map[string]string
-	kinds       map[codes.Code]idempotencyv1.FailureKind
-	wait        time.Duration
-	failOpen    bool
+	key          KeyFunc
+	principal    PrincipalFunc
+	principalSet bool            // WithPrincipal or WithoutPrincipal was given
+	replayKeys   map[string]bool // nil: every key but defaultNotReplayed
+	scope        func(fullMethod string) string
+	fingerprint  FingerprintFunc
+	selector     func(fullMethod string) bool
+	explicit     bool // the selection names methods on purpose
+	requireKey   bool
+	schemas      map[string]string
+	kinds        map[codes.Code]idempotencyv1.FailureKind
+	wait         time.Duration
+	failOpen     bool
 }
 
 func defaultInterceptorOptions() interceptorOptions {
@@ -111,8 +114,40 @@ func WithKeyFunc(f KeyFunc) InterceptorOption {
 // instance) into every key with FoldPrincipal, so two end users who send the
 // same key never share a record. Install the interceptor after the
 // authentication that f reads.
+//
+// Whom a key belongs to is a decision, not a default: without WithPrincipal,
+// two end users of one service who send the same key and request share one
+// record (the second gets the first one's response). The interceptor logs a
+// warning when it is built with neither WithPrincipal nor WithoutPrincipal.
 func WithPrincipal(f PrincipalFunc) InterceptorOption {
-	return func(o *interceptorOptions) { o.principal = f }
+	return func(o *interceptorOptions) { o.principal, o.principalSet = f, true }
+}
+
+// WithoutPrincipal says on purpose that keys are not per end user: every
+// caller of the service shares one key space (a service whose only caller
+// is another service, say, or whose keys are already unique per user). It
+// silences the warning the interceptor logs when neither WithPrincipal nor
+// WithoutPrincipal is given.
+func WithoutPrincipal() InterceptorOption {
+	return func(o *interceptorOptions) { o.principal, o.principalSet = nil, true }
+}
+
+// WithReplayMetadata sets which response headers and trailers a handler
+// sets (grpc.SetHeader, grpc.SendHeader, grpc.SetTrailer) are stored with
+// its result and replayed, by key (case-insensitive): only these. By default
+// every key is stored except transport and auth metadata: keys starting
+// with "grpc-" or ":", content-type, content-length, te, user-agent, host,
+// date, connection, keep-alive, transfer-encoding, upgrade, authorization,
+// proxy-authorization, cookie, set-cookie, www-authenticate,
+// proxy-authenticate, idempotency-key and idempotency-result. A replay
+// then differs from the first answer only in idempotency-result.
+// WithReplayMetadata() with no keys stores none.
+func WithReplayMetadata(keys ...string) InterceptorOption {
+	set := make(map[string]bool, len(keys))
+	for _, k := range keys {
+		set[strings.ToLower(k)] = true
+	}
+	return func(o *interceptorOptions) { o.replayKeys = set }
 }
 
 // WithScopeFunc sets the coordinator scope of a method (default: the full
@@ -195,7 +230,10 @@ func WithSchemaVersion(fullMethod, version string) InterceptorOption {
 //     stored and replayed): FAILED_PRECONDITION, NOT_FOUND, ALREADY_EXISTS,
 //     OUT_OF_RANGE.
 //
-// A panicking handler is always recorded UNKNOWN.
+// The table applies only before the handler calls MarkSideEffect: after
+// it, every error is recorded UNKNOWN (a *FailureError naming REPLAYABLE
+// excepted), whatever kinds says. A panicking handler is always recorded
+// UNKNOWN.
 func WithFailureKinds(kinds map[codes.Code]idempotencyv1.FailureKind) InterceptorOption {
 	return func(o *interceptorOptions) {
 		for c, k := range kinds {
@@ -214,10 +252,12 @@ func WithWaitForResult(d time.Duration) InterceptorOption {
 }
 
 // WithFailOpen runs the handler unprotected when the coordinator cannot be
-// reached at the start of a call: Begin still answers UNAVAILABLE,
-// DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED after the Client's retries, while
-// the call's own context is live. AttemptFrom then reports ok = false. By
-// default such a call fails closed with UNAVAILABLE and runs nothing.
+// reached at the start of a call: Begin still answers UNAVAILABLE or
+// DEADLINE_EXCEEDED after the Client's retries, while the call's own context
+// is live. AttemptFrom and LeaseFrom then report ok = false. By default such
+// a call fails closed with UNAVAILABLE and runs nothing. Fail-open is for
+// transport failures only: a coordinator that answers RESOURCE_EXHAUSTED
+// (its rate limit), PERMISSION_DENIED or UNAUTHENTICATED never opens it.
 func WithFailOpen() InterceptorOption {
 	return func(o *interceptorOptions) { o.failOpen = true }
 }

@@ -41,6 +41,9 @@ type ListParams struct {
 	// ScopeGlob keeps only records whose scope matches it (`*` matches any
 	// run of bytes, every other byte itself); empty keeps all.
 	ScopeGlob string
+	// KeyPrefix keeps only records whose key starts with it; empty keeps
+	// all.
+	KeyPrefix string
 	// After, when set, starts the page after this record in (scope, key)
 	// order: the last record of the previous page.
 	After *RecordKey
@@ -85,6 +88,9 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
 		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))
 	}
+	if p.KeyPrefix != "" {
+		where.WriteString(" AND starts_with(key, " + arg(p.KeyPrefix) + ")")
+	}
 	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT scope, key, ` + listColumns + `, clock.now
 		FROM idempotency_records, clock
@@ -115,6 +121,65 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		lr.Scope, lr.Key = id.Scope, id.Key
 		lr.Record = statemachine.Effective(lr.Record, now.UTC())
 		res.Records = append(res.Records, lr)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, classify(err)
+	}
+	return res, nil
+}
+
+// CountParams select the counts of one tenant's records.
+type CountParams struct {
+	Tenant string
+	// MaxGroups is the most (scope, state) groups to return (at least 1).
+	MaxGroups int
+}
+
+// RecordCount is the number of records of one scope in one state in
+// effect now.
+type RecordCount struct {
+	Scope string
+	State statemachine.State
+	Count int64
+}
+
+// CountResult holds a tenant's record counts.
+type CountResult struct {
+	// Counts has one entry per (scope, state) with records, in (scope,
+	// state) order.
+	Counts []RecordCount
+	// Truncated reports that more groups exist than MaxGroups.
+	Truncated bool
+}
+
+// CountRecords counts a tenant's records by scope and by state in effect
+// now, as ListRecords reads them. It reads every record of the tenant.
+func (s *Store) CountRecords(ctx context.Context, p *CountParams) (*CountResult, error) {
+	limit := max(p.MaxGroups, 1)
+	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT scope, `+effectiveStateSQL+` AS effective, count(*)
+		FROM idempotency_records, clock
+		WHERE tenant = $2
+		GROUP BY scope, effective
+		ORDER BY scope, effective
+		LIMIT $3`, s.now(), p.Tenant, limit+1)
+	if err != nil {
+		return nil, classify(err)
+	}
+	defer rows.Close()
+	res := &CountResult{}
+	for rows.Next() {
+		if len(res.Counts) == limit {
+			res.Truncated = true
+			break
+		}
+		var c RecordCount
+		var st int16
+		if err := rows.Scan(&c.Scope, &st, &c.Count); err != nil {
+			return nil, classify(err)
+		}
+		c.State = statemachine.State(st)
+		res.Counts = append(res.Counts, c)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, classify(err)

@@ -148,6 +148,50 @@ func TestListRecords(t *testing.T) {
 	if got := names(listAll(t, s, ledger.ListParams{Tenant: "nobody"}, 10)); got != nil {
 		t.Errorf("an unknown tenant lists %q", got)
 	}
+	for _, c := range []struct {
+		state  statemachine.State
+		glob   string
+		prefix string
+		want   []string
+	}{
+		{statemachine.StateNone, "", "lapsed-", []string{"a lapsed-2 UNKNOWN", "b/x lapsed-1 UNKNOWN"}},
+		{statemachine.StateNone, "b/*", "lapsed", []string{"b/x lapsed-1 UNKNOWN"}},
+		{statemachine.StateUnknown, "", "lapsed-2", []string{"a lapsed-2 UNKNOWN"}},
+		{statemachine.StateCompleted, "", "lapsed", nil},
+		{statemachine.StateNone, "", "done", []string{"a done COMPLETED", "c_% done COMPLETED", "cx% done COMPLETED"}},
+		// The prefix is bytes, not a pattern.
+		{statemachine.StateNone, "", "%", nil},
+		{statemachine.StateNone, "", "d_ne", nil},
+		{statemachine.StateNone, "", "theirs", nil},
+	} {
+		got := names(listAll(t, s, ledger.ListParams{Tenant: "t", State: c.state, ScopeGlob: c.glob, KeyPrefix: c.prefix}, 1))
+		if !slices.Equal(got, c.want) {
+			t.Errorf("state %v glob %q prefix %q:\n got  %q\n want %q", c.state, c.glob, c.prefix, got, c.want)
+		}
+	}
+
+	// Counts by scope and state in effect now, this tenant only.
+	counts, err := s.CountRecords(context.Background(), &ledger.CountParams{Tenant: "t", MaxGroups: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gotCounts []string
+	for _, c := range counts.Counts {
+		gotCounts = append(gotCounts, fmt.Sprintf("%s %v %d", c.Scope, c.State, c.Count))
+	}
+	wantCounts := []string{"a COMPLETED 1", "a UNKNOWN 1", "b/x UNKNOWN 1", "b/y IN_PROGRESS 1", "b/y EXPIRED 1",
+		"c_% COMPLETED 1", "cx% COMPLETED 1"}
+	if !slices.Equal(gotCounts, wantCounts) || counts.Truncated {
+		t.Errorf("CountRecords:\n got  %q (truncated %v)\n want %q", gotCounts, counts.Truncated, wantCounts)
+	}
+	counts, err = s.CountRecords(context.Background(), &ledger.CountParams{Tenant: "t", MaxGroups: 2})
+	if err != nil || len(counts.Counts) != 2 || !counts.Truncated {
+		t.Errorf("CountRecords with MaxGroups 2: %+v, %v; want 2 groups, truncated", counts, err)
+	}
+	counts, err = s.CountRecords(context.Background(), &ledger.CountParams{Tenant: "nobody", MaxGroups: 10})
+	if err != nil || len(counts.Counts) != 0 || counts.Truncated {
+		t.Errorf("CountRecords of an unknown tenant: %+v, %v", counts, err)
+	}
 }
 
 // TestEffectiveStateSQL checks that the state filter of ListRecords reads

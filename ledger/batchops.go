@@ -161,7 +161,7 @@ input AS (
 UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = i.has_response,
 	schema_version = i.schema_version, content_type = i.content_type, status_code = i.status_code,
 	body = i.body, metadata = i.metadata, enc_key_id = i.enc_key_id, failure_reason = '',
-	lease_expires_at = NULL, updated_at = clock.now,
+	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM input i, clock
 WHERE r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key AND r.lease_token = i.token

@@ -20,7 +20,7 @@ type ReapParams struct {
 // ReapResult counts what a pass did.
 type ReapResult struct {
 	// Unknown is the number of IN_PROGRESS records whose lease ran out,
-	// now UNKNOWN.
+	// now UNKNOWN (and uncertain).
 	Unknown int
 	// UnknownScopes lists the scope of each of them.
 	UnknownScopes []string
@@ -41,7 +41,7 @@ const (
 	SELECT tenant, scope, key FROM idempotency_records
 	WHERE state = 1 AND lease_expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = 6, lease_expires_at = NULL,
+UPDATE idempotency_records r SET state = 6, uncertain = true, lease_expires_at = NULL,
 	updated_at = coalesce($1::timestamptz, now())
 FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key

@@ -21,7 +21,7 @@ import (
 var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
 	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
 	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
-	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "seal_version"}
+	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain", "seal_version"}
 
 var (
 	// recordColumns lists recordColumnNames for SELECT and RETURNING.
@@ -158,7 +158,7 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
 		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
 		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
-		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &version}
+		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain, &version}
 	decode := func() error {
 		rec.State = statemachine.State(state)
 		rec.AcquiredFrom = statemachine.State(acquiredFrom)
@@ -361,7 +361,7 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
 		reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], int16(sealVersion)}, nil
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain, int16(sealVersion)}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.

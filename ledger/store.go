@@ -341,12 +341,12 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 
 // completeHeldSQL ends a held record (IN_PROGRESS or UNKNOWN, as
 // statemachine.Next does for a Complete with the latest token) in one
-// statement. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
+// statement; a COMPLETED generation is no longer uncertain. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
 // response columns $6-$12 as responseArgs returns them.
 var completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
 UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = $6, schema_version = $7,
 	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
-	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now,
+	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM clock
 WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN (1, 6)

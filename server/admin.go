@@ -36,6 +36,7 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	var after *ledger.RecordKey
 	err := validate(a.s.validator, req, func(v *violations) {
 		checkName(v, "scope_glob", req.GetScopeGlob(), maxScopeGlobBytes)
+		checkName(v, "key_prefix", req.GetKeyPrefix(), maxKeyPrefixBytes)
 		if req.GetPageToken() == "" {
 			return
 		}
@@ -53,7 +54,8 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	}
 	tenant := tenantFrom(ctx)
 	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
-		State: statemachine.State(req.GetState()), ScopeGlob: req.GetScopeGlob(), After: after, Limit: size})
+		State: statemachine.State(req.GetState()), ScopeGlob: req.GetScopeGlob(), KeyPrefix: req.GetKeyPrefix(),
+		After: after, Limit: size})
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
@@ -120,6 +122,59 @@ func (a *adminService) Forget(ctx context.Context, req *idempotencyv1.ForgetRequ
 	return &idempotencyv1.ForgetResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
 }
 
+// GetRecord reads one record with its response; see idempotency.v1.Admin.
+func (a *adminService) GetRecord(ctx context.Context, req *idempotencyv1.GetRecordRequest) (*idempotencyv1.GetRecordResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	lim := a.s.policies.Load().Limits()
+	err := validate(a.s.validator, req, func(v *violations) {
+		checkIdentity(v, req.GetScope(), req.GetKey(), lim)
+	})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	id := identity(ctx, req.GetScope(), req.GetKey())
+	rec, _, err := a.s.store.Lookup(ctx, id)
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	return &idempotencyv1.GetRecordResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
+}
+
+// maxCountGroups is the most groups a CountRecords call returns, and what
+// max_groups 0 means.
+const maxCountGroups = 1000
+
+// CountRecords counts the tenant's records by scope and state; see
+// idempotency.v1.Admin.
+func (a *adminService) CountRecords(ctx context.Context, req *idempotencyv1.CountRecordsRequest) (*idempotencyv1.CountRecordsResponse, error) {
+	if err := authorizeAdmin(ctx); err != nil {
+		return nil, err
+	}
+	if err := validate(a.s.validator, req, func(*violations) {}); err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	limit := int(req.GetMaxGroups())
+	if limit == 0 {
+		limit = maxCountGroups
+	}
+	tenant := tenantFrom(ctx)
+	res, err := a.s.store.CountRecords(ctx, &ledger.CountParams{Tenant: tenant, MaxGroups: limit})
+	if err != nil {
+		return nil, a.s.status(ctx, err)
+	}
+	logging.AddFields(ctx, logging.Fields{"tenant", tenant})
+	out := &idempotencyv1.CountRecordsResponse{Truncated: res.Truncated,
+		Counts: make([]*idempotencyv1.RecordCount, 0, len(res.Counts))}
+	for _, c := range res.Counts {
+		out.Counts = append(out.Counts, &idempotencyv1.RecordCount{Scope: c.Scope,
+			State: idempotencyv1.State(c.State), Count: c.Count})
+	}
+	return out, nil
+}
+
 // checkIdentity checks a request's scope and key against the limits.
 func checkIdentity(v *violations, scope, key string, lim Limits) {
 	checkName(v, "scope", scope, lim.MaxScopeBytes)
@@ -129,6 +184,10 @@ func checkIdentity(v *violations, scope, key string, lim Limits) {
 // maxScopeGlobBytes bounds ListRecordsRequest.scope_glob (the proto says
 // the same; checkName also wants valid UTF-8).
 const maxScopeGlobBytes = 1024
+
+// maxKeyPrefixBytes bounds ListRecordsRequest.key_prefix, as the proto
+// does.
+const maxKeyPrefixBytes = 255
 
 // Page tokens are opaque to callers: base64url of a version byte, the first
 // 8 bytes of a hash of the request's filters (so a token is refused with
@@ -140,6 +199,12 @@ func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
 	h := sha256.New()
 	_ = binary.Write(h, binary.BigEndian, int32(req.GetState()))
 	h.Write([]byte(req.GetScopeGlob()))
+	if p := req.GetKeyPrefix(); p != "" {
+		// A printable glob holds no NUL, so the two stay apart; tokens
+		// without a prefix keep the hash they had before key_prefix.
+		h.Write([]byte{0})
+		h.Write([]byte(p))
+	}
 	return h.Sum(nil)[:8]
 }
 

@@ -188,6 +188,9 @@ func TestAdminListRecords(t *testing.T) {
 		{&idempotencyv1.ListRecordsRequest{State: stInProgress}, []string{"build d IN_PROGRESS"}},
 		{&idempotencyv1.ListRecordsRequest{ScopeGlob: "build"}, []string{"build d IN_PROGRESS", "build e COMPLETED"}},
 		{&idempotencyv1.ListRecordsRequest{State: idempotencyv1.State_STATE_EXPIRED}, nil},
+		{&idempotencyv1.ListRecordsRequest{KeyPrefix: "c", PageSize: 1}, []string{"/payments.v1.Payments/Charge c UNKNOWN"}},
+		{&idempotencyv1.ListRecordsRequest{KeyPrefix: "e", ScopeGlob: "build*", State: stCompleted}, []string{"build e COMPLETED"}},
+		{&idempotencyv1.ListRecordsRequest{KeyPrefix: "*"}, nil},
 	} {
 		if got := listKeys(t, admin, c.req); !slices.Equal(got, c.want) {
 			t.Errorf("%v:\n got  %q\n want %q", c.req, got, c.want)
@@ -204,10 +207,55 @@ func TestAdminListRecords(t *testing.T) {
 		{PageToken: first.GetNextPageToken(), State: stCompleted, ScopeGlob: "build"},
 		{PageToken: "not a token"},
 		{PageToken: first.GetNextPageToken()[:len(first.GetNextPageToken())-3], State: stCompleted},
+		{PageToken: first.GetNextPageToken(), State: stCompleted, KeyPrefix: "a"},
+		{KeyPrefix: "bad\x00prefix"},
+		{KeyPrefix: strings.Repeat("k", 256)},
 	} {
 		_, err := admin.ListRecords(ctx(t), req)
 		wantCode(t, err, codes.InvalidArgument, "")
 	}
+}
+
+// TestAdminCountRecords counts the caller's records by scope and state in
+// effect now; another tenant's records are not counted.
+func TestAdminCountRecords(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	admin := e.admin()
+	b := e.mustBegin("/p.v1.P/Charge", "a", acquired)
+	e.mustComplete("/p.v1.P/Charge", "a", b.GetLeaseToken(), sampleResponse())
+	e.mustBegin("/p.v1.P/Charge", "b", acquired, withLease(time.Second))
+	e.mustBegin("/p.v1.P/Charge", "c", acquired, withLease(time.Second))
+	e.mustBegin("build", "d", acquired, withLease(time.Hour))
+	e.clock.Advance(2 * time.Second)
+	resp, err := admin.CountRecords(ctx(t), &idempotencyv1.CountRecordsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range resp.GetCounts() {
+		got = append(got, fmt.Sprintf("%s %s %d", c.GetScope(), c.GetState(), c.GetCount()))
+	}
+	want := []string{"/p.v1.P/Charge STATE_COMPLETED 1", "/p.v1.P/Charge STATE_UNKNOWN 2", "build STATE_IN_PROGRESS 1"}
+	if !slices.Equal(got, want) || resp.GetTruncated() {
+		t.Fatalf("counts %q (truncated %v), want %q", got, resp.GetTruncated(), want)
+	}
+	resp, err = admin.CountRecords(ctx(t), &idempotencyv1.CountRecordsRequest{MaxGroups: 1})
+	if err != nil || len(resp.GetCounts()) != 1 || !resp.GetTruncated() {
+		t.Fatalf("max_groups 1: %v %v", resp, err)
+	}
+	_, err = admin.CountRecords(ctx(t), &idempotencyv1.CountRecordsRequest{MaxGroups: 1001})
+	wantCode(t, err, codes.InvalidArgument, "")
+
+	// GetRecord reads a record with its response.
+	g, err := admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge", Key: "a"})
+	if err != nil || g.GetRecord().GetState() != stCompleted || !proto.Equal(g.GetRecord().GetResponse(), sampleResponse()) {
+		t.Fatalf("GetRecord: %v %v", g, err)
+	}
+	_, err = admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge", Key: "nope"})
+	wantCode(t, err, codes.NotFound, "")
+	_, err = admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "/p.v1.P/Charge"})
+	wantCode(t, err, codes.InvalidArgument, "")
 }
 
 func TestAdminForget(t *testing.T) {
@@ -312,7 +360,9 @@ tenants:
 		_, e1 := admin.ListRecords(ctx, &idempotencyv1.ListRecordsRequest{})
 		_, e2 := admin.Resolve(ctx, &idempotencyv1.ResolveRequest{Scope: "s", Key: "k", Resolution: asCompleted})
 		_, e3 := admin.Forget(ctx, &idempotencyv1.ForgetRequest{Scope: "s", Key: "k"})
-		return []error{e1, e2, e3}
+		_, e4 := admin.CountRecords(ctx, &idempotencyv1.CountRecordsRequest{})
+		_, e5 := admin.GetRecord(ctx, &idempotencyv1.GetRecordRequest{Scope: "s", Key: "k"})
+		return []error{e1, e2, e3, e4, e5}
 	}
 	if _, err := coord.Begin(pay, &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(time.Second)}); err != nil {
 		t.Fatal(err)
@@ -332,6 +382,7 @@ tenants:
 	errs := call(ops)
 	wantCode(t, errs[1], codes.NotFound, "")
 	wantCode(t, errs[2], codes.NotFound, "")
+	wantCode(t, errs[4], codes.NotFound, "")
 	if r, err := coord.Lookup(pay, &idempotencyv1.LookupRequest{Scope: "s", Key: "k"}); err != nil || r.GetRecord().GetState() != stUnknown {
 		t.Fatalf("payments' record after ops' calls: %v %v", r, err)
 	}
@@ -340,5 +391,8 @@ tenants:
 	}
 	if got, want := listKeysAs(t, ops, admin, &idempotencyv1.ListRecordsRequest{}), []string{"s mine IN_PROGRESS"}; !slices.Equal(got, want) {
 		t.Fatalf("ops lists %q, want %q", got, want)
+	}
+	if r, err := admin.CountRecords(ops, &idempotencyv1.CountRecordsRequest{}); err != nil || len(r.GetCounts()) != 1 || r.GetCounts()[0].GetCount() != 1 {
+		t.Fatalf("ops counts %v %v, want only its own record", r, err)
 	}
 }

@@ -23,6 +23,7 @@ func recordToProto(scope, key string, rec statemachine.Record) *idempotencyv1.Re
 		UpdatedAt:      optTimestamp(rec.UpdatedAt),
 		LeaseExpiresAt: optTimestamp(rec.LeaseExpiresAt),
 		ExpiresAt:      optTimestamp(rec.ExpiresAt),
+		Uncertain:      rec.Uncertain,
 	}
 	if rec.State.Terminal() {
 		out.Response = responseToProto(rec.Response)

@@ -48,6 +48,7 @@ type Server struct {
 	ready     atomic.Bool
 	metrics   *metrics
 	opts      options
+	unary     []grpc.UnaryServerInterceptor // the chain, for AdminConn
 }
 
 // Option configures a Server.
@@ -129,6 +130,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), needsAuth),
 		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), needsAuth),
 	}, o.unary...)
+	s.unary = unary
 	gopts := append([]grpc.ServerOption{
 		grpc.ForceServerCodecV2(newLenientCodec()),
 		grpc.ChainUnaryInterceptor(unary...),

@@ -32,6 +32,7 @@ const (
 	fzUpdatedAt
 	fzLeaseExpiresAt
 	fzExpiresAt
+	fzUncertain
 	fzEventKind
 	fzEventFingerprint
 	fzEventAttemptID
@@ -270,8 +271,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			if r.State == StateCompleted {
 				ttl = r.TTL
 			}
-			if !r.ExpiresAt.Equal(now.Add(ttl)) || !r.LeaseExpiresAt.IsZero() {
-				fail("%v written with expires_at %v (want now+%v) or a lease", r.State, r.ExpiresAt, ttl)
+			want := now.Add(ttl)
+			if r.State == StateFailedRetryable && r.Uncertain && ev.Kind == EventFail {
+				want = time.Time{} // an uncertain failure needs a decision: no expiry
+			}
+			if !r.ExpiresAt.Equal(want) || !r.LeaseExpiresAt.IsZero() {
+				fail("%v written with expires_at %v (want %v) or a lease", r.State, r.ExpiresAt, want)
 			}
 		default:
 			fail("written in state %v", r.State)
@@ -293,6 +298,40 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			}
 		}
 	}
+	// Uncertainty is sticky: once an attempt of a generation may have done
+	// the side effect, no later write of that generation forgets it, except
+	// an outcome (COMPLETED, FAILED_REPLAYABLE) or an operator's Resolve;
+	// every later acquisition of the generation answers previous_state
+	// UNKNOWN; an uncertain record is never deleted; and a record written
+	// UNKNOWN is uncertain.
+	written := d.Write == WriteInsert || d.Write == WriteUpdate
+	if written && d.Record.State == StateUnknown && !d.Record.Uncertain {
+		fail("written UNKNOWN without uncertain")
+	}
+	if written && d.Record.State.Replayable() && d.Record.Uncertain {
+		fail("written %v still uncertain", d.Record.State)
+	}
+	if written && ev.Kind == EventFail && d.Record.Uncertain && !d.Record.ExpiresAt.IsZero() {
+		fail("a Fail wrote an uncertain %v record with an expiry: the warning would expire with it", d.Record.State)
+	}
+	if cur != nil && good && eff.Uncertain {
+		if d.Write == WriteDelete {
+			fail("an uncertain record was deleted")
+		}
+		sameGen := d.Record.Generation == eff.Generation
+		if written && sameGen && ev.Kind != EventResolve && !d.Record.State.Replayable() && !d.Record.Uncertain {
+			fail("uncertainty dropped by a %v write in state %v", ev.Kind, d.Record.State)
+		}
+		renewed := ev.AttemptID != "" && ev.AttemptID == eff.AttemptID && d.Record.LeaseToken == eff.LeaseToken
+		if d.Outcome == OutcomeAcquired && sameGen && !renewed && d.PreviousState != StateUnknown {
+			fail("an acquisition of an uncertain generation answered previous_state %v", d.PreviousState)
+		}
+	}
+	// A Heartbeat never revives an ended attempt.
+	if cur != nil && ev.Kind == EventHeartbeat && d.Err == nil && eff.EndedBy != EndingNone {
+		fail("a Heartbeat was accepted on a record ended by %v", eff.EndedBy)
+	}
+
 	resolvedLapse := ev.Kind == EventResolve && cur != nil && cur.State == StateInProgress
 	if d.EnteredUnknown && (d.Write != WriteUpdate ||
 		!(d.Record.State == StateUnknown || d.Outcome == OutcomeAcquired && d.PreviousState == StateUnknown || resolvedLapse)) {
@@ -306,7 +345,7 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			fail("a Resolve of a record that reads %v is not NOT_UNKNOWN", eff.State)
 		}
 		if d.Err == nil && (d.Record.State != ev.ResolveAs || d.Record.LeaseToken != "" || d.Record.AttemptID != "" ||
-			d.Record.EndedBy != EndingResolved) {
+			d.Record.EndedBy != EndingResolved && d.Record.EndedBy != EndingResolvedRetryable || d.Record.Uncertain) {
 			fail("a Resolve wrote state %v, token %q, ended by %v", d.Record.State, d.Record.LeaseToken, d.Record.EndedBy)
 		}
 	}
@@ -486,7 +525,7 @@ func (in *fuzzInput) record(now time.Time) Record {
 	r.LeaseToken = in.str("t1", "t2", "")
 	r.AttemptID = in.str("", "a1", "a2")
 	r.AcquiredFrom = State(in.sel(8))
-	r.EndedBy = Ending(in.sel(7))
+	r.EndedBy = Ending(in.sel(8))
 	r.Response = in.response()
 	r.FailureReason = in.str("", "r1", "r2")
 	r.TTL = in.duration()
@@ -495,6 +534,7 @@ func (in *fuzzInput) record(now time.Time) Record {
 	r.UpdatedAt = in.time(now)
 	r.LeaseExpiresAt = in.time(now)
 	r.ExpiresAt = in.time(now)
+	r.Uncertain = in.sel(2) == 1
 	return r
 }
 

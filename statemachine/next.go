@@ -74,16 +74,20 @@ type Decision struct {
 // Effective returns rec as in effect at now: an IN_PROGRESS record whose
 // lease ran out (now at or after LeaseExpiresAt) reads UNKNOWN, and a
 // COMPLETED or FAILED_* record at or after ExpiresAt reads EXPIRED with its
-// response dropped. An EXPIRED record never reads with a response.
+// response dropped. An EXPIRED record never reads with a response, and a
+// record that reads UNKNOWN always reads Uncertain.
 func Effective(rec Record, now time.Time) Record {
 	switch {
 	case rec.State == StateInProgress && !rec.LeaseExpiresAt.IsZero() && !now.Before(rec.LeaseExpiresAt):
 		rec.State = StateUnknown
+		rec.Uncertain = true
 	case rec.State.Terminal() && !rec.ExpiresAt.IsZero() && !now.Before(rec.ExpiresAt):
 		rec.State = StateExpired
 		rec.Response = nil
 	case rec.State == StateExpired:
 		rec.Response = nil
+	case rec.State == StateUnknown:
+		rec.Uncertain = true
 	}
 	return rec
 }
@@ -121,7 +125,9 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	lapsed := cur.State == StateInProgress && eff.State == StateUnknown
 
 	if eff.State == StateExpired {
-		if pol.OnExpired == ExpiredReject {
+		// on_expired protects results, not failures: an expired
+		// FAILED_RETRYABLE record restarts under either policy.
+		if pol.OnExpired == ExpiredReject && !eff.EndedBy.failure(eff.FailureReason) {
 			d := refuse(ErrKeyExpired, eff)
 			d.FoundExpired = true
 			return d
@@ -129,6 +135,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		rec := eff
 		rec.Generation++
 		rec.Attempt = 0
+		rec.Uncertain = false // uncertainty belongs to a generation
 		acquire(&rec, ev, now, StateExpired)
 		rec.Fingerprint = clone(ev.Fingerprint)
 		d := acquired(rec, StateExpired)
@@ -143,8 +150,12 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	switch eff.State {
 	case StateInProgress:
 		if sameAttempt {
-			// A repeated Begin of the holder's attempt: same token again.
-			return Decision{Outcome: OutcomeAcquired, Record: eff, Exists: true, PreviousState: eff.AcquiredFrom}
+			// A repeated Begin of the holder's attempt: same token again,
+			// with a full lease from now.
+			rec := eff
+			rec.LeaseExpiresAt = now.Add(ev.Lease)
+			rec.UpdatedAt = now
+			return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: eff.AcquiredFrom}
 		}
 		return inProgress(eff, eff.LeaseExpiresAt.Sub(now))
 
@@ -214,6 +225,18 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 		}
 		return refuse(ErrAlreadyFinished, eff)
 	}
+	if eff.EndedBy != EndingNone {
+		// UNKNOWN by a Fail of this token (UNKNOWN, or ABANDONED of an
+		// uncertain attempt). A Heartbeat never revives an ended attempt;
+		// a repeat of that Fail changes nothing; another Complete or Fail
+		// still ends it as from IN_PROGRESS.
+		if ev.Kind == EventHeartbeat {
+			return refuse(ErrAlreadyFinished, eff)
+		}
+		if sameEnding(eff, ev) {
+			return Decision{Record: eff, Exists: true}
+		}
+	}
 
 	rec := eff
 	rec.UpdatedAt = now
@@ -230,26 +253,40 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 			resp = &Response{}
 		}
 		end(&rec, StateCompleted, EndingCompleted, resp, "", now.Add(rec.TTL))
+		rec.Uncertain = false
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 	}
 
 	// EventFail.
 	switch ev.FailureKind {
 	case FailureRetryable:
-		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, now.Add(rec.FailureTTL))
+		expires := now.Add(rec.FailureTTL)
+		if rec.Uncertain {
+			// An earlier attempt of this generation may have acted: like
+			// UNKNOWN, the record needs a decision and never expires, so
+			// no restart after failure_ttl can forget the warning.
+			expires = time.Time{}
+		}
+		end(&rec, StateFailedRetryable, EndingRetryable, ev.Response, ev.Reason, expires)
 	case FailureReplayable:
 		resp := ev.Response
 		if resp == nil {
 			resp = &Response{}
 		}
 		end(&rec, StateFailedReplayable, EndingReplayable, resp, ev.Reason, now.Add(rec.FailureTTL))
+		rec.Uncertain = false
 	case FailureUnknown:
-		if eff.State == StateUnknown && sameEnding(eff, ev) {
-			return Decision{Record: eff, Exists: true}
-		}
 		end(&rec, StateUnknown, EndingUnknown, ev.Response, ev.Reason, time.Time{})
+		rec.Uncertain = true
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
 	case FailureAbandoned:
+		if rec.Uncertain {
+			// An attempt of this generation may have acted (a lapsed
+			// lease, a Fail UNKNOWN): abandoning never frees the key. It
+			// goes back to UNKNOWN with its fingerprint kept.
+			end(&rec, StateUnknown, EndingAbandoned, nil, ev.Reason, time.Time{})
+			return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
+		}
 		if rec.Attempt <= 1 {
 			// This acquisition created the generation: forget it.
 			return Decision{Write: WriteDelete}
@@ -279,6 +316,7 @@ func resolve(cur *Record, ev Event, now time.Time) Decision {
 	rec.UpdatedAt = now
 	rec.LeaseToken = ""
 	rec.AttemptID = ""
+	rec.Uncertain = false // the operator checked the outside world
 	switch ev.ResolveAs {
 	case StateCompleted:
 		resp := ev.Response
@@ -287,7 +325,7 @@ func resolve(cur *Record, ev Event, now time.Time) Decision {
 		}
 		end(&rec, StateCompleted, EndingResolved, resp, "", now.Add(rec.TTL))
 	case StateFailedRetryable:
-		end(&rec, StateFailedRetryable, EndingResolved, nil, ResolvedReason, now.Add(rec.FailureTTL))
+		end(&rec, StateFailedRetryable, EndingResolvedRetryable, nil, ResolvedReason, now.Add(rec.FailureTTL))
 	default:
 		return refuse(errors.New("a record can be resolved only as COMPLETED or FAILED_RETRYABLE"), eff)
 	}
@@ -313,7 +351,12 @@ func acquire(rec *Record, ev Event, now time.Time, from State) {
 	rec.ExpiresAt = time.Time{}
 }
 
+// takeover acquires a record that reads FAILED_RETRYABLE or UNKNOWN. An
+// uncertain record is taken over as from UNKNOWN, whatever it reads.
 func takeover(eff Record, ev Event, now time.Time, from State, lapsed bool) Decision {
+	if eff.Uncertain {
+		from = StateUnknown
+	}
 	rec := eff
 	acquire(&rec, ev, now, from)
 	if len(rec.Fingerprint) == 0 {

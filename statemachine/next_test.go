@@ -67,6 +67,10 @@ func reason(s string) mod       { return func(r *Record) { r.FailureReason = s }
 func leaseAt(t time.Time) mod   { return func(r *Record) { r.LeaseExpiresAt = t } }
 func expiresAt(t time.Time) mod { return func(r *Record) { r.ExpiresAt = t } }
 func updated(t time.Time) mod   { return func(r *Record) { r.UpdatedAt = t } }
+func uncertain(b bool) mod      { return func(r *Record) { r.Uncertain = b } }
+
+// readsUnknown is how a record that reads UNKNOWN reads: uncertain.
+var readsUnknown = []mod{st(StateUnknown), uncertain(true)}
 
 // acquisition is what any acquisition by evBegin does to a record (DESIGN.md
 // "Tokens and counters", "Time"): IN_PROGRESS with the new token and a lease
@@ -182,13 +186,27 @@ func fxExpired(m ...mod) *Record {
 
 // fxUnknownFailed is UNKNOWN by Fail UNKNOWN of its holder.
 func fxUnknownFailed(m ...mod) *Record {
-	return stored(StateUnknown, append([]mod{endedBy(EndingUnknown), reason("deadline exceeded")}, m...)...)
+	return stored(StateUnknown, append([]mod{endedBy(EndingUnknown), reason("deadline exceeded"), uncertain(true)}, m...)...)
 }
 
 // fxUnknownLapsed is UNKNOWN written down after its lease ran out (by the
 // reaper or a held Begin): not ended by its holder.
 func fxUnknownLapsed(m ...mod) *Record {
-	return stored(StateUnknown, append([]mod{leaseAt(t0.Add(-time.Minute))}, m...)...)
+	return stored(StateUnknown, append([]mod{leaseAt(t0.Add(-time.Minute)), uncertain(true)}, m...)...)
+}
+
+// fxRetryableUncertain is FAILED_RETRYABLE after attempt 2, which took over
+// from UNKNOWN and then failed RETRYABLE: the generation stays uncertain,
+// and the record never expires (it needs a decision, like UNKNOWN).
+func fxRetryableUncertain(m ...mod) *Record {
+	return fxFailedRetryable(append([]mod{attempt(2), from(StateUnknown), uncertain(true), expiresAt(time.Time{})}, m...)...)
+}
+
+// fxUnknownAbandoned is UNKNOWN after attempt 2, which took over from
+// UNKNOWN and then failed ABANDONED: back to UNKNOWN, fingerprint kept.
+func fxUnknownAbandoned(m ...mod) *Record {
+	return stored(StateUnknown, append([]mod{attempt(2), from(StateUnknown), endedBy(EndingAbandoned),
+		reason("bad request"), uncertain(true)}, m...)...)
 }
 
 // with returns a copy of r changed by mods.
@@ -236,10 +254,15 @@ func evResolve(as State, x *Response) Event {
 // resolvedAs is what a Resolve at t0 does: an ending by the operator, who
 // takes the holder's place (its token and attempt_id are revoked).
 func resolvedAs(s State, x *Response, why string, ttl time.Duration) mod {
+	by := EndingResolved
+	if s == StateFailedRetryable {
+		by = EndingResolvedRetryable
+	}
 	return func(r *Record) {
-		ending(s, EndingResolved, x, why, ttl)(r)
+		ending(s, by, x, why, ttl)(r)
 		r.LeaseToken = ""
 		r.AttemptID = ""
+		r.Uncertain = false // the operator checked the outside world
 	}
 }
 
@@ -344,16 +367,22 @@ func nextRows() []row {
 		{"IN_PROGRESS live/Begin 1ns before lease end/lease still live; retry_after at least MinRetryAfter",
 			fxInProgress(leaseAt(t0.Add(1))), evBegin(fpA), polDefault,
 			wantInProgress(*fxInProgress(leaseAt(t0.Add(1))), MinRetryAfter)},
-		{"IN_PROGRESS live/Begin same attempt_id/ACQUIRED again with the same token, no write",
+		{"IN_PROGRESS live/Begin same attempt_id/ACQUIRED again with the same token, renewed to a full lease from now",
 			fxInProgress(), evBegin(fpA, sameAttemptID), polDefault,
-			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(), Exists: true, PreviousState: StateNone}},
-		{"IN_PROGRESS live/Begin same attempt_id, empty fingerprint/ACQUIRED again",
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxInProgress(), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"IN_PROGRESS live/Begin same attempt_id, empty fingerprint/ACQUIRED again, lease renewed",
 			fxInProgress(), evBegin(nil, sameAttemptID), polDefault,
-			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(), Exists: true, PreviousState: StateNone}},
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxInProgress(), leaseAt(t0.Add(evLease)), updated(t0))}},
+		{"IN_PROGRESS live 100ms before lease end/Begin same attempt_id/renewed to a full lease, not what was left",
+			fxInProgress(leaseAt(t0.Add(100 * time.Millisecond))), evBegin(fpA, sameAttemptID), polDefault,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
+				Record: with(fxInProgress(), leaseAt(t0.Add(evLease)), updated(t0))}},
 		{"IN_PROGRESS live/Begin same attempt_id of a takeover/ACQUIRED again keeps previous_state UNKNOWN",
-			fxInProgress(attempt(3), from(StateUnknown)), evBegin(fpA, sameAttemptID), polHoldMax1,
-			Decision{Outcome: OutcomeAcquired, Record: *fxInProgress(attempt(3), from(StateUnknown)),
-				Exists: true, PreviousState: StateUnknown}},
+			fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), evBegin(fpA, sameAttemptID), polHoldMax1,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown,
+				Record: with(fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), leaseAt(t0.Add(evLease)), updated(t0))}},
 		{"IN_PROGRESS live/Begin same attempt_id, different fingerprint/FINGERPRINT_MISMATCH",
 			fxInProgress(), evBegin(fpB, sameAttemptID), polDefault, wantRefused(ErrFingerprintMismatch, *fxInProgress())},
 		{"IN_PROGRESS live/Begin accept_schema_versions miss/not checked while in progress",
@@ -380,7 +409,7 @@ func nextRows() []row {
 		{"IN_PROGRESS live/Fail UNKNOWN/UNKNOWN, no expiry, counted as entering UNKNOWN",
 			fxInProgress(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
-				Record: with(fxInProgress(), failedUnknown("timeout"))}},
+				Record: with(fxInProgress(), failedUnknown("timeout"), uncertain(true))}},
 		{"IN_PROGRESS live/Fail ABANDONED attempt 1/the record this acquisition created is deleted",
 			fxInProgress(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
 		{"IN_PROGRESS live/Fail ABANDONED attempt 1 of generation 4/a restart's first attempt deletes too",
@@ -404,54 +433,56 @@ func nextRows() []row {
 		{"IN_PROGRESS lapsed/Begin same fingerprint, takeover/ACQUIRED attempt+1, previous_state UNKNOWN, lapse counted",
 			fxLapsed(), evBegin(fpA), polDefault,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
-				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Begin empty fingerprint, takeover/the generation keeps its fingerprint",
 			fxLapsed(), evBegin(nil), polDefault,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
-				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Begin different fingerprint/FINGERPRINT_MISMATCH, reads UNKNOWN, nothing written",
-			fxLapsed(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, with(fxLapsed(), st(StateUnknown)))},
+			fxLapsed(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, with(fxLapsed(), st(StateUnknown), uncertain(true)))},
 		{"IN_PROGRESS lapsed/Begin accept_schema_versions miss, reject policy/takeover (neither applies)",
 			fxLapsed(), evBegin(fpA, accept("other/1")), polReject,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
-				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Begin same attempt_id/holder's retried Begin keeps its token, lease renewed",
 			fxLapsed(), evBegin(fpA, sameAttemptID), polDefault,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
-				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0))}},
+				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Begin same attempt_id, hold, max_attempts reached/holder's retried Begin still renews",
 			fxLapsed(), evBegin(fpA, sameAttemptID), polHoldMax1,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateNone,
-				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0))}},
+				Record: with(fxLapsed(), leaseAt(t0.Add(evLease)), updated(t0), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Begin, hold/IN_PROGRESS with record UNKNOWN, the lapse written down once",
 			fxLapsed(), evBegin(fpA), polHold,
 			Decision{Outcome: OutcomeInProgress, Write: WriteUpdate, Exists: true, RetryAfter: MaxRetryAfter, EnteredUnknown: true,
-				Record: with(fxLapsed(), st(StateUnknown), leaseAt(time.Time{}), updated(t0))}},
+				Record: with(fxLapsed(), st(StateUnknown), uncertain(true), leaseAt(time.Time{}), updated(t0))}},
 		{"IN_PROGRESS lapsed/Begin, max_attempts reached/ATTEMPTS_EXHAUSTED, nothing written",
-			fxLapsed(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown)))},
+			fxLapsed(), evBegin(fpA), polMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown), uncertain(true)))},
 		{"IN_PROGRESS lapsed/Begin, hold, max_attempts reached/ATTEMPTS_EXHAUSTED is checked before hold",
-			fxLapsed(), evBegin(fpA), polHoldMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown)))},
+			fxLapsed(), evBegin(fpA), polHoldMax1, wantRefused(ErrAttemptsExhausted, with(fxLapsed(), st(StateUnknown), uncertain(true)))},
 		{"IN_PROGRESS lapsed/Begin, max_attempts not reached/takeover",
 			fxLapsed(), evBegin(fpA), polMax2,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateUnknown, EnteredUnknown: true,
-				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2))}},
+				Record: with(fxLapsed(), acquisition(attNew, StateUnknown), attempt(2), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Complete/the latest token still completes past the lease",
 			fxLapsed(), evComplete(tokHeld, respOK()), polDefault,
 			wantUpdated(with(fxLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
 		{"IN_PROGRESS lapsed/Fail RETRYABLE/FAILED_RETRYABLE past the lease",
 			fxLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
-			wantUpdated(with(fxLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+			wantUpdated(with(fxLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{}), uncertain(true)))},
 		{"IN_PROGRESS lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE past the lease",
 			fxLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
 			wantUpdated(with(fxLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
 		{"IN_PROGRESS lapsed/Fail UNKNOWN/UNKNOWN, counted (the lapse was never written)",
 			fxLapsed(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
-			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true, Record: with(fxLapsed(), failedUnknown("timeout"))}},
-		{"IN_PROGRESS lapsed/Fail ABANDONED attempt 1/deleted",
-			fxLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true, Record: with(fxLapsed(), failedUnknown("timeout"), uncertain(true))}},
+		{"IN_PROGRESS lapsed/Fail ABANDONED attempt 1/the lapse made it uncertain: UNKNOWN, fingerprint kept, counted",
+			fxLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxLapsed(), failedUnknown("400"), endedBy(EndingAbandoned), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Heartbeat/IN_PROGRESS again, lease extended from now",
 			fxLapsed(), evHeartbeat(tokHeld), polDefault,
-			wantUpdated(with(fxLapsed(), leaseAt(t0.Add(hbLease)), updated(t0)))},
+			wantUpdated(with(fxLapsed(), leaseAt(t0.Add(hbLease)), updated(t0), uncertain(true)))},
 
 		// ---- COMPLETED ----
 		{"COMPLETED/Begin same fingerprint/REPLAY with the stored response, unchanged",
@@ -636,9 +667,36 @@ func nextRows() []row {
 			fxFailedRetryablePast(), evBegin(fpA), polMax1,
 			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
 				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
-		{"FAILED_RETRYABLE past expires_at/Begin, reject/KEY_EXPIRED",
+		{"FAILED_RETRYABLE past expires_at/Begin, reject/on_expired protects results, not failures: restart",
 			fxFailedRetryablePast(), evBegin(fpA), polReject,
-			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: with(fxFailedRetryablePast(), st(StateExpired))}},
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"FAILED_RETRYABLE by ABANDONED past expires_at/Begin, strict/restart",
+			fxAbandoned(expiresAt(t0)), evBegin(fpB), polStrict,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxAbandoned(expiresAt(t0)), acquisition(attNew, StateExpired), gen(2), attempt(1), fp(fpB))}},
+		{"FAILED_RETRYABLE uncertain past expires_at/Begin, reject/restart: a new generation starts certain",
+			fxFailedRetryablePast(uncertain(true), from(StateUnknown)), evBegin(fpA), polReject,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxFailedRetryablePast(), acquisition(attNew, StateExpired), gen(2), attempt(1))}},
+		{"EXPIRED from FAILED_RETRYABLE/Begin, reject/restart",
+			fxExpired(endedBy(EndingRetryable), reason("503")), evBegin(fpA), polReject,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(endedBy(EndingRetryable)), acquisition(attNew, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED from a Resolve as retryable/Begin, reject/restart",
+			fxExpired(endedBy(EndingResolvedRetryable), reason(ResolvedReason)), evBegin(fpA), polReject,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(endedBy(EndingResolvedRetryable)), acquisition(attNew, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED from a Resolve as retryable before ending 7 existed/Begin, reject/restart",
+			fxExpired(endedBy(EndingResolved), reason(ResolvedReason)), evBegin(fpA), polReject,
+			Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Exists: true, PreviousState: StateExpired, FoundExpired: true,
+				Record: with(fxExpired(endedBy(EndingResolved)), acquisition(attNew, StateExpired), gen(4), attempt(1))}},
+		{"EXPIRED from a Resolve as completed/Begin, reject/KEY_EXPIRED",
+			fxExpired(endedBy(EndingResolved)), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: *fxExpired(endedBy(EndingResolved))}},
+		{"EXPIRED from FAILED_REPLAYABLE/Begin, reject/KEY_EXPIRED",
+			fxExpired(endedBy(EndingReplayable), reason("404")), evBegin(fpA), polReject,
+			Decision{Err: ErrKeyExpired, Exists: true, FoundExpired: true, Record: *fxExpired(endedBy(EndingReplayable), reason("404"))}},
 		{"FAILED_RETRYABLE past expires_at/Fail RETRYABLE same token, same reason/ALREADY_FINISHED once expired",
 			fxFailedRetryablePast(), evFail(tokHeld, FailureRetryable, nil, "upstream unavailable"), polDefault,
 			wantRefused(ErrAlreadyFinished, with(fxFailedRetryablePast(), st(StateExpired)))},
@@ -730,28 +788,27 @@ func nextRows() []row {
 			fxUnknownFailed(), evBegin(fpA), polHoldMax2, wantInProgress(*fxUnknownFailed(), MaxRetryAfter)},
 		{"UNKNOWN by Fail/Complete/as from IN_PROGRESS: COMPLETED, reason cleared",
 			fxUnknownFailed(), evComplete(tokHeld, respOK()), polDefault,
-			wantUpdated(with(fxUnknownFailed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+			wantUpdated(with(fxUnknownFailed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL), uncertain(false)))},
 		{"UNKNOWN by Fail/Fail RETRYABLE/as from IN_PROGRESS: FAILED_RETRYABLE",
 			fxUnknownFailed(), evFail(tokHeld, FailureRetryable, nil, "checked: nothing happened"), polDefault,
-			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "checked: nothing happened", recFailureTTL)))},
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "checked: nothing happened", 0), expiresAt(time.Time{})))},
 		{"UNKNOWN by Fail/Fail REPLAYABLE/as from IN_PROGRESS: FAILED_REPLAYABLE",
 			fxUnknownFailed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
-			wantUpdated(with(fxUnknownFailed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL), uncertain(false)))},
 		{"UNKNOWN by Fail/Fail UNKNOWN same token, same reason/repeat is OK, not counted again",
 			fxUnknownFailed(), evFail(tokHeld, FailureUnknown, nil, "deadline exceeded"), polDefault,
 			wantUnchanged(*fxUnknownFailed())},
 		{"UNKNOWN by Fail/Fail UNKNOWN same token, other reason/reason updated, not counted again",
 			fxUnknownFailed(), evFail(tokHeld, FailureUnknown, nil, "still unsure"), polDefault,
 			wantUpdated(with(fxUnknownFailed(), failedUnknown("still unsure")))},
-		{"UNKNOWN by Fail/Fail ABANDONED attempt 1/deleted",
-			fxUnknownFailed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
-		{"UNKNOWN by Fail attempt 2/Fail ABANDONED/FAILED_RETRYABLE with its fingerprint cleared",
+		{"UNKNOWN by Fail/Fail ABANDONED attempt 1/never frees the key: UNKNOWN, fingerprint kept, not counted again",
+			fxUnknownFailed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			wantUpdated(with(fxUnknownFailed(), failedUnknown("400"), endedBy(EndingAbandoned)))},
+		{"UNKNOWN by Fail attempt 2/Fail ABANDONED/UNKNOWN with its fingerprint kept",
 			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
-			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)),
-				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
-		{"UNKNOWN by Fail/Heartbeat/IN_PROGRESS, lease extended",
-			fxUnknownFailed(), evHeartbeat(tokHeld), polDefault,
-			wantUpdated(with(fxUnknownFailed(), st(StateInProgress), endedBy(EndingNone), leaseAt(t0.Add(hbLease)), updated(t0)))},
+			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)), failedUnknown("400"), endedBy(EndingAbandoned)))},
+		{"UNKNOWN by Fail/Heartbeat/ALREADY_FINISHED: a Heartbeat never revives an ended attempt",
+			fxUnknownFailed(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxUnknownFailed())},
 
 		// ---- UNKNOWN written down after a lapse ----
 		{"UNKNOWN lapsed/Begin, takeover/ACQUIRED attempt+1, not counted again",
@@ -779,21 +836,80 @@ func nextRows() []row {
 			wantAcquired(StateUnknown, with(fxUnknownLapsed(), acquisition(attNew, StateUnknown), attempt(2)))},
 		{"UNKNOWN lapsed/Complete/as from IN_PROGRESS: COMPLETED",
 			fxUnknownLapsed(), evComplete(tokHeld, respOK()), polDefault,
-			wantUpdated(with(fxUnknownLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+			wantUpdated(with(fxUnknownLapsed(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL), uncertain(false)))},
 		{"UNKNOWN lapsed/Fail RETRYABLE/FAILED_RETRYABLE",
 			fxUnknownLapsed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
-			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", recFailureTTL)))},
+			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
 		{"UNKNOWN lapsed/Fail REPLAYABLE/FAILED_REPLAYABLE",
 			fxUnknownLapsed(), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
-			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+			wantUpdated(with(fxUnknownLapsed(), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL), uncertain(false)))},
 		{"UNKNOWN lapsed/Fail UNKNOWN/ended by its holder, not counted again",
 			fxUnknownLapsed(), evFail(tokHeld, FailureUnknown, nil, "timeout"), polDefault,
 			wantUpdated(with(fxUnknownLapsed(), failedUnknown("timeout")))},
-		{"UNKNOWN lapsed/Fail ABANDONED attempt 1/deleted",
-			fxUnknownLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
+		{"UNKNOWN lapsed/Fail ABANDONED attempt 1/UNKNOWN, fingerprint kept, not counted again",
+			fxUnknownLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			wantUpdated(with(fxUnknownLapsed(), failedUnknown("400"), endedBy(EndingAbandoned)))},
 		{"UNKNOWN lapsed/Heartbeat/IN_PROGRESS, lease extended",
 			fxUnknownLapsed(), evHeartbeat(tokHeld), polDefault,
 			wantUpdated(with(fxUnknownLapsed(), st(StateInProgress), leaseAt(t0.Add(hbLease)), updated(t0)))},
+
+		// ---- Uncertainty is sticky (DESIGN.md) ----
+		{"FAILED_RETRYABLE uncertain/Begin/takeover answers previous_state UNKNOWN, not FAILED_RETRYABLE",
+			fxRetryableUncertain(), evBegin(fpA), polDefault,
+			wantAcquired(StateUnknown, with(fxRetryableUncertain(), acquisition(attNew, StateUnknown), attempt(3)))},
+		{"FAILED_RETRYABLE uncertain/Begin, hold/on_unknown governs UNKNOWN records only: takeover as from UNKNOWN",
+			fxRetryableUncertain(), evBegin(fpA), polHold,
+			wantAcquired(StateUnknown, with(fxRetryableUncertain(), acquisition(attNew, StateUnknown), attempt(3)))},
+		{"FAILED_RETRYABLE uncertain/Begin different fingerprint/FINGERPRINT_MISMATCH",
+			fxRetryableUncertain(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxRetryableUncertain())},
+		{"FAILED_RETRYABLE uncertain/Begin, max_attempts reached/ATTEMPTS_EXHAUSTED",
+			fxRetryableUncertain(), evBegin(fpA), polMax2, wantRefused(ErrAttemptsExhausted, *fxRetryableUncertain())},
+		{"FAILED_RETRYABLE uncertain/Heartbeat/ALREADY_FINISHED",
+			fxRetryableUncertain(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxRetryableUncertain())},
+		{"IN_PROGRESS uncertain/Fail RETRYABLE/FAILED_RETRYABLE, still uncertain",
+			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)),
+				ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
+		{"IN_PROGRESS uncertain/Fail ABANDONED/back to UNKNOWN with its fingerprint kept, counted",
+			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), failedUnknown("400"), endedBy(EndingAbandoned))}},
+		{"IN_PROGRESS uncertain attempt 3 taken over from FAILED_RETRYABLE uncertain/Fail ABANDONED/UNKNOWN, fingerprint kept",
+			fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), failedUnknown("400"), endedBy(EndingAbandoned))}},
+		{"IN_PROGRESS uncertain/Complete/COMPLETED ends the uncertainty",
+			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown)), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
+		{"IN_PROGRESS uncertain/Fail REPLAYABLE/FAILED_REPLAYABLE ends the uncertainty",
+			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureReplayable, respNotFound(), "404"), polDefault,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown)), ending(StateFailedReplayable, EndingReplayable, respNotFound(), "404", recFailureTTL)))},
+		{"IN_PROGRESS uncertain/Heartbeat/lease extended, still uncertain",
+			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evHeartbeat(tokHeld), polDefault,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), leaseAt(t0.Add(hbLease)), updated(t0)))},
+		{"UNKNOWN by ABANDONED/Begin/takeover, previous_state UNKNOWN, not counted again",
+			fxUnknownAbandoned(), evBegin(fpA), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownAbandoned(), acquisition(attNew, StateUnknown), attempt(3)))},
+		{"UNKNOWN by ABANDONED/Begin different fingerprint/FINGERPRINT_MISMATCH: another request cannot take the key",
+			fxUnknownAbandoned(), evBegin(fpB), polDefault, wantRefused(ErrFingerprintMismatch, *fxUnknownAbandoned())},
+		{"UNKNOWN by ABANDONED/Begin, hold/IN_PROGRESS with record UNKNOWN",
+			fxUnknownAbandoned(), evBegin(fpA), polHold, wantInProgress(*fxUnknownAbandoned(), MaxRetryAfter)},
+		{"UNKNOWN by ABANDONED/Fail ABANDONED same token, same reason/repeat is OK and writes nothing",
+			fxUnknownAbandoned(), evFail(tokHeld, FailureAbandoned, nil, "bad request"), polDefault, wantUnchanged(*fxUnknownAbandoned())},
+		{"UNKNOWN by ABANDONED/Heartbeat/ALREADY_FINISHED",
+			fxUnknownAbandoned(), evHeartbeat(tokHeld), polDefault, wantRefused(ErrAlreadyFinished, *fxUnknownAbandoned())},
+		{"UNKNOWN by ABANDONED/Complete/as from IN_PROGRESS: COMPLETED, certain",
+			fxUnknownAbandoned(), evComplete(tokHeld, respOK()), polDefault,
+			wantUpdated(with(fxUnknownAbandoned(), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL), uncertain(false)))},
+		{"UNKNOWN by ABANDONED/Resolve FAILED_RETRYABLE/certain again: the next takeover is as from FAILED_RETRYABLE",
+			fxUnknownAbandoned(), evResolve(StateFailedRetryable, nil), polDefault,
+			wantUpdated(with(fxUnknownAbandoned(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
+		{"UNKNOWN by Fail/Fail RETRYABLE after Fail UNKNOWN/FAILED_RETRYABLE, still uncertain",
+			fxUnknownFailed(), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
+			wantUpdated(with(fxUnknownFailed(), ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
+		{"UNKNOWN stored before the uncertain column/Begin/reads uncertain, takeover as from UNKNOWN",
+			fxUnknownFailed(uncertain(false)), evBegin(fpA), polDefault,
+			wantAcquired(StateUnknown, with(fxUnknownFailed(), acquisition(attNew, StateUnknown), attempt(2)))},
 
 		// ---- Resolve (idempotency.v1.Admin) ----
 		{"UNKNOWN by Fail/Resolve COMPLETED/COMPLETED with the operator's response, expires ttl after, holder's token revoked",
@@ -853,6 +969,7 @@ func nextRows() []row {
 		{"COMPLETED past expires_at", fxCompletedPast, with(fxCompletedPast(), st(StateExpired), resp(nil))},
 		{"FAILED_RETRYABLE", fxFailedRetryable, *fxFailedRetryable()},
 		{"FAILED_RETRYABLE by ABANDONED", fxAbandoned, *fxAbandoned()},
+		{"FAILED_RETRYABLE uncertain", fxRetryableUncertain, *fxRetryableUncertain()},
 		{"FAILED_REPLAYABLE", fxFailedReplayable, *fxFailedReplayable()},
 		{"FAILED_RETRYABLE past expires_at", fxFailedRetryablePast, with(fxFailedRetryablePast(), st(StateExpired))},
 		{"FAILED_REPLAYABLE past expires_at", fxFailedReplayablePast, with(fxFailedReplayablePast(), st(StateExpired), resp(nil))},
@@ -925,17 +1042,19 @@ func fixtureStates() []struct {
 		reads Record
 	}{
 		{"IN_PROGRESS live", fxInProgress, *fxInProgress()},
-		{"IN_PROGRESS lapsed", fxLapsed, with(fxLapsed(), st(StateUnknown))},
+		{"IN_PROGRESS lapsed", fxLapsed, with(fxLapsed(), readsUnknown...)},
 		{"COMPLETED", fxCompleted, *fxCompleted()},
 		{"COMPLETED past expires_at", fxCompletedPast, with(fxCompletedPast(), st(StateExpired), resp(nil))},
 		{"FAILED_RETRYABLE", fxFailedRetryable, *fxFailedRetryable()},
 		{"FAILED_RETRYABLE by ABANDONED", fxAbandoned, *fxAbandoned()},
+		{"FAILED_RETRYABLE uncertain", fxRetryableUncertain, *fxRetryableUncertain()},
 		{"FAILED_REPLAYABLE", fxFailedReplayable, *fxFailedReplayable()},
 		{"FAILED_RETRYABLE past expires_at", fxFailedRetryablePast, with(fxFailedRetryablePast(), st(StateExpired))},
 		{"FAILED_REPLAYABLE past expires_at", fxFailedReplayablePast, with(fxFailedReplayablePast(), st(StateExpired), resp(nil))},
 		{"EXPIRED", fxExpired, *fxExpired()},
 		{"UNKNOWN by Fail", fxUnknownFailed, *fxUnknownFailed()},
 		{"UNKNOWN lapsed", fxUnknownLapsed, *fxUnknownLapsed()},
+		{"UNKNOWN by ABANDONED", fxUnknownAbandoned, *fxUnknownAbandoned()},
 	}
 }
 
@@ -984,7 +1103,7 @@ func TestEffective(t *testing.T) {
 // TestDiffRecordCoversRecord fails when Record gains a field diffRecord does
 // not compare.
 func TestDiffRecordCoversRecord(t *testing.T) {
-	if n := reflect.TypeFor[Record]().NumField(); n != 16 {
+	if n := reflect.TypeFor[Record]().NumField(); n != 17 {
 		t.Fatalf("Record has %d fields; update diffRecord and copyRecord", n)
 	}
 }
@@ -1094,6 +1213,9 @@ func diffRecord(got, want Record) []string {
 	if got.EndedBy != want.EndedBy {
 		add("EndedBy", got.EndedBy, want.EndedBy)
 	}
+	if got.Uncertain != want.Uncertain {
+		add("Uncertain", got.Uncertain, want.Uncertain)
+	}
 	if !got.Response.Equal(want.Response) {
 		add("Response", fmtResponse(got.Response), fmtResponse(want.Response))
 	}
@@ -1152,4 +1274,71 @@ func copyRecord(r *Record) *Record {
 		c.Response = &x
 	}
 	return &c
+}
+
+// TestStickyUncertainty plays the double-charge story of issue 10 through
+// Next: attempt 1 lapses; attempt 2 takes over, cannot check the outside
+// world and fails RETRYABLE; attempt 3 must still be told UNKNOWN, and its
+// Fail ABANDONED must neither free the key for another request nor make it
+// look untouched. Only a COMPLETED outcome ends the uncertainty.
+func TestStickyUncertainty(t *testing.T) {
+	now := t0
+	var cur *Record
+	step := func(what string, ev Event, pol Policy) Decision {
+		t.Helper()
+		d := Next(cur, ev, pol, now)
+		if d.Err != nil {
+			t.Fatalf("%s: %v", what, d.Err)
+		}
+		switch d.Write {
+		case WriteInsert, WriteUpdate:
+			r := d.Record
+			cur = &r
+		case WriteDelete:
+			cur = nil
+		}
+		return d
+	}
+	begin := func(what, attemptID, token string, fingerprint []byte) Decision {
+		t.Helper()
+		return step(what, Event{Kind: EventBegin, Fingerprint: fingerprint, AttemptID: attemptID, NewToken: token,
+			TTL: evTTL, FailureTTL: evFailureTTL, Lease: evLease}, polDefault)
+	}
+
+	begin("attempt 1", "a1", "t1", fpA)
+	now = now.Add(evLease) // attempt 1 vanishes: its lease lapses
+	if got := Effective(*cur, now); got.State != StateUnknown || !got.Uncertain {
+		t.Fatalf("after the lapse the record reads %v, uncertain %v; want UNKNOWN, uncertain", got.State, got.Uncertain)
+	}
+	d := begin("attempt 2", "a2", "t2", fpA)
+	if d.PreviousState != StateUnknown || !d.Record.Uncertain {
+		t.Fatalf("attempt 2: previous %v, uncertain %v", d.PreviousState, d.Record.Uncertain)
+	}
+	step("attempt 2 fails RETRYABLE", evFail("t2", FailureRetryable, nil, "could not reach the bank"), polDefault)
+	if cur.State != StateFailedRetryable || !cur.Uncertain {
+		t.Fatalf("after Fail RETRYABLE: %v, uncertain %v", cur.State, cur.Uncertain)
+	}
+	now = now.Add(24 * time.Hour) // long past failure_ttl: the warning must not expire
+	if got := Effective(*cur, now); got.State != StateFailedRetryable || !got.Uncertain {
+		t.Fatalf("a day later the record reads %v, uncertain %v; want FAILED_RETRYABLE, uncertain", got.State, got.Uncertain)
+	}
+	d = begin("attempt 3", "a3", "t3", fpA)
+	if d.PreviousState != StateUnknown {
+		t.Fatalf("attempt 3 told previous_state %v, want UNKNOWN: it would charge again", d.PreviousState)
+	}
+	step("attempt 3 fails ABANDONED", evFail("t3", FailureAbandoned, nil, "bad request"), polDefault)
+	if cur == nil || cur.State != StateUnknown || !bytes.Equal(cur.Fingerprint, fpA) || !cur.Uncertain {
+		t.Fatalf("after Fail ABANDONED: %+v; want UNKNOWN with fingerprint kept", cur)
+	}
+	if d := Next(cur, evBegin(fpB), polDefault, now); !errors.Is(d.Err, ErrFingerprintMismatch) {
+		t.Fatalf("another request with the key: %v, want FINGERPRINT_MISMATCH", d.Err)
+	}
+	d = begin("attempt 4", "a4", "t4", fpA)
+	if d.PreviousState != StateUnknown || d.Record.Attempt != 4 {
+		t.Fatalf("attempt 4: previous %v, attempt %d", d.PreviousState, d.Record.Attempt)
+	}
+	step("attempt 4 completes after checking", evComplete("t4", respOK()), polDefault)
+	if cur.State != StateCompleted || cur.Uncertain {
+		t.Fatalf("after Complete: %v, uncertain %v; want COMPLETED, certain", cur.State, cur.Uncertain)
+	}
 }

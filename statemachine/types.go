@@ -70,9 +70,26 @@ const (
 	EndingUnknown    Ending = Ending(FailureUnknown)
 	EndingAbandoned  Ending = Ending(FailureAbandoned)
 	EndingCompleted  Ending = 5
-	// EndingResolved: an operator resolved the record (EventResolve).
+	// EndingResolved: an operator resolved the record (EventResolve) as
+	// COMPLETED. (Records resolved as FAILED_RETRYABLE before
+	// EndingResolvedRetryable existed carry it too, with ResolvedReason.)
 	EndingResolved Ending = 6
+	// EndingResolvedRetryable: an operator resolved the record as
+	// FAILED_RETRYABLE.
+	EndingResolvedRetryable Ending = 7
 )
+
+// failure reports whether a record ended by e (with failure reason
+// reason) ended as FAILED_RETRYABLE: a failure, not a result.
+func (e Ending) failure(reason string) bool {
+	switch e {
+	case EndingRetryable, EndingAbandoned, EndingResolvedRetryable:
+		return true
+	case EndingResolved:
+		return reason == ResolvedReason
+	}
+	return false
+}
 
 // OnExpired is the policy for a Begin that finds an expired record.
 type OnExpired uint8
@@ -140,7 +157,14 @@ type Record struct {
 	// previous_state it answered).
 	AcquiredFrom State
 	// EndedBy is the call that ended the latest acquisition, if any.
-	EndedBy       Ending
+	EndedBy Ending
+	// Uncertain reports that an attempt of this generation may have done
+	// the side effect: its lease lapsed, or it ended Fail UNKNOWN. It stays
+	// set until the generation ends COMPLETED or FAILED_REPLAYABLE or an
+	// operator resolves the record, so every later acquisition of the
+	// generation answers previous_state UNKNOWN. Every record that reads
+	// UNKNOWN is uncertain.
+	Uncertain     bool
 	Response      *Response
 	FailureReason string
 	// TTL and FailureTTL are the retention windows chosen at acquisition;

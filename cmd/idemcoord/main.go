@@ -51,6 +51,7 @@ type config struct {
 	otlpEndpoint    string
 	metricsToken    string
 	shutdownTimeout time.Duration
+	console         bool
 }
 
 // env returns the value of the environment variable name, or def.
@@ -76,6 +77,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
 	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
+	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -106,6 +108,16 @@ func checkExposure(c *config, authEnabled bool) error {
 // returns nil without TLS. With a client CA, client certificates are
 // verified when given (callers may still use bearer tokens).
 func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
+	cfg, err := tlsConfig(c)
+	if cfg == nil || err != nil {
+		return nil, err
+	}
+	return credentials.NewTLS(cfg), nil
+}
+
+// tlsConfig is the server's TLS configuration from the flags, or nil
+// without TLS.
+func tlsConfig(c *config) (*tls.Config, error) {
 	if c.tlsCert == "" {
 		return nil, nil
 	}
@@ -126,7 +138,7 @@ func tlsCredentials(c *config) (credentials.TransportCredentials, error) {
 		cfg.ClientCAs = pool
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
-	return credentials.NewTLS(cfg), nil
+	return cfg, nil
 }
 
 // readMetricsToken reads the /metrics bearer token from path (surrounding
@@ -197,6 +209,9 @@ func run(args []string, logOut *os.File) error {
 	if err := checkExposure(c, policies.AuthEnabled()); err != nil {
 		return err
 	}
+	if err := checkConsoleExposure(c, policies.AuthEnabled()); err != nil {
+		return err
+	}
 	creds, err := tlsCredentials(c)
 	if err != nil {
 		return err
@@ -262,13 +277,19 @@ func run(args []string, logOut *os.File) error {
 	}
 	go srv.RunReaper(ctx)
 	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
-		return checkExposure(c, p.AuthEnabled())
+		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
 	})
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
 	}
-	httpSrv := &http.Server{Handler: srv.HTTPHandler(), ReadHeaderTimeout: 10 * time.Second}
+	httpHandler := srv.HTTPHandler()
+	if c.console {
+		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
+			return err
+		}
+	}
+	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
 	serveErr := make(chan error, 2)

@@ -8,7 +8,7 @@
 //	        COMMAND ...
 //
 //	lookup SCOPE KEY
-//	list [--state S] [--scope GLOB] [--limit N]
+//	list [--state S] [--scope GLOB] [--key-prefix P] [--limit N]
 //	resolve SCOPE KEY --as completed|retryable [--body-file F --schema-version V
 //	        --content-type T --status-code N]
 //	forget SCOPE KEY
@@ -81,7 +81,7 @@ const usage = `usage: idemctl [--addr HOST:PORT] [--token T] [--output table|jso
 commands:
   lookup SCOPE KEY
         show a record as in effect now
-  list [--state S] [--scope GLOB] [--limit N]
+  list [--state S] [--scope GLOB] [--key-prefix P] [--limit N]
         list records in (scope, key) order; S is a state without the STATE_
         prefix (unknown, in_progress, completed, failed_retryable,
         failed_replayable, expired), GLOB matches scopes with * for any run
@@ -280,11 +280,12 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	fs := c.flags("list")
 	state := fs.String("state", "", "")
 	glob := fs.String("scope", "", "")
+	prefix := fs.String("key-prefix", "", "")
 	limit := fs.Int("limit", 100, "")
 	if _, err := parse(fs, args); err != nil {
 		return err
 	}
-	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob}
+	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix}
 	if *state != "" {
 		st, err := parseState(*state)
 		if err != nil {

@@ -206,6 +206,10 @@ func TestResolveRetryableAndForget(t *testing.T) {
 	if n := strings.Count(table, "\nmany "); n != 5 || strings.Contains(table, "more records follow") {
 		t.Fatalf("list --limit 0 (%d rows):\n%s", n, table)
 	}
+	table = mustRun(t, e.coord.Addr, "list", "--key-prefix", "m3")
+	if n := strings.Count(table, "\nmany "); n != 1 || !strings.Contains(table, "m3") {
+		t.Fatalf("list --key-prefix m3 (%d rows):\n%s", n, table)
+	}
 
 	// forget deletes; then lookup and forget fail NOT_FOUND.
 	var rec idempotencyv1.Record

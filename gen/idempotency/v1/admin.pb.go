@@ -90,9 +90,12 @@ type ListRecordsRequest struct {
 	// The most records to return, 0-1000; 0 means 100. A page may hold fewer
 	// records even when more follow.
 	PageSize int32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	// The next_page_token of the previous page, sent with the same state and
-	// scope_glob; empty for the first page.
-	PageToken     string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// The next_page_token of the previous page, sent with the same state,
+	// scope_glob and key_prefix; empty for the first page.
+	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Only records whose key starts with these bytes; empty matches every
+	// key. At most 255 printable bytes.
+	KeyPrefix     string `protobuf:"bytes,5,opt,name=key_prefix,json=keyPrefix,proto3" json:"key_prefix,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -155,6 +158,13 @@ func (x *ListRecordsRequest) GetPageToken() string {
 	return ""
 }
 
+func (x *ListRecordsRequest) GetKeyPrefix() string {
+	if x != nil {
+		return x.KeyPrefix
+	}
+	return ""
+}
+
 // ListRecordsResponse is one page of records.
 type ListRecordsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -210,6 +220,274 @@ func (x *ListRecordsResponse) GetNextPageToken() string {
 	return ""
 }
 
+// GetRecordRequest names the record to read.
+type GetRecordRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Operation name, 1-255 printable bytes.
+	Scope string `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	// Idempotency key, 1-255 printable bytes.
+	Key           string `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetRecordRequest) Reset() {
+	*x = GetRecordRequest{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetRecordRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetRecordRequest) ProtoMessage() {}
+
+func (x *GetRecordRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetRecordRequest.ProtoReflect.Descriptor instead.
+func (*GetRecordRequest) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *GetRecordRequest) GetScope() string {
+	if x != nil {
+		return x.Scope
+	}
+	return ""
+}
+
+func (x *GetRecordRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+// GetRecordResponse carries the record.
+type GetRecordResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The record as in effect now, with its stored response.
+	Record        *Record `protobuf:"bytes,1,opt,name=record,proto3" json:"record,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetRecordResponse) Reset() {
+	*x = GetRecordResponse{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetRecordResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetRecordResponse) ProtoMessage() {}
+
+func (x *GetRecordResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetRecordResponse.ProtoReflect.Descriptor instead.
+func (*GetRecordResponse) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *GetRecordResponse) GetRecord() *Record {
+	if x != nil {
+		return x.Record
+	}
+	return nil
+}
+
+// CountRecordsRequest asks for the tenant's record counts.
+type CountRecordsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The most (scope, state) groups to return, 0-1000; 0 means 1000.
+	MaxGroups     int32 `protobuf:"varint,1,opt,name=max_groups,json=maxGroups,proto3" json:"max_groups,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CountRecordsRequest) Reset() {
+	*x = CountRecordsRequest{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CountRecordsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CountRecordsRequest) ProtoMessage() {}
+
+func (x *CountRecordsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CountRecordsRequest.ProtoReflect.Descriptor instead.
+func (*CountRecordsRequest) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CountRecordsRequest) GetMaxGroups() int32 {
+	if x != nil {
+		return x.MaxGroups
+	}
+	return 0
+}
+
+// CountRecordsResponse holds the record counts of one tenant.
+type CountRecordsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One entry per (scope, state) with at least one record, in (scope,
+	// state) order.
+	Counts []*RecordCount `protobuf:"bytes,1,rep,name=counts,proto3" json:"counts,omitempty"`
+	// Set when more groups exist than max_groups: counts then covers the
+	// first scopes only.
+	Truncated     bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CountRecordsResponse) Reset() {
+	*x = CountRecordsResponse{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CountRecordsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CountRecordsResponse) ProtoMessage() {}
+
+func (x *CountRecordsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CountRecordsResponse.ProtoReflect.Descriptor instead.
+func (*CountRecordsResponse) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *CountRecordsResponse) GetCounts() []*RecordCount {
+	if x != nil {
+		return x.Counts
+	}
+	return nil
+}
+
+func (x *CountRecordsResponse) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+// RecordCount is the number of records of one scope in one state.
+type RecordCount struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The records' scope.
+	Scope string `protobuf:"bytes,1,opt,name=scope,proto3" json:"scope,omitempty"`
+	// Their state in effect now.
+	State State `protobuf:"varint,2,opt,name=state,proto3,enum=idempotency.v1.State" json:"state,omitempty"`
+	// How many records.
+	Count         int64 `protobuf:"varint,3,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecordCount) Reset() {
+	*x = RecordCount{}
+	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecordCount) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecordCount) ProtoMessage() {}
+
+func (x *RecordCount) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_admin_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecordCount.ProtoReflect.Descriptor instead.
+func (*RecordCount) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RecordCount) GetScope() string {
+	if x != nil {
+		return x.Scope
+	}
+	return ""
+}
+
+func (x *RecordCount) GetState() State {
+	if x != nil {
+		return x.State
+	}
+	return State_STATE_UNSPECIFIED
+}
+
+func (x *RecordCount) GetCount() int64 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
 // ResolveRequest ends an UNKNOWN record.
 type ResolveRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -229,7 +507,7 @@ type ResolveRequest struct {
 
 func (x *ResolveRequest) Reset() {
 	*x = ResolveRequest{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -241,7 +519,7 @@ func (x *ResolveRequest) String() string {
 func (*ResolveRequest) ProtoMessage() {}
 
 func (x *ResolveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[2]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -254,7 +532,7 @@ func (x *ResolveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveRequest.ProtoReflect.Descriptor instead.
 func (*ResolveRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{2}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ResolveRequest) GetScope() string {
@@ -296,7 +574,7 @@ type ResolveResponse struct {
 
 func (x *ResolveResponse) Reset() {
 	*x = ResolveResponse{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -308,7 +586,7 @@ func (x *ResolveResponse) String() string {
 func (*ResolveResponse) ProtoMessage() {}
 
 func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[3]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -321,7 +599,7 @@ func (x *ResolveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResolveResponse.ProtoReflect.Descriptor instead.
 func (*ResolveResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{3}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResolveResponse) GetRecord() *Record {
@@ -344,7 +622,7 @@ type ForgetRequest struct {
 
 func (x *ForgetRequest) Reset() {
 	*x = ForgetRequest{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -356,7 +634,7 @@ func (x *ForgetRequest) String() string {
 func (*ForgetRequest) ProtoMessage() {}
 
 func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[4]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -369,7 +647,7 @@ func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetRequest.ProtoReflect.Descriptor instead.
 func (*ForgetRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ForgetRequest) GetScope() string {
@@ -397,7 +675,7 @@ type ForgetResponse struct {
 
 func (x *ForgetResponse) Reset() {
 	*x = ForgetResponse{}
-	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -409,7 +687,7 @@ func (x *ForgetResponse) String() string {
 func (*ForgetResponse) ProtoMessage() {}
 
 func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_admin_proto_msgTypes[5]
+	mi := &file_idempotency_v1_admin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -422,7 +700,7 @@ func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetResponse.ProtoReflect.Descriptor instead.
 func (*ForgetResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_idempotency_v1_admin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ForgetResponse) GetRecord() *Record {
@@ -436,7 +714,7 @@ var File_idempotency_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xd4\x01\n" +
+	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\x8b\x02\n" +
 	"\x12ListRecordsRequest\x125\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x15.idempotency.v1.StateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x125\n" +
 	"\n" +
@@ -444,10 +722,28 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\tpage_size\x18\x03 \x01(\x05B\n" +
 	"\xbaH\a\x1a\x05\x18\xe8\a(\x00R\bpageSize\x12'\n" +
 	"\n" +
-	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\"o\n" +
+	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\x125\n" +
+	"\n" +
+	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xea\x01\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"h\n" +
+	"\x10GetRecordRequest\x12+\n" +
+	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
+	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\"C\n" +
+	"\x11GetRecordResponse\x12.\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"@\n" +
+	"\x13CountRecordsRequest\x12)\n" +
+	"\n" +
+	"max_groups\x18\x01 \x01(\x05B\n" +
+	"\xbaH\a\x1a\x05\x18\xe8\a(\x00R\tmaxGroups\"i\n" +
+	"\x14CountRecordsResponse\x123\n" +
+	"\x06counts\x18\x01 \x03(\v2\x1b.idempotency.v1.RecordCountR\x06counts\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"f\n" +
+	"\vRecordCount\x12\x14\n" +
+	"\x05scope\x18\x01 \x01(\tR\x05scope\x12+\n" +
+	"\x05state\x18\x02 \x01(\x0e2\x15.idempotency.v1.StateR\x05state\x12\x14\n" +
+	"\x05count\x18\x03 \x01(\x03R\x05count\"\xea\x01\n" +
 	"\x0eResolveRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12F\n" +
@@ -467,11 +763,13 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"Resolution\x12\x1a\n" +
 	"\x16RESOLUTION_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14RESOLUTION_COMPLETED\x10\x01\x12\x18\n" +
-	"\x14RESOLUTION_RETRYABLE\x10\x022\xf9\x01\n" +
+	"\x14RESOLUTION_RETRYABLE\x10\x022\xb0\x03\n" +
 	"\x05Admin\x12[\n" +
 	"\vListRecords\x12\".idempotency.v1.ListRecordsRequest\x1a#.idempotency.v1.ListRecordsResponse\"\x03\x90\x02\x01\x12J\n" +
 	"\aResolve\x12\x1e.idempotency.v1.ResolveRequest\x1a\x1f.idempotency.v1.ResolveResponse\x12G\n" +
-	"\x06Forget\x12\x1d.idempotency.v1.ForgetRequest\x1a\x1e.idempotency.v1.ForgetResponseBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
+	"\x06Forget\x12\x1d.idempotency.v1.ForgetRequest\x1a\x1e.idempotency.v1.ForgetResponse\x12U\n" +
+	"\tGetRecord\x12 .idempotency.v1.GetRecordRequest\x1a!.idempotency.v1.GetRecordResponse\"\x03\x90\x02\x01\x12^\n" +
+	"\fCountRecords\x12#.idempotency.v1.CountRecordsRequest\x1a$.idempotency.v1.CountRecordsResponse\"\x03\x90\x02\x01BAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
 	file_idempotency_v1_admin_proto_rawDescOnce sync.Once
@@ -486,37 +784,49 @@ func file_idempotency_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_idempotency_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_idempotency_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_idempotency_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_idempotency_v1_admin_proto_goTypes = []any{
-	(Resolution)(0),             // 0: idempotency.v1.Resolution
-	(*ListRecordsRequest)(nil),  // 1: idempotency.v1.ListRecordsRequest
-	(*ListRecordsResponse)(nil), // 2: idempotency.v1.ListRecordsResponse
-	(*ResolveRequest)(nil),      // 3: idempotency.v1.ResolveRequest
-	(*ResolveResponse)(nil),     // 4: idempotency.v1.ResolveResponse
-	(*ForgetRequest)(nil),       // 5: idempotency.v1.ForgetRequest
-	(*ForgetResponse)(nil),      // 6: idempotency.v1.ForgetResponse
-	(State)(0),                  // 7: idempotency.v1.State
-	(*Record)(nil),              // 8: idempotency.v1.Record
-	(*StoredResponse)(nil),      // 9: idempotency.v1.StoredResponse
+	(Resolution)(0),              // 0: idempotency.v1.Resolution
+	(*ListRecordsRequest)(nil),   // 1: idempotency.v1.ListRecordsRequest
+	(*ListRecordsResponse)(nil),  // 2: idempotency.v1.ListRecordsResponse
+	(*GetRecordRequest)(nil),     // 3: idempotency.v1.GetRecordRequest
+	(*GetRecordResponse)(nil),    // 4: idempotency.v1.GetRecordResponse
+	(*CountRecordsRequest)(nil),  // 5: idempotency.v1.CountRecordsRequest
+	(*CountRecordsResponse)(nil), // 6: idempotency.v1.CountRecordsResponse
+	(*RecordCount)(nil),          // 7: idempotency.v1.RecordCount
+	(*ResolveRequest)(nil),       // 8: idempotency.v1.ResolveRequest
+	(*ResolveResponse)(nil),      // 9: idempotency.v1.ResolveResponse
+	(*ForgetRequest)(nil),        // 10: idempotency.v1.ForgetRequest
+	(*ForgetResponse)(nil),       // 11: idempotency.v1.ForgetResponse
+	(State)(0),                   // 12: idempotency.v1.State
+	(*Record)(nil),               // 13: idempotency.v1.Record
+	(*StoredResponse)(nil),       // 14: idempotency.v1.StoredResponse
 }
 var file_idempotency_v1_admin_proto_depIdxs = []int32{
-	7, // 0: idempotency.v1.ListRecordsRequest.state:type_name -> idempotency.v1.State
-	8, // 1: idempotency.v1.ListRecordsResponse.records:type_name -> idempotency.v1.Record
-	0, // 2: idempotency.v1.ResolveRequest.resolution:type_name -> idempotency.v1.Resolution
-	9, // 3: idempotency.v1.ResolveRequest.response:type_name -> idempotency.v1.StoredResponse
-	8, // 4: idempotency.v1.ResolveResponse.record:type_name -> idempotency.v1.Record
-	8, // 5: idempotency.v1.ForgetResponse.record:type_name -> idempotency.v1.Record
-	1, // 6: idempotency.v1.Admin.ListRecords:input_type -> idempotency.v1.ListRecordsRequest
-	3, // 7: idempotency.v1.Admin.Resolve:input_type -> idempotency.v1.ResolveRequest
-	5, // 8: idempotency.v1.Admin.Forget:input_type -> idempotency.v1.ForgetRequest
-	2, // 9: idempotency.v1.Admin.ListRecords:output_type -> idempotency.v1.ListRecordsResponse
-	4, // 10: idempotency.v1.Admin.Resolve:output_type -> idempotency.v1.ResolveResponse
-	6, // 11: idempotency.v1.Admin.Forget:output_type -> idempotency.v1.ForgetResponse
-	9, // [9:12] is the sub-list for method output_type
-	6, // [6:9] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	12, // 0: idempotency.v1.ListRecordsRequest.state:type_name -> idempotency.v1.State
+	13, // 1: idempotency.v1.ListRecordsResponse.records:type_name -> idempotency.v1.Record
+	13, // 2: idempotency.v1.GetRecordResponse.record:type_name -> idempotency.v1.Record
+	7,  // 3: idempotency.v1.CountRecordsResponse.counts:type_name -> idempotency.v1.RecordCount
+	12, // 4: idempotency.v1.RecordCount.state:type_name -> idempotency.v1.State
+	0,  // 5: idempotency.v1.ResolveRequest.resolution:type_name -> idempotency.v1.Resolution
+	14, // 6: idempotency.v1.ResolveRequest.response:type_name -> idempotency.v1.StoredResponse
+	13, // 7: idempotency.v1.ResolveResponse.record:type_name -> idempotency.v1.Record
+	13, // 8: idempotency.v1.ForgetResponse.record:type_name -> idempotency.v1.Record
+	1,  // 9: idempotency.v1.Admin.ListRecords:input_type -> idempotency.v1.ListRecordsRequest
+	8,  // 10: idempotency.v1.Admin.Resolve:input_type -> idempotency.v1.ResolveRequest
+	10, // 11: idempotency.v1.Admin.Forget:input_type -> idempotency.v1.ForgetRequest
+	3,  // 12: idempotency.v1.Admin.GetRecord:input_type -> idempotency.v1.GetRecordRequest
+	5,  // 13: idempotency.v1.Admin.CountRecords:input_type -> idempotency.v1.CountRecordsRequest
+	2,  // 14: idempotency.v1.Admin.ListRecords:output_type -> idempotency.v1.ListRecordsResponse
+	9,  // 15: idempotency.v1.Admin.Resolve:output_type -> idempotency.v1.ResolveResponse
+	11, // 16: idempotency.v1.Admin.Forget:output_type -> idempotency.v1.ForgetResponse
+	4,  // 17: idempotency.v1.Admin.GetRecord:output_type -> idempotency.v1.GetRecordResponse
+	6,  // 18: idempotency.v1.Admin.CountRecords:output_type -> idempotency.v1.CountRecordsResponse
+	14, // [14:19] is the sub-list for method output_type
+	9,  // [9:14] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_admin_proto_init() }
@@ -531,7 +841,7 @@ func file_idempotency_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idempotency_v1_admin_proto_rawDesc), len(file_idempotency_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   6,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

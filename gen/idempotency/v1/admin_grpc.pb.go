@@ -19,9 +19,11 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Admin_ListRecords_FullMethodName = "/idempotency.v1.Admin/ListRecords"
-	Admin_Resolve_FullMethodName     = "/idempotency.v1.Admin/Resolve"
-	Admin_Forget_FullMethodName      = "/idempotency.v1.Admin/Forget"
+	Admin_ListRecords_FullMethodName  = "/idempotency.v1.Admin/ListRecords"
+	Admin_Resolve_FullMethodName      = "/idempotency.v1.Admin/Resolve"
+	Admin_Forget_FullMethodName       = "/idempotency.v1.Admin/Forget"
+	Admin_GetRecord_FullMethodName    = "/idempotency.v1.Admin/GetRecord"
+	Admin_CountRecords_FullMethodName = "/idempotency.v1.Admin/CountRecords"
 )
 
 // AdminClient is the client API for Admin service.
@@ -49,6 +51,14 @@ type AdminClient interface {
 	// Forget deletes a record whatever its state; the next Begin of the key
 	// acquires it as new. A missing record is NOT_FOUND.
 	Forget(ctx context.Context, in *ForgetRequest, opts ...grpc.CallOption) (*ForgetResponse, error)
+	// GetRecord reads one record of the tenant with its stored response, as
+	// in effect now (Lookup without the scope check of the caller's tenant:
+	// operators may read every scope). A missing record is NOT_FOUND.
+	GetRecord(ctx context.Context, in *GetRecordRequest, opts ...grpc.CallOption) (*GetRecordResponse, error)
+	// CountRecords counts the tenant's records by scope and by state in
+	// effect now (as ListRecords reads them). It reads every record of the
+	// tenant: for dashboards, not for a hot path.
+	CountRecords(ctx context.Context, in *CountRecordsRequest, opts ...grpc.CallOption) (*CountRecordsResponse, error)
 }
 
 type adminClient struct {
@@ -89,6 +99,26 @@ func (c *adminClient) Forget(ctx context.Context, in *ForgetRequest, opts ...grp
 	return out, nil
 }
 
+func (c *adminClient) GetRecord(ctx context.Context, in *GetRecordRequest, opts ...grpc.CallOption) (*GetRecordResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetRecordResponse)
+	err := c.cc.Invoke(ctx, Admin_GetRecord_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) CountRecords(ctx context.Context, in *CountRecordsRequest, opts ...grpc.CallOption) (*CountRecordsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CountRecordsResponse)
+	err := c.cc.Invoke(ctx, Admin_CountRecords_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -114,6 +144,14 @@ type AdminServer interface {
 	// Forget deletes a record whatever its state; the next Begin of the key
 	// acquires it as new. A missing record is NOT_FOUND.
 	Forget(context.Context, *ForgetRequest) (*ForgetResponse, error)
+	// GetRecord reads one record of the tenant with its stored response, as
+	// in effect now (Lookup without the scope check of the caller's tenant:
+	// operators may read every scope). A missing record is NOT_FOUND.
+	GetRecord(context.Context, *GetRecordRequest) (*GetRecordResponse, error)
+	// CountRecords counts the tenant's records by scope and by state in
+	// effect now (as ListRecords reads them). It reads every record of the
+	// tenant: for dashboards, not for a hot path.
+	CountRecords(context.Context, *CountRecordsRequest) (*CountRecordsResponse, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -132,6 +170,12 @@ func (UnimplementedAdminServer) Resolve(context.Context, *ResolveRequest) (*Reso
 }
 func (UnimplementedAdminServer) Forget(context.Context, *ForgetRequest) (*ForgetResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Forget not implemented")
+}
+func (UnimplementedAdminServer) GetRecord(context.Context, *GetRecordRequest) (*GetRecordResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method GetRecord not implemented")
+}
+func (UnimplementedAdminServer) CountRecords(context.Context, *CountRecordsRequest) (*CountRecordsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CountRecords not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -208,6 +252,42 @@ func _Admin_Forget_Handler(srv interface{}, ctx context.Context, dec func(interf
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_GetRecord_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetRecordRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).GetRecord(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_GetRecord_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).GetRecord(ctx, req.(*GetRecordRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_CountRecords_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CountRecordsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).CountRecords(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_CountRecords_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).CountRecords(ctx, req.(*CountRecordsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -226,6 +306,14 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Forget",
 			Handler:    _Admin_Forget_Handler,
+		},
+		{
+			MethodName: "GetRecord",
+			Handler:    _Admin_GetRecord_Handler,
+		},
+		{
+			MethodName: "CountRecords",
+			Handler:    _Admin_CountRecords_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -164,7 +164,10 @@ const (
 	// The side effect may have happened; the next holder must check.
 	FailureKind_FAILURE_KIND_UNKNOWN FailureKind = 3
 	// The attempt never started its side effect: the record returns to how it
-	// was before this acquisition (a record it created is deleted).
+	// was before this acquisition (a record it created is deleted). When the
+	// generation is uncertain (Record.uncertain), it returns to STATE_UNKNOWN
+	// with its fingerprint kept: abandoning never frees a key that an earlier
+	// attempt may have acted on.
 	FailureKind_FAILURE_KIND_ABANDONED FailureKind = 4
 )
 
@@ -323,7 +326,15 @@ type Record struct {
 	// When the current attempt's lease runs out (set while held).
 	LeaseExpiresAt *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=lease_expires_at,json=leaseExpiresAt,proto3" json:"lease_expires_at,omitempty"`
 	// When a COMPLETED or FAILED_* record expires (unset while held).
-	ExpiresAt     *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,12,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// An attempt of this generation may have done the side effect: its lease
+	// lapsed, or it ended with Fail UNKNOWN. It stays true (uncertainty is
+	// sticky) until the generation ends COMPLETED or FAILED_REPLAYABLE or an
+	// operator resolves the record, and every acquiring Begin of the
+	// generation meanwhile answers previous_state STATE_UNKNOWN, even after a
+	// later Fail RETRYABLE or ABANDONED. Every record in STATE_UNKNOWN is
+	// uncertain.
+	Uncertain     bool `protobuf:"varint,13,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -442,6 +453,13 @@ func (x *Record) GetExpiresAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Record) GetUncertain() bool {
+	if x != nil {
+		return x.Uncertain
+	}
+	return false
+}
+
 // BeginRequest claims a key.
 type BeginRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -463,7 +481,7 @@ type BeginRequest struct {
 	AcceptSchemaVersions []string `protobuf:"bytes,7,rep,name=accept_schema_versions,json=acceptSchemaVersions,proto3" json:"accept_schema_versions,omitempty"`
 	// Identifies this logical attempt (at most 64 printable bytes): a repeated
 	// Begin with the holder's attempt_id acquires again with the same lease
-	// token.
+	// token, renewed to a full lease from now.
 	AttemptId     string `protobuf:"bytes,8,opt,name=attempt_id,json=attemptId,proto3" json:"attempt_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1129,7 +1147,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\bmetadata\x18\x05 \x03(\v2,.idempotency.v1.StoredResponse.MetadataEntryR\bmetadata\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x93\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb1\x04\n" +
 	"\x06Record\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12+\n" +
@@ -1148,7 +1166,8 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12D\n" +
 	"\x10lease_expires_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x129\n" +
 	"\n" +
-	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\"\xff\x02\n" +
+	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x1c\n" +
+	"\tuncertain\x18\r \x01(\bR\tuncertain\"\xff\x02\n" +
 	"\fBeginRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12 \n" +

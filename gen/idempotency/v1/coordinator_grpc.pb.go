@@ -46,7 +46,9 @@ type CoordinatorClient interface {
 	Fail(ctx context.Context, in *FailRequest, opts ...grpc.CallOption) (*FailResponse, error)
 	// Lookup reads a record as it is in effect now. It never changes anything.
 	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
-	// Heartbeat extends the lease of the current attempt.
+	// Heartbeat extends the lease of the current attempt. After a Complete or
+	// Fail with the token it fails ALREADY_FINISHED: it never revives an
+	// ended attempt.
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
 }
 
@@ -128,7 +130,9 @@ type CoordinatorServer interface {
 	Fail(context.Context, *FailRequest) (*FailResponse, error)
 	// Lookup reads a record as it is in effect now. It never changes anything.
 	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
-	// Heartbeat extends the lease of the current attempt.
+	// Heartbeat extends the lease of the current attempt. After a Complete or
+	// Fail with the token it fails ALREADY_FINISHED: it never revives an
+	// ended attempt.
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
 	mustEmbedUnimplementedCoordinatorServer()
 }

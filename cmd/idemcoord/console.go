@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+
+	"github.com/idemcoord/idemcoord/console"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// checkConsoleExposure refuses a console that would send its session cookie
+// in plain HTTP off loopback, or serve every record without auth to others,
+// unless the operator said so. It passes when --console is off.
+func checkConsoleExposure(c *config, authEnabled bool) error {
+	if !c.console || isLoopback(c.httpListen) {
+		return nil
+	}
+	if c.tlsCert == "" {
+		return fmt.Errorf("--console on --http-listen %s needs TLS (--tls-cert and --tls-key): "+
+			"the console's session cookie carries a bearer token, sent in plain HTTP only to a loopback address", c.httpListen)
+	}
+	if !authEnabled && !c.allowNoAuth {
+		return errors.New("--console with auth disabled (no tenants in the config) on a non-loopback --http-listen " +
+			"would let anyone who can reach it resolve and forget every record; configure tenants or pass --insecure-allow-no-auth")
+	}
+	return nil
+}
+
+// mountConsole adds the operator console under /console/ to the HTTP
+// listener's handler. With --tls-cert the listener then serves HTTPS (the
+// console's cookies are Secure, and a client certificate signed by
+// --tls-client-ca signs an operator in); without TLS it must be a loopback
+// address. It returns the handler and the listener to serve.
+func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *server.Server, authEnabled bool, lis net.Listener) (http.Handler, net.Listener, error) {
+	if err := checkConsoleExposure(c, authEnabled); err != nil {
+		return nil, nil, err
+	}
+	cfg, err := tlsConfig(c)
+	if err != nil {
+		return nil, nil, err
+	}
+	con := console.New(srv.AdminConn(), console.WithLogger(logger), console.WithCounters(func() console.Counters {
+		t := srv.CounterTotals()
+		return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}
+	}))
+	go con.Run(ctx)
+	mux := http.NewServeMux()
+	mux.Handle("/", srv.HTTPHandler())
+	mux.Handle(console.Prefix, con)
+	mux.Handle("GET /console", http.RedirectHandler(console.Prefix, http.StatusMovedPermanently))
+	scheme := "http"
+	if cfg != nil {
+		lis = tls.NewListener(lis, cfg)
+		scheme = "https"
+	}
+	logger.Info("operator console enabled", "url", scheme+"://"+lis.Addr().String()+console.Prefix, "auth", authEnabled)
+	return mux, lis, nil
+}

@@ -1,0 +1,39 @@
+package console
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestChartRing draws per-interval increases of the counters, newest at the
+// right edge, and keeps only the last hour of samples.
+func TestChartRing(t *testing.T) {
+	r := newRing(chartBuckets + 1)
+	start := time.Date(2026, 1, 2, 3, 0, 0, 0, time.UTC)
+	if ch := r.chart(time.Minute); ch.Intervals != 0 || ch.Series[0].Points != "" {
+		t.Fatalf("empty ring: %+v", ch)
+	}
+	for i := range 100 {
+		r.add(start.Add(time.Duration(i)*time.Minute), Counters{Acquired: float64(i * 2), UnknownEntered: float64(i / 50)})
+	}
+	ch := r.chart(time.Minute)
+	if ch.Intervals != chartBuckets || ch.Max != 2 || ch.Since != "03:39 UTC" {
+		t.Fatalf("chart: intervals %d max %v since %q", ch.Intervals, ch.Max, ch.Since)
+	}
+	acq, unk := ch.Series[0], ch.Series[3]
+	if acq.Total != 120 || unk.Total != 1 {
+		t.Fatalf("totals: acquired %v, unknown %v", acq.Total, unk.Total)
+	}
+	pts := strings.Fields(acq.Points)
+	if len(pts) != chartBuckets || pts[len(pts)-1] != "600.0,10.0" {
+		t.Fatalf("acquired points %q", acq.Points)
+	}
+	// A counter that goes down (a restart) draws 0, never below the axis.
+	r.add(start.Add(101*time.Minute), Counters{})
+	for _, p := range strings.Fields(r.chart(time.Minute).Series[0].Points) {
+		if !strings.HasSuffix(p, ",150.0") && !strings.HasSuffix(p, ",10.0") {
+			t.Fatalf("point %q outside the chart", p)
+		}
+	}
+}

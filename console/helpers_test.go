@@ -1,0 +1,206 @@
+package console_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/idemcoord/idemcoord/console"
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(coordtest.Main(m))
+}
+
+const (
+	opsToken = "ops-secret"
+	payToken = "pay-secret"
+	// chargeScope is a scope as the interceptor writes it: with slashes.
+	chargeScope = "/payments.v1.Payments/Charge"
+)
+
+func sha(token string) string {
+	sum := sha256.Sum256([]byte(token))
+	return hex.EncodeToString(sum[:])
+}
+
+// tenantsConfig has an admin tenant (ops) and a plain one (payments).
+func tenantsConfig() string {
+	return fmt.Sprintf(`
+tenants:
+  - { name: ops,      token_sha256: %s, scopes: ["*"], admin: true }
+  - { name: payments, token_sha256: %s, scopes: ["*"] }
+`, sha(opsToken), sha(payToken))
+}
+
+// syncBuffer is a log destination tests read while the server writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// consoleEnv is a coordinator over its own database and a console in front
+// of it, served over loopback HTTP.
+type consoleEnv struct {
+	t       *testing.T
+	coord   *coordtest.Coordinator
+	client  idempotencyv1.CoordinatorClient
+	console *console.Console
+	http    *httptest.Server
+	log     *syncBuffer
+}
+
+func newConsoleEnv(t *testing.T, tlsServer bool) *consoleEnv {
+	t.Helper()
+	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig()})
+	e := &consoleEnv{t: t, coord: c, client: idempotencyv1.NewCoordinatorClient(c.Dial(t)), log: &syncBuffer{}}
+	logger := slog.New(slog.NewTextHandler(e.log, nil))
+	e.console = console.New(c.Server.AdminConn(), console.WithLogger(logger), console.WithCounters(func() console.Counters {
+		t := c.Server.CounterTotals()
+		return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}
+	}))
+	mux := http.NewServeMux()
+	mux.Handle(console.Prefix, e.console)
+	if tlsServer {
+		e.http = httptest.NewUnstartedServer(mux)
+	} else {
+		e.http = httptest.NewServer(mux)
+	}
+	t.Cleanup(func() { e.http.Close() })
+	return e
+}
+
+// unknownRecord makes an UNKNOWN record of tenant token: acquired with a
+// 1 s lease that then runs out.
+func (e *consoleEnv) unknownRecord(token, scope, key string) {
+	e.t.Helper()
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token)
+	if _, err := e.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: scope, Key: key, Lease: durationpb.New(time.Second)}); err != nil {
+		e.t.Fatal(err)
+	}
+	e.coord.Clock.Advance(2 * time.Second)
+}
+
+// lookup reads a record as tenant token.
+func (e *consoleEnv) lookup(token, scope, key string) (*idempotencyv1.Record, error) {
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token)
+	r, err := e.client.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: scope, Key: key})
+	return r.GetRecord(), err
+}
+
+// browser is an HTTP client with cookies that does not follow redirects.
+type browser struct {
+	t   *testing.T
+	c   *http.Client
+	url string
+}
+
+func (e *consoleEnv) browser() *browser {
+	jar, err := cookiejar.New(nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	c := e.http.Client()
+	c.Jar = jar
+	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	return &browser{t: e.t, c: c, url: e.http.URL}
+}
+
+// response is what a request got.
+type response struct {
+	code     int
+	body     string
+	location string
+	header   http.Header
+}
+
+func (b *browser) do(req *http.Request) response {
+	b.t.Helper()
+	resp, err := b.c.Do(req)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	return response{code: resp.StatusCode, body: string(body), location: resp.Header.Get("Location"), header: resp.Header}
+}
+
+func (b *browser) get(path string) response {
+	b.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, b.url+path, nil)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	return b.do(req)
+}
+
+// post sends a URL-encoded form, with extra headers.
+func (b *browser) post(path string, form url.Values, headers ...string) response {
+	b.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, b.url+path, strings.NewReader(form.Encode()))
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	return b.do(req)
+}
+
+var csrfField = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
+
+// csrf loads a console page and returns the CSRF token of its forms.
+func (b *browser) csrf() string {
+	b.t.Helper()
+	r := b.get("/console/login")
+	m := csrfField.FindStringSubmatch(r.body)
+	if m == nil {
+		b.t.Fatalf("no CSRF field in the login page: %d %s", r.code, r.body)
+	}
+	return m[1]
+}
+
+// login signs in with token and returns the answer.
+func (b *browser) login(token string) response {
+	b.t.Helper()
+	return b.post("/console/login", url.Values{"csrf": {b.csrf()}, "token": {token}, "next": {"/console/"}})
+}
+
+func recordPath(scope, key string) string {
+	return "/console/record?" + url.Values{"scope": {scope}, "key": {key}}.Encode()
+}
