@@ -265,7 +265,7 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 // recordPage is the record page's data.
 type recordPage struct {
 	Record    *idempotencyv1.Record
-	Unknown   bool
+	Unknown   bool // needs a decision: UNKNOWN, or an uncertain FAILED_RETRYABLE
 	BodyText  string
 	BodyHex   string
 	BodyBytes int
@@ -281,7 +281,8 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rec := resp.GetRecord()
-	p := &recordPage{Record: rec, Unknown: rec.GetState() == idempotencyv1.State_STATE_UNKNOWN}
+	p := &recordPage{Record: rec, Unknown: rec.GetState() == idempotencyv1.State_STATE_UNKNOWN ||
+		rec.GetState() == idempotencyv1.State_STATE_FAILED_RETRYABLE && rec.GetUncertain()}
 	if res := rec.GetResponse(); res != nil {
 		body := res.GetBody()
 		p.BodyBytes = len(body)

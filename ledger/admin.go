@@ -214,9 +214,11 @@ type ResolveParams struct {
 	Response *statemachine.Response
 }
 
-// Resolve ends an UNKNOWN record (one whose lease ran out included) as an
-// operator decided, under the record's row lock: see statemachine's
-// EventResolve. A record in any other state is refused with
+// Resolve ends a record that needs a decision (UNKNOWN, one whose lease ran
+// out included, or an uncertain FAILED_RETRYABLE: see
+// statemachine.Record.NeedsDecision) as an operator decided, under the
+// record's row lock: see statemachine's EventResolve. Any other record is
+// refused with
 // statemachine.ErrNotUnknown, a missing one with statemachine.ErrNotFound.
 // Waiting Begins wake, as on every write.
 func (s *Store) Resolve(ctx context.Context, p *ResolveParams) (*Result, error) {

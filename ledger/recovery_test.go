@@ -250,3 +250,30 @@ func TestHeartbeatNeverRevivesAnEndedAttempt(t *testing.T) {
 		})
 	}
 }
+
+// An uncertain FAILED_RETRYABLE record needs a decision like UNKNOWN: an
+// operator can Resolve it, and the next Begin after a Resolve as retryable
+// reads certain again.
+func TestResolveUncertainRetryable(t *testing.T) {
+	t.Parallel()
+	s, clock, _ := newClockedStore(t)
+	ctx := context.Background()
+	fp := []byte("charge 100 EUR")
+	pol := statemachine.Policy{}
+	mustAcquire(t, s, "a1", fp, pol, statemachine.StateNone)
+	clock.Advance(11 * time.Second) // attempt 1's lease lapses
+	a2 := mustAcquire(t, s, "a2", fp, pol, statemachine.StateUnknown)
+	if _, err := failAs(t, s, a2.Record.LeaseToken, statemachine.FailureRetryable); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.Resolve(ctx, &ledger.ResolveParams{ID: recoveryID, As: statemachine.StateFailedRetryable})
+	if err != nil || res.Record.State != statemachine.StateFailedRetryable || res.Record.Uncertain {
+		t.Fatalf("Resolve an uncertain FAILED_RETRYABLE as retryable: %+v %v", res, err)
+	}
+	// Now certain: the next attempt is told FAILED_RETRYABLE, and a
+	// second Resolve finds nothing to decide.
+	mustAcquire(t, s, "a3", fp, pol, statemachine.StateFailedRetryable)
+	if _, err := s.Resolve(ctx, &ledger.ResolveParams{ID: recoveryID, As: statemachine.StateCompleted}); !errors.Is(err, statemachine.ErrNotUnknown) {
+		t.Fatalf("Resolve of an IN_PROGRESS record: %v, want ErrNotUnknown", err)
+	}
+}

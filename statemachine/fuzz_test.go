@@ -338,10 +338,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 		fail("EnteredUnknown without writing UNKNOWN down, taking it over or resolving a lapse")
 	}
 
-	// Resolve ends only a record that reads UNKNOWN, as COMPLETED or
-	// FAILED_RETRYABLE, and revokes the holder's token.
+	// Resolve ends only a record that needs a decision (reads UNKNOWN, or
+	// an uncertain FAILED_RETRYABLE), as COMPLETED or FAILED_RETRYABLE, and
+	// revokes the holder's token.
 	if ev.Kind == EventResolve && cur != nil {
-		if eff.State != StateUnknown && !errors.Is(d.Err, ErrNotUnknown) {
+		decidable := eff.State == StateUnknown || eff.State == StateFailedRetryable && eff.Uncertain
+		if !decidable && !errors.Is(d.Err, ErrNotUnknown) {
 			fail("a Resolve of a record that reads %v is not NOT_UNKNOWN", eff.State)
 		}
 		if d.Err == nil && (d.Record.State != ev.ResolveAs || d.Record.LeaseToken != "" || d.Record.AttemptID != "" ||

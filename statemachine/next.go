@@ -26,9 +26,10 @@ var (
 	ErrSchemaVersionNotAccepted = errors.New("stored schema version is not accepted")
 	// ErrKeyExpired: the record expired and the policy rejects a restart.
 	ErrKeyExpired = errors.New("key expired and the policy rejects reuse")
-	// ErrNotUnknown: a Resolve found the record in a state other than
-	// UNKNOWN (as in effect now). The error names that state.
-	ErrNotUnknown = errors.New("only an UNKNOWN record can be resolved")
+	// ErrNotUnknown: a Resolve found a record that needs no decision: not
+	// UNKNOWN and not an uncertain FAILED_RETRYABLE (as in effect now). The
+	// error names its state.
+	ErrNotUnknown = errors.New("only an UNKNOWN or uncertain record can be resolved")
 )
 
 // ResolvedReason is the failure_reason of a record resolved as
@@ -299,8 +300,8 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 }
 
-// resolve ends an UNKNOWN record (a lapsed lease included) as an operator
-// decided: COMPLETED with ev.Response, or FAILED_RETRYABLE, expiring after
+// resolve ends a record that needs a decision (UNKNOWN, a lapsed lease
+// included, or an uncertain FAILED_RETRYABLE) as an operator decided: COMPLETED with ev.Response, or FAILED_RETRYABLE, expiring after
 // the record's own ttl or failure_ttl like an ending call. The operator
 // takes the holder's place: its token and attempt_id stop being valid, so a
 // late Complete, Fail or Heartbeat of the vanished holder fails LEASE_LOST.
@@ -309,7 +310,7 @@ func resolve(cur *Record, ev Event, now time.Time) Decision {
 		return Decision{Err: ErrNotFound}
 	}
 	eff := Effective(*cur, now)
-	if eff.State != StateUnknown {
+	if !eff.NeedsDecision() {
 		return refuse(fmt.Errorf("%w: it is %v", ErrNotUnknown, eff.State), eff)
 	}
 	rec := eff

@@ -933,6 +933,12 @@ func nextRows() []row {
 		{"UNKNOWN taken over from FAILED_RETRYABLE, attempt 2/Resolve COMPLETED/attempt and fingerprint kept",
 			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evResolve(StateCompleted, respOK()), polDefault,
 			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"FAILED_RETRYABLE uncertain/Resolve COMPLETED/it needs a decision: COMPLETED, certain, expires ttl after",
+			fxRetryableUncertain(), evResolve(StateCompleted, respOK()), polDefault,
+			wantUpdated(with(fxRetryableUncertain(), resolvedAs(StateCompleted, respOK(), "", recTTL)))},
+		{"FAILED_RETRYABLE uncertain/Resolve FAILED_RETRYABLE/certain again, expires failure_ttl after",
+			fxRetryableUncertain(), evResolve(StateFailedRetryable, nil), polDefault,
+			wantUpdated(with(fxRetryableUncertain(), resolvedAs(StateFailedRetryable, nil, ResolvedReason, recFailureTTL)))},
 		{"IN_PROGRESS lapsed/Resolve COMPLETED/reads UNKNOWN so it resolves; the lapse is counted",
 			fxLapsed(), evResolve(StateCompleted, respOK()), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
@@ -984,7 +990,7 @@ func nextRows() []row {
 	// Resolve refuses every record that does not read UNKNOWN, whatever the
 	// resolution, and changes nothing.
 	for _, s := range fixtureStates() {
-		if s.reads.State == StateUnknown {
+		if s.reads.NeedsDecision() {
 			continue
 		}
 		for _, as := range []State{StateCompleted, StateFailedRetryable} {

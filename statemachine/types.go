@@ -177,6 +177,14 @@ type Record struct {
 	ExpiresAt      time.Time
 }
 
+// NeedsDecision reports whether r (as in effect now: see Effective) waits
+// for somebody to find out what an earlier attempt did: it reads UNKNOWN,
+// or it is a FAILED_RETRYABLE record of an uncertain generation. Such
+// records never expire; an operator's Resolve ends them.
+func (r Record) NeedsDecision() bool {
+	return r.State == StateUnknown || r.State == StateFailedRetryable && r.Uncertain
+}
+
 // EventKind names an event.
 type EventKind uint8
 

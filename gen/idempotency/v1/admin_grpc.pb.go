@@ -40,8 +40,10 @@ type AdminClient interface {
 	// STATE_UNKNOWN, a COMPLETED or FAILED_* record past expires_at reads
 	// STATE_EXPIRED. Listed records carry no response; Lookup shows it.
 	ListRecords(ctx context.Context, in *ListRecordsRequest, opts ...grpc.CallOption) (*ListRecordsResponse, error)
-	// Resolve ends a record that reads STATE_UNKNOWN (a lapsed lease
-	// included) as an operator decided after reconciliation: COMPLETED with
+	// Resolve ends a record that needs a decision, one that reads
+	// STATE_UNKNOWN (a lapsed lease included) or an uncertain
+	// STATE_FAILED_RETRYABLE (Record.uncertain), as an operator decided after
+	// reconciliation: COMPLETED with
 	// the given response, replayed to every later Begin, or FAILED_RETRYABLE,
 	// so the next Begin acquires. It expires like an ending call (ttl or
 	// failure_ttl from now), and the vanished holder's lease token stops
@@ -133,8 +135,10 @@ type AdminServer interface {
 	// STATE_UNKNOWN, a COMPLETED or FAILED_* record past expires_at reads
 	// STATE_EXPIRED. Listed records carry no response; Lookup shows it.
 	ListRecords(context.Context, *ListRecordsRequest) (*ListRecordsResponse, error)
-	// Resolve ends a record that reads STATE_UNKNOWN (a lapsed lease
-	// included) as an operator decided after reconciliation: COMPLETED with
+	// Resolve ends a record that needs a decision, one that reads
+	// STATE_UNKNOWN (a lapsed lease included) or an uncertain
+	// STATE_FAILED_RETRYABLE (Record.uncertain), as an operator decided after
+	// reconciliation: COMPLETED with
 	// the given response, replayed to every later Begin, or FAILED_RETRYABLE,
 	// so the next Begin acquires. It expires like an ending call (ttl or
 	// failure_ttl from now), and the vanished holder's lease token stops
