@@ -31,10 +31,10 @@ test: lint
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
-## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability; each prints a `chaos: <test>:` line
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL; each prints a `chaos: <test>:` line
 .PHONY: chaos fuzz-short
 chaos:
-	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/
+	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
 ## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does; a new input is
 ## minimized for at most 2s (the default 60s would eat a short run)

@@ -7,7 +7,12 @@
 // a row lock. Every write is committed before the method that made it
 // returns. Errors are the statemachine's refusals, ErrUnavailable when the
 // database cannot be reached, or context errors; no pgx type leaves the
-// package.
+// package, except the transaction RunTx lends to its function.
+//
+// Same-transaction mode: a Go service whose side effect is a write to its
+// own PostgreSQL applies Migrate to that database, opens a Store on it with
+// Open, and runs each request through Store.RunTx, which commits the record
+// with the service's own writes. The coordinator can serve the same table.
 //
 // It imports statemachine and pgx, never gRPC or the server.
 package ledger
