@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"testing"
 	"time"
@@ -128,5 +129,52 @@ func TestLegacyRowsUpgrade(t *testing.T) {
 	}
 	if bytes.Equal(storedFP, fp) || reason == "reason in clear" {
 		t.Fatalf("converted row still holds the raw fingerprint or the reason in clear: %x %q", storedFP, reason)
+	}
+}
+
+// TestRunTxSealed: RunTx in a store with a keyring seals what it stores and
+// keys the fingerprint as Begin does, so a RunTx and a gRPC Begin of the
+// same key compare fingerprints alike, and the table holds neither the
+// response nor the raw fingerprint.
+func TestRunTxSealed(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	key := make([]byte, KeySize)
+	_, _ = rand.Read(key)
+	ring, err := NewKeyring("k1", map[string][]byte{"k1": key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(ctx, url, WithKeyring(ring))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	id := Identity{Tenant: "t", Scope: "s", Key: "order-1"}
+	fp := []byte("request 4111111111111111")
+	run := func(fp []byte) (*statemachine.Response, bool, error) {
+		return s.RunTx(ctx, id, TxOptions{Fingerprint: fp}, func(context.Context, pgx.Tx) (*statemachine.Response, error) {
+			return &statemachine.Response{Body: []byte("paid with 4111111111111111"), StatusCode: 201}, nil
+		})
+	}
+	if _, replayed, err := run(fp); err != nil || replayed {
+		t.Fatalf("first RunTx: %v %v", replayed, err)
+	}
+	if resp, replayed, err := run(fp); err != nil || !replayed || string(resp.Body) != "paid with 4111111111111111" {
+		t.Fatalf("second RunTx: %v %v %v", resp, replayed, err)
+	}
+	if _, _, err := run([]byte("another request")); !errors.Is(err, statemachine.ErrFingerprintMismatch) {
+		t.Fatalf("another fingerprint: %v", err)
+	}
+	res, err := s.Begin(ctx, &BeginParams{ID: id, Event: statemachine.Event{Fingerprint: fp, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Minute}})
+	if err != nil || res.Outcome != statemachine.OutcomeReplay {
+		t.Fatalf("Begin of the RunTx key with the same fingerprint: %+v %v", res, err)
+	}
+	var row string
+	if err := s.pool.QueryRow(ctx, `SELECT r::text FROM idempotency_records r`).Scan(&row); err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains([]byte(row), []byte("4111")) || bytes.Contains([]byte(row), []byte(hex.EncodeToString([]byte("4111")))) {
+		t.Fatalf("stored in clear: %s", row)
 	}
 }
