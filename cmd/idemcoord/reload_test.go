@@ -132,21 +132,38 @@ tenants:
 		}
 	}
 	doorShut("at start")
-	failures := 0.0
-	waitRefused := func(stage string) {
+	// refusals counts the logged refusals triggered by why whose reason
+	// contains marker. A write is seen by the file watch, and may be seen
+	// twice (truncate, then write); SIGHUP reloads once more: each stage
+	// waits for a refusal of its own trigger and reason, counted from
+	// before its action.
+	refusals := func(why, marker string) int {
+		n := 0
+		for _, l := range strings.Split(p.logs.String(), "\n") {
+			if strings.Contains(l, "config reload refused") && strings.Contains(l, why) && strings.Contains(l, marker) {
+				n++
+			}
+		}
+		return n
+	}
+	expectRefusal := func(stage, why, marker string, action func()) {
 		t.Helper()
-		failures++
+		before := refusals(why, marker)
+		action()
 		deadline := time.Now().Add(30 * time.Second)
-		for metricValue(t, httpAddr, "idempotency_config_reload_failures_total") < failures {
+		for refusals(why, marker) <= before {
 			if time.Now().After(deadline) {
-				t.Fatalf("%s: idempotency_config_reload_failures_total stayed below %v\n%s", stage, failures, p.logs)
+				t.Fatalf("%s: no refusal (%s, %q) logged\n%s", stage, why, marker, p.logs)
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
-		if n := strings.Count(p.logs.String(), "config reload refused"); float64(n) < failures {
-			t.Fatalf("%s: %d refusals logged, want %v\n%s", stage, n, failures, p.logs)
-		}
 		doorShut(stage)
+	}
+	write := func(content string) {
+		t.Helper()
+		if err := os.WriteFile(cfg, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
 	hup := func() {
 		t.Helper()
@@ -154,42 +171,37 @@ tenants:
 			t.Fatal(err)
 		}
 	}
+	const byWatch, bySignal = `why="file changed"`, "why=SIGHUP"
 
 	// Truncated in place to nothing (the file watch sees the write).
-	if err := os.Truncate(cfg, 0); err != nil {
-		t.Fatal(err)
-	}
-	waitRefused("truncated to nothing")
+	expectRefusal("truncated to nothing", byWatch, "is empty", func() {
+		if err := os.Truncate(cfg, 0); err != nil {
+			t.Fatal(err)
+		}
+	})
 	// Cut in the middle of the tenants, as a slow rewrite leaves it.
 	cut := full[:strings.Index(full, "  - { name: builds")+len("  - { name: bui")]
-	if err := os.WriteFile(cfg, []byte(cut), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	waitRefused("cut mid-tenant")
-	// An operator deletes the tenants: auth would go off.
-	if err := os.WriteFile(cfg+".new", []byte("scopes:\n  - { match: \"build\", ttl: 60s }\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(cfg+".new", cfg); err != nil {
-		t.Fatal(err)
-	}
-	hup()
-	waitRefused("tenants deleted")
-	if !strings.Contains(p.logs.String(), "turning auth off takes a restart") {
-		t.Fatalf("the refusal does not say why\n%s", p.logs)
-	}
+	expectRefusal("cut mid-tenant", byWatch, "did not find expected", func() { write(cut) })
+	// An operator deletes the tenants (renaming the new file over the old
+	// one) and sends SIGHUP: auth would go off.
+	expectRefusal("tenants deleted", bySignal, "turning auth off takes a restart", func() {
+		if err := os.WriteFile(cfg+".new", []byte("scopes:\n  - { match: \"build\", ttl: 60s }\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(cfg+".new", cfg); err != nil {
+			t.Fatal(err)
+		}
+		hup()
+	})
 	// Only comments left.
-	if err := os.WriteFile(cfg, []byte("# tenants: moved elsewhere\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	hup()
-	waitRefused("only comments")
+	expectRefusal("only comments", bySignal, "is empty", func() {
+		write("# tenants: moved elsewhere\n")
+		hup()
+	})
 
 	// A valid edit that narrows access still reloads: builds is removed.
 	narrowed := strings.Replace(full, fmt.Sprintf("  - { name: builds, token_sha256: %s, scopes: [\"*\"] }\n", tokenHash("build-secret")), "", 1)
-	if err := os.WriteFile(cfg, []byte(narrowed), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	write(narrowed)
 	hup()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -203,8 +215,17 @@ tenants:
 		time.Sleep(50 * time.Millisecond)
 	}
 	doorShut("narrowed")
-	if got := metricValue(t, httpAddr, "idempotency_config_reload_failures_total"); got != failures {
-		t.Fatalf("failures = %v after a good reload, want %v", got, failures)
+	// Every refusal was counted once, and only refusals were.
+	deadline = time.Now().Add(30 * time.Second)
+	for {
+		got, logged := metricValue(t, httpAddr, "idempotency_config_reload_failures_total"), refusals("", "")
+		if got == float64(logged) && logged >= 4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("idempotency_config_reload_failures_total = %v, %d refusals logged\n%s", got, logged, p.logs)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 
