@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
@@ -84,12 +85,21 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	<-timer.C
+	var last *ledger.Result
 	for {
 		res, err := s.store.Begin(ctx, p)
-		if err != nil {
-			return nil, err
-		}
 		left := time.Until(giveUp)
+		if err != nil {
+			// A re-read that finds the database unreachable (waiters poll
+			// while change notifications cannot be trusted, an outage
+			// included) keeps waiting on what the last read found; the
+			// outage is the answer only if it outlasts the wait.
+			if last == nil || left <= 0 || !errors.Is(err, ledger.ErrUnavailable) {
+				return nil, err
+			}
+			res = last
+		}
+		last = res
 		// A record held UNKNOWN (on_unknown: hold) waits for an operator,
 		// not for an attempt: answer at once.
 		if res.Outcome != statemachine.OutcomeInProgress || res.Record.State == statemachine.StateUnknown || left <= 0 {

@@ -254,13 +254,17 @@ func (s *Server) RunReaper(ctx context.Context) {
 }
 
 // ReapOnce runs one reaper pass with the current settings and counts the
-// leases it found lapsed.
+// leases it found lapsed and the records it archived.
 func (s *Server) ReapOnce(ctx context.Context) error {
-	rs := s.policies.Load().Reaper()
-	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention})
+	pols := s.policies.Load()
+	rs := pols.Reaper()
+	unknownRetention, scopeRetention := pols.unknownRetention()
+	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention,
+		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention})
 	s.metrics.observeReap(res)
-	if res.Unknown+res.Expired+res.Deleted > 0 {
-		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted)
+	if res.Unknown+res.Expired+res.Deleted+res.Archived > 0 {
+		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted,
+			"archived", res.Archived)
 	}
 	return err
 }

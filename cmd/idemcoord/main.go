@@ -14,6 +14,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -51,6 +52,7 @@ type config struct {
 	otlpEndpoint    string
 	metricsToken    string
 	shutdownTimeout time.Duration
+	maxStreams      uint
 	console         bool
 }
 
@@ -77,10 +79,15 @@ func parseFlags(args []string) (*config, error) {
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
 	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
+	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envUint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
+		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
 	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if c.maxStreams == 0 || c.maxStreams > math.MaxUint32 {
+		return nil, fmt.Errorf("--max-concurrent-streams %d: want 1 to %d", c.maxStreams, uint32(math.MaxUint32))
 	}
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
@@ -153,6 +160,16 @@ func readMetricsToken(path string) (string, error) {
 		return "", fmt.Errorf("--metrics-token-file %s is empty", path)
 	}
 	return token, nil
+}
+
+// envUint returns the environment variable name as a number, or def when
+// it is unset or not a number (the flag's check then reports a bad value).
+func envUint(name string, def uint) uint {
+	v, err := strconv.ParseUint(os.Getenv(name), 10, 64)
+	if err != nil {
+		return def
+	}
+	return uint(v)
 }
 
 func envBool(name string) bool {
@@ -244,7 +261,8 @@ func run(args []string, logOut *os.File) error {
 		go checkLegacyRows(ctx, logger, store, k)
 	}
 
-	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
+	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
+		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams)))}
 	if metricsToken != "" {
 		sopts = append(sopts, server.WithMetricsToken(metricsToken))
 	}
