@@ -19,6 +19,19 @@ all: test
 run: build
 	@scripts/run-local.sh
 
+## test-pgbouncer: every server behaviour test with the coordinator behind a PgBouncer in transaction
+## pooling mode, LISTEN direct and notifications off (`make test` runs a representative set)
+.PHONY: test-pgbouncer
+test-pgbouncer:
+	IDEMCOORD_TEST_PGBOUNCER=listen go test -race -count=1 ./server/
+	IDEMCOORD_TEST_PGBOUNCER=poll go test -race -count=1 ./server/
+
+## run-ha: the coordinator on a local pg_auto_failover cluster under .data-ha/ (monitor + three nodes,
+## number_sync_standbys = 1) via its multi-host URL; `scripts/run-ha.sh failover` in another terminal fails over
+.PHONY: run-ha
+run-ha: build
+	@scripts/run-ha.sh
+
 ## build: compile every package and the binaries into ./bin
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
@@ -47,6 +60,7 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzFail$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzParsePolicies$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzAuthenticate$$'
+	go test ./clients $(FUZZFLAGS) -fuzz '^FuzzParseIdempotencyKey$$'
 
 ## lint: gofmt, go vet, buf lint, generated code up to date
 lint: tools check-generated

@@ -260,19 +260,30 @@ type ForgetParams struct {
 // Complete, Fail or Heartbeat then finds no record; the next Begin acquires
 // the key as new. Waiting Begins wake.
 func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Record, error) {
-	row := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+	type deleted struct {
+		rec statemachine.Record
+		now time.Time
+	}
+	// The DELETE commits by itself: never cancelled by ctx (see
+	// commitTimeout).
+	d, err := detached(ctx, func(cctx context.Context) (deleted, error) {
+		row := s.pool.QueryRow(cctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
 		DELETE FROM idempotency_records USING clock
 		WHERE tenant = $1 AND scope = $2 AND key = $3
 		RETURNING `+recordColumns+`, clock.now`,
-		p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
-	var rec statemachine.Record
-	var now time.Time
-	id := p.ID
-	dest, fin := s.scanTargetsMode(&rec, &id, scanLenient)
-	err := row.Scan(append(dest, &now)...)
-	if err == nil {
-		err = fin()
-	}
+			p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
+		// Leniently: a record that does not open is forgotten too, and
+		// returned without its sealed columns.
+		var d deleted
+		id := p.ID
+		dest, fin := s.scanTargetsMode(&d.rec, &id, scanLenient)
+		err := row.Scan(append(dest, &d.now)...)
+		if err == nil {
+			err = fin()
+		}
+		return d, err
+	})
+	rec, now := d.rec, d.now
 	if err == pgx.ErrNoRows {
 		return statemachine.Record{}, statemachine.ErrNotFound
 	}

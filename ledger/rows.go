@@ -82,6 +82,23 @@ SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
 
 // insertOrRead runs beginSQL. found is false when no row came back.
 func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+	// The INSERT commits by itself: never cancelled by ctx (see
+	// commitTimeout).
+	type row struct {
+		rec             statemachine.Record
+		inserted, found bool
+		now             time.Time
+	}
+	r, err := detached(ctx, func(cctx context.Context) (row, error) {
+		var r row
+		var err error
+		r.rec, r.inserted, r.now, r.found, err = s.insertOrReadOnce(cctx, id, ev)
+		return r, err
+	})
+	return r.rec, r.inserted, r.now, r.found, err
+}
+
+func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	fp := ev.Fingerprint
 	if fp == nil {
 		fp = []byte{}

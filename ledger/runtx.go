@@ -416,8 +416,12 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		return dbErr(err)
 	}
 	// A COMMIT is never cancelled by the caller: a cancelled commit may have
-	// happened anyway, and the caller could not tell.
-	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
+	// happened anyway, and the caller could not tell; and a cancelled wait
+	// for a synchronous standby commits locally only (see commitTimeout).
+	cctx, cancel := commitContext(ctx)
+	err = tx.Commit(cctx)
+	cancel()
+	if err != nil {
 		return out, classify(err)
 	}
 	committed = true

@@ -49,9 +49,32 @@ type options struct {
 	keyring  *Keyring
 	noBatch  bool
 	cacheMax int64
+	// notifyURL, if set, is where the change listener connects;
+	// noNotify turns the listener off (see WithoutNotifications).
+	notifyURL string
+	noNotify  bool
 	// notifyQueueLimit, when set, is the session's
 	// idemcoord.notify_queue_limit (tests lower it).
 	notifyQueueLimit string
+}
+
+// WithNotifyDatabaseURL makes the change listener (one connection that
+// LISTENs) connect to url instead of the database URL given to Open: to
+// reach PostgreSQL directly when the other connections go through a
+// transaction-pooling PgBouncer, where LISTEN does not work. url may be
+// multi-host, like the database URL.
+func WithNotifyDatabaseURL(url string) Option {
+	return func(o *options) { o.notifyURL = url }
+}
+
+// WithoutNotifications runs without the change listener: no LISTEN
+// connection and no replay cache (every Begin reads the database), and
+// subscribers (waiting Begins) are woken every second to read again, as
+// they are whenever notifications cannot be trusted, instead of by a
+// notification. For a database reached only through a transaction-pooling
+// PgBouncer.
+func WithoutNotifications() Option {
+	return func(o *options) { o.noNotify = true }
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -115,7 +138,10 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if !hasParam(databaseURL, "application_name") {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	}
+	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
 	if o.notifyQueueLimit != "" {
 		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
 	}
@@ -127,7 +153,29 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
-	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
+	listenCfg := cfg.ConnConfig.Copy()
+	if o.notifyURL != "" {
+		ncfg, err := pgx.ParseConfig(o.notifyURL)
+		if err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("ledger: parse notify database URL: %w", err)
+		}
+		for _, p := range []string{"synchronous_commit", "application_name", "idemcoord.notify_queue_limit"} {
+			if v, ok := cfg.ConnConfig.RuntimeParams[p]; ok {
+				ncfg.RuntimeParams[p] = v
+			}
+		}
+		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
+		listenCfg = ncfg
+	}
+	s.notifier = newNotifier(listenCfg, o.logger)
+	if o.noNotify {
+		// No listener: the notifier never trusts notifications, so
+		// subscribers poll, and there is no replay cache (it learns of
+		// changes only from notifications) and no ping.
+		s.notifier.noListen = true
+		o.cacheMax = 0
+	}
 	if !o.noBatch {
 		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
@@ -147,7 +195,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	s.stopPing, s.pingDone = cancel, make(chan struct{})
 	go func() {
 		defer close(s.pingDone)
-		s.pingLoop(pctx)
+		if !o.noNotify {
+			s.pingLoop(pctx)
+		}
 	}()
 	return s, nil
 }
@@ -408,16 +458,20 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 
 // completeHeldOne runs completeHeldSQL for one record; rargs are its
 // responseArgs. It returns (nil, nil) when the token does not hold it.
+// The statement commits by itself and is never cancelled by ctx (see
+// commitTimeout).
 func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, rargs []any) (*Result, error) {
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
-	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
-	if err == pgx.ErrNoRows {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	return detached(ctx, func(cctx context.Context) (*Result, error) {
+		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
+		if err == pgx.ErrNoRows {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	})
 }
 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
@@ -528,7 +582,9 @@ func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
 
 // withTx runs fn in a transaction and commits it. On error it rolls back
 // under context.WithoutCancel, so a cancelled call still releases its locks
-// at once.
+// at once. The COMMIT itself is never cancelled by ctx (see commitTimeout):
+// when ctx ends during it, withTx returns ctx's error and the commit goes
+// on by itself.
 func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -538,7 +594,14 @@ func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) erro
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		return err
 	}
-	return tx.Commit(ctx)
+	if err := ctx.Err(); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	_, err = detached(ctx, func(cctx context.Context) (struct{}, error) {
+		return struct{}{}, tx.Commit(cctx)
+	})
+	return err
 }
 
 // hasParam reports whether a URL or DSN sets the named parameter.

@@ -47,6 +47,7 @@ type Server struct {
 	health    *health.Server
 	ready     atomic.Bool
 	metrics   *metrics
+	api       http.Handler
 	opts      options
 	unary     []grpc.UnaryServerInterceptor // the chain, for AdminConn
 }
@@ -151,6 +152,9 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
+	if s.api, err = newAPIHandler(s.grpc); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -163,10 +167,15 @@ func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
 func (s *Server) Ready() bool { return s.ready.Load() }
 
 // HTTPHandler serves /metrics (Prometheus; behind a bearer token with
-// WithMetricsToken), /healthz (the process is up) and /readyz (the
-// database is reachable: 200, else 503).
+// WithMetricsToken), /healthz (the process is up),
+// /readyz (the database is reachable: 200, else 503), and every Coordinator
+// and Admin method as HTTP/JSON under /idempotency.v1.Coordinator/ and
+// /idempotency.v1.Admin/ (Connect protocol and gRPC-Web, see the README).
 func (s *Server) HTTPHandler() http.Handler {
 	mux := http.NewServeMux()
+	for _, name := range apiServices {
+		mux.Handle("/"+name+"/", s.api)
+	}
 	mux.Handle("GET /metrics", requireBearer(s.opts.metricsToken, promhttp.HandlerFor(s.metrics.registry, promhttp.HandlerOpts{})))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "ok\n")

@@ -42,6 +42,8 @@ type config struct {
 	listen          string
 	httpListen      string
 	databaseURL     string
+	notifyURL       string
+	notifications   string
 	configPath      string
 	tlsCert         string
 	tlsKey          string
@@ -70,6 +72,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.listen, "listen", env("IDEMCOORD_LISTEN", "127.0.0.1:50051"), "gRPC listen address (IDEMCOORD_LISTEN)")
 	fs.StringVar(&c.httpListen, "http-listen", env("IDEMCOORD_HTTP_LISTEN", "127.0.0.1:9090"), "HTTP address for /metrics, /healthz, /readyz (IDEMCOORD_HTTP_LISTEN)")
 	fs.StringVar(&c.databaseURL, "database-url", env("DATABASE_URL", ""), "PostgreSQL URL (DATABASE_URL)")
+	fs.StringVar(&c.notifyURL, "notify-database-url", env("IDEMCOORD_NOTIFY_DATABASE_URL", ""), "direct PostgreSQL URL for the LISTEN connection and migrations, when --database-url goes through a transaction-pooling PgBouncer (IDEMCOORD_NOTIFY_DATABASE_URL)")
+	fs.StringVar(&c.notifications, "notifications", env("IDEMCOORD_NOTIFICATIONS", "on"), "on: a LISTEN connection wakes waiting Begins and keeps the replay cache; off: no LISTEN, no replay cache, waits poll (IDEMCOORD_NOTIFICATIONS)")
 	fs.StringVar(&c.configPath, "config", env("IDEMCOORD_CONFIG", ""), "optional YAML policy file (IDEMCOORD_CONFIG)")
 	fs.StringVar(&c.tlsCert, "tls-cert", env("IDEMCOORD_TLS_CERT", ""), "TLS certificate file (IDEMCOORD_TLS_CERT)")
 	fs.StringVar(&c.tlsKey, "tls-key", env("IDEMCOORD_TLS_KEY", ""), "TLS key file (IDEMCOORD_TLS_KEY)")
@@ -91,6 +95,12 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
+	}
+	if c.notifications != "on" && c.notifications != "off" {
+		return nil, fmt.Errorf("--notifications %q: want on or off", c.notifications)
+	}
+	if c.notifications == "off" && c.notifyURL != "" {
+		return nil, errors.New("--notify-database-url is for the LISTEN connection, which --notifications=off turns off")
 	}
 	if (c.tlsCert == "") != (c.tlsKey == "") {
 		return nil, errors.New("--tls-cert and --tls-key go together")
@@ -244,10 +254,23 @@ func run(args []string, logOut *os.File) error {
 	defer stop()
 
 	logger.Info("applying migrations")
-	if err := migrateWithRetry(ctx, logger, c.databaseURL); err != nil {
+	// Migrations hold a session-level advisory lock, which a transaction
+	// pooler would not keep: they take the direct URL when there is one.
+	migrateURL := c.databaseURL
+	if c.notifyURL != "" {
+		migrateURL = c.notifyURL
+	}
+	if err := migrateWithRetry(ctx, logger, migrateURL); err != nil {
 		return err
 	}
 	lopts := []ledger.Option{ledger.WithLogger(logger)}
+	switch {
+	case c.notifications == "off":
+		lopts = append(lopts, ledger.WithoutNotifications())
+		logger.Info("notifications off: no replay cache, waiting Begins poll")
+	case c.notifyURL != "":
+		lopts = append(lopts, ledger.WithNotifyDatabaseURL(c.notifyURL))
+	}
 	if k := policies.Keyring(); k != nil {
 		lopts = append(lopts, ledger.WithKeyring(k))
 		logger.Info("records are encrypted at rest", "active_key", k.ActiveKeyID(), "accept_legacy_rows", k.AcceptsLegacyRows())
@@ -306,6 +329,16 @@ func run(args []string, logOut *os.File) error {
 		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
 			return err
 		}
+	} else if c.tlsCert != "" {
+		// The HTTP listener serves the API too (HTTP/JSON): with TLS on it
+		// serves HTTPS with the same certificates (as with the console), so
+		// client certificates authenticate there and tokens never travel in
+		// clear.
+		cfg, err := tlsConfig(c)
+		if err != nil {
+			return err
+		}
+		hlis = tls.NewListener(hlis, cfg)
 	}
 	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())

@@ -243,6 +243,15 @@ func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--tls-cert", "a.pem"}); err == nil {
 		t.Fatal("--tls-cert without --tls-key accepted")
 	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--notifications", "maybe"}); err == nil {
+		t.Fatal("--notifications maybe accepted")
+	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--notifications", "off", "--notify-database-url", "postgres://y"}); err == nil {
+		t.Fatal("--notify-database-url with --notifications=off accepted")
+	}
+	if c := parse("--notifications", "off"); c.notifications != "off" {
+		t.Fatalf("--notifications off parsed as %q", c.notifications)
+	}
 }
 
 // TestMaxConcurrentStreamsFlag reads the per-connection stream limit from

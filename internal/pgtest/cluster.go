@@ -404,7 +404,7 @@ func (c *Cluster) logTail() string {
 }
 
 // readyPID reads postmaster.pid and reports the postmaster's PID once it
-// says the server accepts connections.
+// says the server accepts connections (as a primary or a hot standby).
 func readyPID(data string) (int, bool) {
 	b, err := os.ReadFile(filepath.Join(data, "postmaster.pid"))
 	if err != nil {
@@ -412,7 +412,8 @@ func readyPID(data string) (int, bool) {
 	}
 	// Line 1 is the PID, line 8 the status (PostgreSQL 10 and later).
 	lines := strings.Split(string(b), "\n")
-	if len(lines) < 8 || strings.TrimSpace(lines[7]) != "ready" {
+	// A hot standby that accepts read-only connections says "standby".
+	if len(lines) < 8 || (strings.TrimSpace(lines[7]) != "ready" && strings.TrimSpace(lines[7]) != "standby") {
 		return 0, false
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(lines[0]))
