@@ -229,16 +229,6 @@ tenants:
 	}
 }
 
-// httpGet returns the status code of a GET.
-func httpGet(url string) (int, error) {
-	resp, err := http.Get(url)
-	if err != nil {
-		return 0, err
-	}
-	resp.Body.Close()
-	return resp.StatusCode, nil
-}
-
 func TestMetricsTokenFile(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, content string) string {

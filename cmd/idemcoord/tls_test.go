@@ -10,8 +10,10 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
+	"io"
 	"math/big"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -178,11 +180,28 @@ func TestTLSBinary(t *testing.T) {
 		t.Fatalf("idemctl in plaintext against TLS: exit %d\n%s", code, out)
 	}
 
-	if v := metricValue(t, httpAddr, "idempotency_config_reload_failures_total", "Authorization", "Bearer scrape-secret"); v != 0 {
-		t.Fatalf("reload failures = %v", v)
+	// With --tls-cert the HTTP listener serves HTTPS too.
+	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}}}
+	scrape := func(auth string) (int, string) {
+		req, err := http.NewRequest(http.MethodGet, "https://"+httpAddr+"/metrics", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := hc.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
 	}
-	resp, err := httpGet("http://" + httpAddr + "/metrics")
-	if err != nil || resp != 401 {
-		t.Fatalf("/metrics without the token: %v %v", resp, err)
+	if code, body := scrape("Bearer scrape-secret"); code != 200 || !strings.Contains(body, "idempotency_config_reload_failures_total 0") {
+		t.Fatalf("/metrics with the token: %d\n%s", code, body)
+	}
+	if code, _ := scrape(""); code != 401 {
+		t.Fatalf("/metrics without the token: %d, want 401", code)
 	}
 }
