@@ -49,6 +49,19 @@ test: lint
 chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
+## mutants: plant each bug of a fixed list (scripts/mutants.sh) in a throwaway copy, one at a
+## time, and check that the tests named for it fail; prints the score. gremlins-statemachine:
+## the gremlins mutation tool (pinned) over statemachine.
+.PHONY: mutants gremlins-statemachine
+GREMLINS_VERSION := v0.6.0
+mutants:
+	scripts/mutants.sh
+gremlins-statemachine: $(BIN)/.gremlins-$(GREMLINS_VERSION)
+	$(BIN)/gremlins unleash --workers 1 --test-cpu 1 --threshold-efficacy 100 ./statemachine
+$(BIN)/.gremlins-$(GREMLINS_VERSION):
+	GOBIN=$(BIN) go install github.com/go-gremlins/gremlins/cmd/gremlins@$(GREMLINS_VERSION)
+	@touch $@
+
 ## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does; a new input is
 ## minimized for at most 2s (the default 60s would eat a short run)
 FUZZTIME  ?= 10s
