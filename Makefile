@@ -71,6 +71,8 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzBegin$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzComplete$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzFail$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzParsePolicies$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzAuthenticate$$'
 	go test ./clients $(FUZZFLAGS) -fuzz '^FuzzParseIdempotencyKey$$'
 
 ## lint: gofmt, go vet, buf lint, generated code up to date

@@ -15,9 +15,12 @@ import (
 // this way either committed entirely or not at all.
 var ErrUnavailable = errors.New("database unavailable")
 
-// ErrUnreadable wraps failures to decode or decrypt a stored row (for
-// instance a row encrypted under a key no longer configured). Retrying does
-// not help.
+// ErrUnreadable wraps failures to decode or decrypt a stored row: a row
+// encrypted under a key no longer configured, a row whose sealed columns or
+// bound clear columns were altered in the table, or a row in clear where
+// encryption is required. Retrying does not help; the error never carries
+// the row's contents. The server answers it DATA_LOSS with ErrorInfo
+// reason RECORD_UNREADABLE. Only the call that read the row fails.
 var ErrUnreadable = errors.New("stored record cannot be read")
 
 // readOnlySQLState is read_only_sql_transaction: the node takes no writes

@@ -265,7 +265,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 // Begin applies to its event before statemachine.Next (such as a keyed
 // fingerprint) belongs here too, so both modes store and compare alike.
 func (s *Store) txBeginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
-	return ev
+	return s.beginEventFor(id, cur, ev)
 }
 
 // replayOf is RunTx's answer for a replayed record.

@@ -89,10 +89,14 @@ func WithLogger(l *slog.Logger) Option {
 	return func(o *options) { o.logger = l }
 }
 
-// WithKeyring encrypts stored responses (body and metadata) at rest with
-// the keyring's active key and decrypts rows written under any of its keys.
-// Without it, responses are stored in clear, and encrypted rows cannot be
-// read (ErrUnknownKey).
+// WithKeyring seals every record's sensitive columns (the response's body
+// and metadata, the failure reason) at rest with the keyring's active key,
+// stores fingerprints as keyed hashes, and opens rows written under any of
+// its keys. A row that does not open, or that is in clear (unless the
+// keyring accepts legacy rows), fails ErrUnreadable. Without it, records
+// are stored in clear, and sealed rows cannot be read (ErrUnknownKey).
+// With it, Complete always takes the locked path (two statements in a
+// transaction instead of one), since the seal binds counters it reads.
 func WithKeyring(k *Keyring) Option {
 	return func(o *options) { o.keyring = k }
 }
@@ -282,6 +286,10 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 
 // begin is Begin with ev's new token chosen.
 func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
+	// ev carries the caller's fingerprint; a new row stores it keyed under
+	// the active key, an existing one is compared in its own stored form.
+	insert := ev
+	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -291,7 +299,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		s.cache.misses.Add(1)
 		seq = s.cache.snapshot()
 	}
-	rec, inserted, now, found, err := s.beginRead(ctx, p, ev)
+	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err
 	}
@@ -305,12 +313,12 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		inserted = true
 	}
 	if inserted {
-		d := statemachine.Next(nil, ev, p.Policy, now)
+		d := statemachine.Next(nil, insert, p.Policy, now)
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
 	if found {
-		d := statemachine.Next(&rec, ev, p.Policy, now)
+		d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
 		if d.Err != nil {
 			return nil, d.Err
 		}
@@ -338,11 +346,26 @@ func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, boo
 	if !now.Add(cacheExpiryMargin).Before(rec.ExpiresAt) {
 		return nil, false
 	}
-	d := statemachine.Next(&rec, ev, p.Policy, now)
+	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
 	if d.Write != statemachine.WriteNone {
 		return nil, false
 	}
 	return &Result{Decision: d, Now: now}, true
+}
+
+// beginEventFor returns the Begin event ev, which carries the caller's
+// fingerprint, with the fingerprint in the stored form of record id (cur
+// nil: a new record); other events are returned as they are.
+func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
+	if ev.Kind != statemachine.EventBegin || s.keyring == nil {
+		return ev
+	}
+	var stored []byte
+	if cur != nil {
+		stored = cur.Fingerprint
+	}
+	ev.Fingerprint = s.keyring.fingerprintFor(id, stored, ev.Fingerprint)
+	return ev
 }
 
 // beginRead creates the key with ev's token, or reads its record: in a
@@ -377,11 +400,14 @@ func submitErr(ctx context.Context) error {
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
 //
-// A Complete by the holder of the lease takes one statement; anything else
-// (a stale token, a repeat, a record that ended) takes the locked path,
+// A Complete by the holder of the lease takes one statement (without a
+// keyring); anything else (a stale token, a repeat, a record that ended,
+// and every Complete when responses are encrypted) takes the locked path,
 // which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
-	if p.Event.Kind == statemachine.EventComplete {
+	// With a keyring the response is sealed bound to the record's
+	// generation and attempt, which only the locked path reads first.
+	if p.Event.Kind == statemachine.EventComplete && s.keyring == nil {
 		res, err := s.completeHeld(ctx, p.ID, p.Event)
 		if err != nil || res != nil {
 			return res, err
@@ -410,7 +436,7 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	if resp == nil {
 		resp = &statemachine.Response{}
 	}
-	rargs, err := s.responseArgs(id, resp)
+	rargs, err := s.responseArgs(id, resp, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -504,7 +530,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		default:
 			curp = &cur
 		}
-		d := statemachine.Next(curp, ev, pol, now)
+		d := statemachine.Next(curp, s.beginEventFor(id, curp, ev), pol, now)
 		res = &Result{Decision: d, Now: now}
 		if d.Err != nil {
 			return nil // a refusal writes nothing; committing releases the lock

@@ -152,7 +152,7 @@ func TestHTTPSWithClientCertificate(t *testing.T) {
 	serverFile := writePEM("server.pem", serverDER, serverKey)
 	clientDER, clientKey := issue(t, ca, caKey, "builds", false)
 	cfg := filepath.Join(dir, "idemcoord.yaml")
-	if err := os.WriteFile(cfg, []byte("tenants:\n  - { name: builds, scopes: [\"build\"] }\n"), 0o600); err != nil {
+	if err := os.WriteFile(cfg, []byte("tenants:\n  - { name: builds, client_cert_names: [builds], scopes: [\"build\"] }\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 

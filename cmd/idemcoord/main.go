@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -51,6 +52,7 @@ type config struct {
 	logFormat       string
 	logLevel        string
 	otlpEndpoint    string
+	metricsToken    string
 	shutdownTimeout time.Duration
 	maxStreams      uint
 	console         bool
@@ -80,6 +82,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
 	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envUint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
 		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
 	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
@@ -155,6 +158,20 @@ func tlsConfig(c *config) (*tls.Config, error) {
 	return cfg, nil
 }
 
+// readMetricsToken reads the /metrics bearer token from path (surrounding
+// white space removed).
+func readMetricsToken(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("--metrics-token-file: %w", err)
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("--metrics-token-file %s is empty", path)
+	}
+	return token, nil
+}
+
 // envUint returns the environment variable name as a number, or def when
 // it is unset or not a number (the flag's check then reports a bad value).
 func envUint(name string, def uint) uint {
@@ -226,6 +243,12 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
+	var metricsToken string
+	if c.metricsToken != "" {
+		if metricsToken, err = readMetricsToken(c.metricsToken); err != nil {
+			return err
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -250,16 +273,22 @@ func run(args []string, logOut *os.File) error {
 	}
 	if k := policies.Keyring(); k != nil {
 		lopts = append(lopts, ledger.WithKeyring(k))
-		logger.Info("stored responses are encrypted at rest")
+		logger.Info("records are encrypted at rest", "active_key", k.ActiveKeyID(), "accept_legacy_rows", k.AcceptsLegacyRows())
 	}
 	store, err := ledger.Open(ctx, c.databaseURL, lopts...)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
+	if k := policies.Keyring(); k != nil {
+		go checkLegacyRows(ctx, logger, store, k)
+	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams)))}
+	if metricsToken != "" {
+		sopts = append(sopts, server.WithMetricsToken(metricsToken))
+	}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
 	}
@@ -288,7 +317,9 @@ func run(args []string, logOut *os.File) error {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
 	go srv.RunReaper(ctx)
-	go watchConfig(ctx, logger, c.configPath, hup, srv)
+	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
+		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
+	})
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
@@ -331,6 +362,31 @@ func run(args []string, logOut *os.File) error {
 	_ = httpSrv.Shutdown(sctx)
 	logger.Info("stopped")
 	return nil
+}
+
+// checkLegacyRows converts the records not yet in the current sealed form
+// when the keyring accepts legacy rows, and otherwise warns about them:
+// each answers DATA_LOSS until it is converted.
+func checkLegacyRows(ctx context.Context, logger *slog.Logger, store *ledger.Store, k *ledger.Keyring) {
+	if k.AcceptsLegacyRows() {
+		converted, skipped, err := store.ConvertLegacyRows(ctx, 500)
+		if err != nil {
+			logger.Error("converting legacy rows failed; restart to try again", "converted", converted, "err", err)
+			return
+		}
+		n, err := store.CountLegacyRows(ctx)
+		logger.Warn("legacy rows converted to the current sealed form; remove encryption.accept_legacy_rows once none remain",
+			"converted", converted, "unreadable", skipped, "remaining", n, "err", err)
+		return
+	}
+	n, err := store.CountLegacyRows(ctx)
+	switch {
+	case err != nil:
+		logger.Warn("cannot count legacy rows", "err", err)
+	case n > 0:
+		logger.Error("records stored in clear or in the legacy sealed form answer DATA_LOSS (RECORD_UNREADABLE) "+
+			"until converted: set encryption.accept_legacy_rows: true and restart once to convert them", "rows", n)
+	}
 }
 
 // migrateWithRetry applies migrations, waiting for the database to come up
