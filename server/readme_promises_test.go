@@ -90,12 +90,17 @@ func TestFirstMatchingPolicyWinsInStoredTTL(t *testing.T) {
 	}
 }
 
-// TestScopeLabelCap: the first 200 distinct scopes get their own label, every
-// later one is counted under "other", and a scope seen before the cap keeps
-// its label after it.
+// TestScopeLabelCap: of 205 scopes the config file names, the first 200
+// seen get their own label, every later one is counted under "other", and a
+// scope seen before the cap keeps its label after it.
 func TestScopeLabelCap(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envOptions{})
+	var cfg strings.Builder
+	cfg.WriteString("scopes:\n")
+	for i := range 205 {
+		cfg.WriteString("  - { match: s" + strconv.Itoa(i) + " }\n")
+	}
+	e := newEnv(t, envOptions{config: cfg.String()})
 	for i := range 205 {
 		e.mustBegin("s"+strconv.Itoa(i), "k", acquired)
 	}
@@ -130,8 +135,8 @@ func TestScopeLabelCap(t *testing.T) {
 }
 
 // TestEncryptionBoundToRecord copies one record's sealed body, metadata and
-// key id onto another record with SQL: the copy does not decrypt (INTERNAL),
-// it is never replayed as the other record's response.
+// key id onto another record with SQL: the copy does not decrypt (DATA_LOSS,
+// RECORD_UNREADABLE), it is never replayed as the other record's response.
 func TestEncryptionBoundToRecord(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
@@ -169,7 +174,7 @@ func TestEncryptionBoundToRecord(t *testing.T) {
 	if err == nil {
 		t.Fatalf("a ciphertext copied from another record decrypted: %v", r.GetRecord().GetResponse())
 	}
-	wantCode(t, err, codes.Internal, "")
+	wantCode(t, err, codes.DataLoss, "RECORD_UNREADABLE")
 	// The original still replays.
 	r, err = client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: "alice"})
 	if err != nil || string(r.GetRecord().GetResponse().GetBody()) != "alice's receipt" {
