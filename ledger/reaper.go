@@ -29,6 +29,9 @@ type ReapResult struct {
 	Expired int
 	// Deleted is the number of EXPIRED records deleted after retention.
 	Deleted int
+	// More reports that the pass stopped at MaxBatches with work left: a
+	// caller keeping pace with a backlog runs the next pass at once.
+	More bool
 }
 
 // The reaper's statements. Each takes $1 now (NULL: the database clock) and
@@ -92,6 +95,7 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted, nil},
 	}
 	for _, st := range steps {
+		full := 0
 		for range maxBatches {
 			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...), st.scopes)
 			*st.count += n
@@ -101,7 +105,9 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 			if n < batch {
 				break
 			}
+			full++
 		}
+		res.More = res.More || full == maxBatches
 	}
 	return res, nil
 }

@@ -209,8 +209,15 @@ func (s *Server) RunReaper(ctx context.Context) {
 	t := time.NewTicker(rs.Interval)
 	defer t.Stop()
 	for {
-		if err := s.ReapOnce(ctx); err != nil && ctx.Err() == nil {
+		// A pass that stopped with work left is followed at once by the
+		// next, so the reaper keeps pace with any rate of new records
+		// instead of a fixed number per interval.
+		more, err := s.reapPass(ctx)
+		if err != nil && ctx.Err() == nil {
 			s.logger.Warn("reaper pass failed; retrying at the next interval", "err", err)
+		}
+		if more && err == nil && ctx.Err() == nil {
+			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -223,13 +230,19 @@ func (s *Server) RunReaper(ctx context.Context) {
 // ReapOnce runs one reaper pass with the current settings and counts the
 // leases it found lapsed.
 func (s *Server) ReapOnce(ctx context.Context) error {
+	_, err := s.reapPass(ctx)
+	return err
+}
+
+// reapPass is ReapOnce that also reports whether the pass left work.
+func (s *Server) reapPass(ctx context.Context) (more bool, err error) {
 	rs := s.policies.Load().Reaper()
 	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention})
 	s.metrics.observeReap(res)
 	if res.Unknown+res.Expired+res.Deleted > 0 {
-		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted)
+		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted, "more", res.More)
 	}
-	return err
+	return res.More, err
 }
 
 // watchHealth pings the database every interval and reports SERVING or
