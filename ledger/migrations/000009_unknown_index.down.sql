@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS idempotency_records_unknown_idx;
