@@ -91,7 +91,7 @@ func TestReport(t *testing.T) {
 			cell(kindReplays, c, 8000, map[string]Latency{"begin": {P50: 1, P99: 2}}))
 	}
 	r.Scale = &Scale{Records: 10_000_000, Gauge: GaugeCost{Records: 10_000_000, MS: 3},
-		Backlog: Backlog{Seconds: 10, ExpiredPerSec: 5000, DeletedPerSec: 1500}}
+		Backlog: Backlog{Seconds: 10, FirstPassSeconds: 1, ExpiredPerSec: 5000, DeletedPerSec: 1500}}
 	r.finish()
 	if len(r.Rows) != 2 {
 		t.Fatalf("%d rows, want 2", len(r.Rows))
@@ -132,5 +132,18 @@ func TestReport(t *testing.T) {
 	dir := t.TempDir()
 	if _, err := r.write(dir, time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestBacklogSummarize(t *testing.T) {
+	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	at := func(s int) time.Time { return t0.Add(time.Duration(s) * time.Second) }
+	b := Backlog{DueToExpire: 1000, DueToDelete: 1000}
+	// Nothing for 5 s (waiting for the tick), then 500 expired a second;
+	// deletions, after the expiries, take 2 s more.
+	b.summarize([]backlogReading{{at(0), 1000, 1000}, {at(5), 1000, 1000}, {at(6), 500, 1000},
+		{at(7), 0, 1000}, {at(8), 0, 500}, {at(9), 0, 0}, {at(10), 0, 0}})
+	if b.FirstPassSeconds != 6 || b.ExpiredPerSec != 500 || b.DeletedPerSec != 250 || !b.Drained || b.Seconds != 10 {
+		t.Fatalf("summarize = %+v", b)
 	}
 }

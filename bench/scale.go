@@ -45,20 +45,40 @@ type GaugeCost struct {
 // Backlog is the reaper's work in the scale check: records added due to
 // expire (COMPLETED past expires_at) and due for deletion (EXPIRED past
 // the retention), and how fast the coordinator's own reaper, at its
-// default settings, got through them while the pairs cell ran.
+// default settings, got through them: the pairs cell runs meanwhile, and
+// the bench then waits (up to backlogWait) until both are done, reading
+// what is left every second.
 type Backlog struct {
 	DueToExpire int `json:"due_to_expire"`
 	DueToDelete int `json:"due_to_delete"`
 	// Expired and Deleted are those of the backlog the reaper had done
-	// Seconds after the backlog was committed (at the end of the cell).
+	// Seconds after the backlog was committed.
 	Expired int     `json:"expired"`
 	Deleted int     `json:"deleted"`
 	Seconds float64 `json:"seconds"`
-	// ExpiredPerSec and DeletedPerSec are the rates; Drained says the
-	// whole backlog was done (the rate is then a lower bound).
+	// FirstPassSeconds is when the first reading saw the backlog shrink
+	// (the reaper ticks every 10 s, so its first pass may wait that long).
+	FirstPassSeconds float64 `json:"first_pass_s"`
+	// ExpiredPerSec and DeletedPerSec are the reaper's sustained rates:
+	// each kind's rows over the time from the last reading before the
+	// first pass to the first reading that found that kind done (or the
+	// last reading).
 	ExpiredPerSec float64 `json:"expired_per_s"`
 	DeletedPerSec float64 `json:"deleted_per_s"`
-	Drained       bool    `json:"drained"`
+	// UnderLoadExpired and UnderLoadDeleted are what it did while the
+	// pairs cell ran.
+	UnderLoadExpired int  `json:"under_load_expired"`
+	UnderLoadDeleted int  `json:"under_load_deleted"`
+	Drained          bool `json:"drained"`
+}
+
+// backlogWait bounds the wait for the reaper to finish the backlog.
+const backlogWait = 3 * time.Minute
+
+// backlogReading is what was left of the backlog at one time.
+type backlogReading struct {
+	at                 time.Time
+	toExpire, toDelete int
 }
 
 // bulkLoadSQL adds $1 COMPLETED records in one statement, expiring in a
@@ -154,24 +174,86 @@ func (e *environment) runScale(ctx context.Context) (*Scale, error) {
 	if err := e.exec(ctx, "ANALYZE idempotency_records"); err != nil {
 		return nil, err
 	}
-	sc.Backlog = Backlog{DueToExpire: (n + 1) / 2, DueToDelete: n / 2}
-	if sc.LoadedReaping, err = e.runCell(ctx, kindPairs, s.ScaleConcurrency, nil); err != nil {
+	b := &sc.Backlog
+	*b = Backlog{DueToExpire: (n + 1) / 2, DueToDelete: n / 2}
+	readings := []backlogReading{{at: committed, toExpire: b.DueToExpire, toDelete: b.DueToDelete}}
+	read := func() (backlogReading, error) {
+		r := backlogReading{at: time.Now()}
+		err := e.admin.QueryRow(ctx, backlogLeftSQL).Scan(&r.toExpire, &r.toDelete)
+		r.at = r.at.Add(time.Since(r.at) / 2)
+		return r, err
+	}
+	var readErr error
+	if sc.LoadedReaping, err = e.runCell(ctx, kindPairs, s.ScaleConcurrency, func(ctx context.Context, stop <-chan struct{}) {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			r, err := read()
+			if err != nil {
+				readErr = err
+				return
+			}
+			readings = append(readings, r)
+		}
+	}); err != nil {
 		return nil, err
+	}
+	if readErr != nil {
+		return nil, readErr
 	}
 	sc.LoadedReaping.Label = count(s.ScaleRecords) + " records, reaper on a backlog"
-	var toExpire, toDelete int
-	if err := e.admin.QueryRow(ctx, backlogLeftSQL).Scan(&toExpire, &toDelete); err != nil {
-		return nil, err
+	last := readings[len(readings)-1]
+	b.UnderLoadExpired, b.UnderLoadDeleted = b.DueToExpire-last.toExpire, b.DueToDelete-last.toDelete
+	for time.Since(committed) < backlogWait && (last.toExpire > 0 || last.toDelete > 0) {
+		sleep(ctx, time.Second)
+		if last, err = read(); err != nil {
+			return nil, err
+		}
+		readings = append(readings, last)
 	}
-	b := &sc.Backlog
-	b.Seconds = time.Since(committed).Seconds()
-	// A record the reaper expired has expires_at an hour ago, within the
-	// 24 h retention: every deletion is one of the EXPIRED backlog.
-	b.Expired, b.Deleted = b.DueToExpire-toExpire, b.DueToDelete-toDelete
-	b.ExpiredPerSec, b.DeletedPerSec = float64(b.Expired)/b.Seconds, float64(b.Deleted)/b.Seconds
-	b.Drained = toExpire == 0 && toDelete == 0
+	b.summarize(readings)
 	logf("scale: reaper: %s", b)
 	return sc, nil
+}
+
+// summarize derives the backlog's figures from the readings, the first of
+// which is the full backlog at its commit.
+func (b *Backlog) summarize(readings []backlogReading) {
+	first, last := readings[0], readings[len(readings)-1]
+	b.Seconds = last.at.Sub(first.at).Seconds()
+	b.Expired, b.Deleted = b.DueToExpire-last.toExpire, b.DueToDelete-last.toDelete
+	b.Drained = last.toExpire == 0 && last.toDelete == 0
+	start := -1 // the last reading before the backlog shrank
+	for i := 1; i < len(readings); i++ {
+		if readings[i].toExpire < b.DueToExpire || readings[i].toDelete < b.DueToDelete {
+			start = i - 1
+			b.FirstPassSeconds = readings[i].at.Sub(first.at).Seconds()
+			break
+		}
+	}
+	if start < 0 {
+		return
+	}
+	rate := func(left func(backlogReading) int) float64 {
+		end := len(readings) - 1
+		for i := start; i < len(readings); i++ {
+			if left(readings[i]) == 0 {
+				end = i
+				break
+			}
+		}
+		d := readings[end].at.Sub(readings[start].at).Seconds()
+		return ratio(float64(left(readings[start])-left(readings[end])), d)
+	}
+	b.ExpiredPerSec = rate(func(r backlogReading) int { return r.toExpire })
+	b.DeletedPerSec = rate(func(r backlogReading) int { return r.toDelete })
 }
 
 // gaugeCost times the records gauge's reading on the loaded table.
@@ -204,10 +286,12 @@ func (e *environment) gaugeCost(ctx context.Context) GaugeCost {
 }
 
 func (b Backlog) String() string {
-	s := fmt.Sprintf("in %.1fs it expired %d of %d (%.0f/s) and deleted %d of %d (%.0f/s)",
-		b.Seconds, b.Expired, b.DueToExpire, b.ExpiredPerSec, b.Deleted, b.DueToDelete, b.DeletedPerSec)
+	s := fmt.Sprintf("first pass seen after %.1fs; in %.1fs it expired %d of %d (%.0f/s sustained) and deleted %d of %d (%.0f/s sustained); "+
+		"while pairs ran: %d expired, %d deleted",
+		b.FirstPassSeconds, b.Seconds, b.Expired, b.DueToExpire, b.ExpiredPerSec, b.Deleted, b.DueToDelete, b.DeletedPerSec,
+		b.UnderLoadExpired, b.UnderLoadDeleted)
 	if b.Drained {
-		s += ", all of it"
+		s += "; all done"
 	}
 	return s
 }
