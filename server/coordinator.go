@@ -98,6 +98,15 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 		sleep := left
 		if rec := res.Record; rec.State == statemachine.StateInProgress {
 			sleep = min(sleep, rec.LeaseExpiresAt.Sub(res.Now)+leaseSlack)
+			// Only changes someone waits for are notified: say so, then
+			// read again if the attempt ended meanwhile.
+			held, err := s.store.Watch(ctx, p.ID)
+			if err != nil {
+				return nil, err
+			}
+			if !held {
+				continue
+			}
 		}
 		timer.Reset(max(sleep, 0))
 		select {
