@@ -53,20 +53,28 @@ lint: tools check-generated
 	go vet $(GO_PACKAGES)
 	$(BIN)/buf lint
 
-## generate: regenerate gen/ from proto/
+# The Node and Python client libraries load the API at run time from a
+# FileDescriptorSet of proto/ and third_party/ (no protoc, no generated code).
+DESCRIPTOR_SETS := clients/node/idempotency.binpb clients/python/idemcoord/idempotency.binpb
+
+## generate: regenerate gen/ and the client libraries' descriptor sets from proto/
 generate: tools
 	rm -rf gen/idempotency
 	$(BIN)/buf generate
-	$(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o examples/polyglot/idempotency.binpb
+	for f in $(DESCRIPTOR_SETS); do $(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o $$f || exit 1; done
 
-## check-generated: fail when gen/ differs from what proto/ generates
+## check-generated: fail when gen/ or a descriptor set differs from what proto/ generates
 check-generated: tools
 	@tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
 	  $(BIN)/buf generate -o $$tmp && \
 	  if ! diff -r gen $$tmp/gen >/dev/null; then \
 	    diff -r gen $$tmp/gen | head -20; \
 	    echo "gen/ is stale: run 'make generate' and commit the result"; exit 1; \
-	  fi
+	  fi; \
+	  $(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o $$tmp/api.binpb && \
+	  for f in $(DESCRIPTOR_SETS); do \
+	    cmp -s $$f $$tmp/api.binpb || { echo "$$f is stale: run 'make generate' and commit the result"; exit 1; }; \
+	  done
 
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION)

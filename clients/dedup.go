@@ -6,7 +6,11 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"strings"
+	"unicode"
 
+	"golang.org/x/text/cases"
+	"golang.org/x/text/language"
+	"golang.org/x/text/unicode/norm"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -18,14 +22,17 @@ import (
 // double-clicks "create" share a record while two users never do.
 //
 // With a projectID it is "intent:userID:p:projectID". Without one it names
-// the project by its name: "intent:userID:n:" followed by the first 16 hex
-// digits of the SHA-256 of the normalized name, where normalizing trims the
-// name, lower-cases it and folds every run of white space into one space,
-// so " Flower  Shop " and "flower shop" give the same key. A projectID, when
-// given, wins over the name.
+// the project by its name: "intent:userID:n:" followed by the first 16
+// lower-case hex digits of the SHA-256 of the UTF-8 of NormalizeName(name),
+// so " Flower  Shop " and "flower shop" give the same key. A projectID,
+// when given, wins over the name. intent, userID and projectID are used as
+// they are; an intent or user id that contains ":" should be escaped by the
+// caller if two of them could collide.
 //
-// The parts are joined with ":" as they are; an intent or user id that
-// contains ":" should be escaped by the caller if two of them could collide.
+// The Node (dedupKey in clients/node) and Python (idemcoord.dedup_key in
+// clients/python) libraries implement the same specification and pass the
+// same vectors (clients/testdata/dedupkey.json), so a Node front end and a
+// Go back end derive one key for one project.
 func DedupKey(intent, userID, projectID, projectName string) string {
 	if projectID != "" {
 		return intent + ":" + userID + ":p:" + projectID
@@ -34,13 +41,39 @@ func DedupKey(intent, userID, projectID, projectName string) string {
 	return intent + ":" + userID + ":n:" + hex.EncodeToString(sum[:])[:16]
 }
 
-// NormalizeName is the normalization DedupKey applies to a project name:
-// trimmed, lower-cased, every run of white space folded into one space. A
-// fingerprint function that should treat the same names alike can apply it
-// too.
+// NormalizeName is the normalization DedupKey applies to a project name, in
+// this order:
+//
+//  1. Unicode NFC (canonical composition);
+//  2. every U+FEFF (zero width no-break space, the byte-order mark) removed;
+//  3. leading and trailing Unicode White_Space trimmed (this includes
+//     U+0085, U+00A0, U+2028 and U+3000; it excludes U+200B and U+FEFF);
+//  4. the full Unicode lower-case mapping of the root locale: SpecialCasing
+//     included, so "İ" (U+0130) becomes "i̇" (U+0069 U+0307) and a
+//     word-final "Σ" becomes "ς" (Final_Sigma), as JavaScript's
+//     toLowerCase and Python's str.lower do; no Turkish or Lithuanian rules;
+//  5. every run of White_Space folded into one space (U+0020).
+//
+// Invalid UTF-8 is first replaced by U+FFFD, one per run of bad bytes
+// (Node and Python replace each lone surrogate the same way). The
+// implementations agree on every character assigned in Unicode 14.0 (the
+// oldest of the three runtimes' tables: Python 3.11); Go's tables are
+// golang.org/x/text's.
+//
+// A fingerprint function that should treat the same names alike can apply
+// it too.
 func NormalizeName(name string) string {
-	return strings.Join(strings.Fields(strings.ToLower(name)), " ")
+	s := norm.NFC.String(strings.ToValidUTF8(name, "\uFFFD"))
+	s = strings.ReplaceAll(s, "\uFEFF", "")
+	// Lower-casing neither makes nor removes White_Space, so splitting
+	// afterwards does steps 3 and 5 at once. A Caser is not safe for
+	// concurrent use: one per call.
+	s = cases.Lower(language.Und).String(s)
+	return strings.Join(strings.FieldsFunc(s, isWhiteSpace), " ")
 }
+
+// isWhiteSpace reports whether r has the Unicode White_Space property.
+func isWhiteSpace(r rune) bool { return unicode.Is(unicode.White_Space, r) }
 
 // FoldPrincipal is the key the interceptor stores when WithPrincipal is
 // set: the unpadded base64url SHA-256 of principal (43 characters), a colon,

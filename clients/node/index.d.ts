@@ -1,0 +1,209 @@
+// Type declarations of the idemcoord Node client (index.js).
+//
+// Messages are plain objects with the proto's field names (snake_case), as
+// loaded from idempotency.binpb: enums are their names, bytes are Buffers,
+// int64 values are strings, and fields the proto gains later appear too.
+
+import type { ChannelCredentials, Interceptor, ChannelOptions } from '@grpc/grpc-js';
+
+export type State =
+  | 'STATE_UNSPECIFIED' | 'STATE_IN_PROGRESS' | 'STATE_COMPLETED' | 'STATE_FAILED_RETRYABLE'
+  | 'STATE_FAILED_REPLAYABLE' | 'STATE_EXPIRED' | 'STATE_UNKNOWN';
+export type Outcome = 'OUTCOME_UNSPECIFIED' | 'OUTCOME_ACQUIRED' | 'OUTCOME_REPLAY' | 'OUTCOME_IN_PROGRESS';
+export type FailureKind =
+  | 'FAILURE_KIND_UNSPECIFIED' | 'FAILURE_KIND_RETRYABLE' | 'FAILURE_KIND_REPLAYABLE'
+  | 'FAILURE_KIND_UNKNOWN' | 'FAILURE_KIND_ABANDONED';
+
+/** google.protobuf.Duration and Timestamp as decoded. */
+export interface Duration { seconds: string | number; nanos?: number }
+export type Timestamp = Duration;
+/** A duration in a request: milliseconds, or a Duration. */
+export type DurationInput = number | Duration | null;
+export type Bytes = Buffer | Uint8Array | string;
+
+/** What is stored and replayed byte for byte; every field optional. */
+export interface StoredResponse {
+  schema_version?: string;
+  content_type?: string;
+  body?: Buffer | Uint8Array;
+  status_code?: number;
+  metadata?: Record<string, string>;
+}
+
+export interface StoredResponseOut {
+  schema_version: string;
+  content_type: string;
+  body: Buffer;
+  status_code: number;
+  metadata: Record<string, string>;
+}
+
+export interface RecordMessage {
+  scope: string;
+  key: string;
+  state: State;
+  fingerprint: Buffer;
+  attempt: number;
+  generation: number;
+  response: StoredResponseOut | null;
+  failure_reason: string;
+  created_at: Timestamp | null;
+  updated_at: Timestamp | null;
+  lease_expires_at: Timestamp | null;
+  expires_at: Timestamp | null;
+  /** Sticky uncertainty (DESIGN.md), present once the proto has it. */
+  uncertain?: boolean;
+  [field: string]: unknown;
+}
+
+export interface BeginRequest {
+  scope: string;
+  key: string;
+  fingerprint?: Bytes | null;
+  ttl?: DurationInput;
+  lease?: DurationInput;
+  wait?: DurationInput;
+  accept_schema_versions?: string[];
+  /** Default: a fresh random id, the same on every retry of this call. */
+  attempt_id?: string;
+}
+export interface BeginResponse {
+  outcome: Outcome;
+  record: RecordMessage | null;
+  lease_token: string;
+  retry_after: Duration | null;
+  previous_state: State;
+}
+export interface CompleteRequest { scope: string; key: string; lease_token: string; response?: StoredResponse | null }
+export interface FailRequest {
+  scope: string;
+  key: string;
+  lease_token: string;
+  kind: FailureKind;
+  response?: StoredResponse | null;
+  reason?: string;
+}
+export interface LookupRequest { scope: string; key: string }
+export interface HeartbeatRequest { scope: string; key: string; lease_token: string; lease?: DurationInput }
+export interface RecordAnswer { record: RecordMessage | null }
+
+export interface TlsOptions { rootCerts?: Buffer | null; privateKey?: Buffer | null; certChain?: Buffer | null }
+
+export interface Logger {
+  debug?(msg: string, fields?: object): void;
+  warn?(msg: string, fields?: object): void;
+  error?(msg: string, fields?: object): void;
+}
+
+export interface ClientOptions {
+  /** Bearer token, sent as `authorization: Bearer <token>`. */
+  token?: string;
+  /** false (default): plaintext; true: TLS with the system roots; or files, or credentials. */
+  tls?: boolean | TlsOptions | ChannelCredentials;
+  /** Tries per call while the coordinator answers UNAVAILABLE (default 5). */
+  maxAttempts?: number;
+  /** First backoff between tries, doubled up to maxBackoffMs (defaults 100 and 2000). */
+  backoffMs?: number;
+  maxBackoffMs?: number;
+  /** Deadline of one try (default 10000; a begin adds its wait). */
+  timeoutMs?: number;
+  /** The lease once asks for (default: the coordinator's policy). */
+  leaseMs?: number;
+  channelOptions?: ChannelOptions;
+  interceptors?: Interceptor[];
+  logger?: Logger;
+}
+
+export interface CallOptions { signal?: AbortSignal; timeoutMs?: number }
+
+/** The acquisition a function run by once holds: enough to fence its own writes. */
+export interface Lease {
+  readonly scope: string;
+  /** The key as stored. */
+  readonly key: string;
+  /** The fencing token. */
+  readonly token: string;
+  readonly generation: number;
+  readonly attempt: number;
+  /** STATE_UNKNOWN: an earlier attempt may have done the side effect; check first. */
+  readonly previous: State;
+  readonly uncertain: boolean;
+}
+
+/** What fn receives. */
+export interface Attempt {
+  /** Aborted when the caller's signal aborts, the lease is lost (LeaseLostError) or cannot be confirmed (LeaseUnconfirmedError). */
+  readonly signal: AbortSignal;
+  readonly lease: Lease;
+  /** See markSideEffect. */
+  markSideEffect(): void;
+}
+
+export interface Result {
+  /** fn's response when this call ran it, else the stored one. */
+  response: StoredResponseOut | StoredResponse;
+  /** fn did not run in this call. */
+  replayed: boolean;
+  state: State;
+  /** The attempt that produced response. */
+  attempt: number;
+}
+
+export interface OnceOptions {
+  /** Aborts fn (through its signal) and stops waiting for another holder. */
+  signal?: AbortSignal;
+}
+
+export class Client {
+  constructor(address: string, options?: ClientOptions);
+  begin(request: BeginRequest, opts?: CallOptions): Promise<BeginResponse>;
+  complete(request: CompleteRequest, opts?: CallOptions): Promise<RecordAnswer>;
+  fail(request: FailRequest, opts?: CallOptions): Promise<RecordAnswer>;
+  lookup(request: LookupRequest, opts?: CallOptions): Promise<RecordAnswer>;
+  heartbeat(request: HeartbeatRequest, opts?: CallOptions): Promise<RecordAnswer>;
+  /**
+   * Runs fn at most once per (scope, key) and resolves with the recorded
+   * outcome. A replayable failure rejects with StoredFailureError, a lost
+   * lease with LeaseLostError, a key held UNKNOWN with UnknownHeldError;
+   * other failures of fn reject with fn's error after it was recorded.
+   */
+  once(
+    scope: string, key: string, fingerprint: Bytes | null | undefined,
+    fn: (attempt: Attempt) => StoredResponse | null | undefined | Promise<StoredResponse | null | undefined>,
+    opts?: OnceOptions,
+  ): Promise<Result>;
+  /** Waits for background completions (at most timeoutMs), then closes. */
+  shutdown(opts?: { timeoutMs?: number }): Promise<void>;
+  close(): void;
+}
+
+/** The deterministic key: same result as Go's clients.DedupKey and Python's idemcoord.dedup_key. */
+export function dedupKey(intent: string, userId: string, projectId: string | null | undefined, projectName: string | null | undefined): string;
+/** NFC, U+FEFF removed, White_Space trimmed, full lower-case mapping, White_Space runs folded. */
+export function normalizeName(name: string | null | undefined): string;
+/** Inside fn: the irreversible step starts now; any later error ends the attempt UNKNOWN. No-op outside. */
+export function markSideEffect(): void;
+/** Inside fn: its lease; null outside. */
+export function currentLease(): Lease | null;
+
+export const REASON_UNKNOWN_HELD: 'UNKNOWN_HELD';
+export const SCHEMA_VERSION_STATUS: 'google.rpc.Status';
+export const CONTENT_TYPE_PROTO: 'application/x-protobuf';
+
+export class LeaseLostError extends Error {}
+export class LeaseUnconfirmedError extends Error {}
+export class UnknownHeldError extends Error {
+  code: number;
+  reason: 'UNKNOWN_HELD';
+}
+export class FailureError extends Error {
+  constructor(kind: FailureKind, opts?: { response?: StoredResponse | null; cause?: unknown; code?: number; message?: string });
+  kind: FailureKind;
+  response: StoredResponse | null;
+  code?: number;
+}
+export class StoredFailureError extends Error {
+  code: number;
+  details: string;
+  result: Result;
+}

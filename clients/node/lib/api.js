@@ -1,0 +1,132 @@
+'use strict';
+// The idempotency.v1 API, loaded at run time from idempotency.binpb: a
+// FileDescriptorSet of proto/ and its imports that `make generate` writes
+// (`make test` fails when it is stale). Messages are plain objects with the
+// proto's field names (snake_case), enums are their names
+// ('OUTCOME_REPLAY'), bytes are Buffers, int64 are strings, and a field the
+// proto gains (Record.uncertain, say) appears without a change here.
+
+const fs = require('node:fs');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const protobuf = require('protobufjs');
+require('protobufjs/ext/descriptor');
+
+const descriptorPath = path.join(__dirname, '..', 'idempotency.binpb');
+const descriptors = fs.readFileSync(descriptorPath);
+
+const packageDefinition = protoLoader.loadFileDescriptorSetFromBuffer(descriptors, {
+  longs: String,
+  enums: String,
+  bytes: Buffer,
+  defaults: true,
+});
+
+/** The generated client constructor of idempotency.v1.Coordinator. */
+const CoordinatorClient = grpc.makeGenericClientConstructor(packageDefinition['idempotency.v1.Coordinator'], 'Coordinator');
+
+const root = protobuf.Root.fromDescriptor(descriptors);
+const statusType = root.lookupType('google.rpc.Status');
+
+/** Encodes a google.rpc.Status ({code, message, details}) to bytes. */
+function encodeStatus(st) {
+  return Buffer.from(statusType.encode(statusType.fromObject(st)).finish());
+}
+
+/** Decodes google.rpc.Status bytes; null when they are not one. */
+function decodeStatus(bytes) {
+  try {
+    return statusType.toObject(statusType.decode(bytes), { defaults: true });
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * A StoredResponse as callers see it, whatever shape it was given in: every
+ * field set, body a Buffer (a string is taken as UTF-8, never base64),
+ * metadata a plain object.
+ */
+function storedResponse(resp) {
+  const r = resp ?? {};
+  let body = r.body ?? Buffer.alloc(0);
+  body = typeof body === 'string' ? Buffer.from(body, 'utf8') : Buffer.from(body);
+  let metadata = r.metadata ?? {};
+  if (Array.isArray(metadata)) {
+    metadata = Object.fromEntries(metadata.map((e) => [e.key, e.value]));
+  }
+  return {
+    ...r,
+    schema_version: r.schema_version ?? '',
+    content_type: r.content_type ?? '',
+    body,
+    status_code: r.status_code ?? 0,
+    metadata: Object.fromEntries(Object.entries(metadata).map(([k, v]) => [k, String(v)])),
+  };
+}
+
+// The only map field of the Coordinator API, StoredResponse.metadata, is an
+// array of {key, value} entries on the wire (protobufjs loads map fields
+// from descriptors as their entry messages); callers see a plain object.
+function metadataToWire(resp) {
+  if (!resp) {
+    return resp;
+  }
+  const r = storedResponse(resp);
+  return { ...r, metadata: Object.entries(r.metadata).map(([key, value]) => ({ key, value })) };
+}
+
+function metadataFromWire(resp) {
+  if (resp && Array.isArray(resp.metadata)) {
+    resp.metadata = Object.fromEntries(resp.metadata.map((e) => [e.key, e.value]));
+  }
+  return resp;
+}
+
+/** Makes the StoredResponse in a request wire-shaped. */
+function requestToWire(req) {
+  return req && req.response ? { ...req, response: metadataToWire(req.response) } : req;
+}
+
+/** Gives the StoredResponse of an answer's record its plain-object metadata. */
+function answerFromWire(res) {
+  if (res && res.record) {
+    metadataFromWire(res.record.response);
+  }
+  return res;
+}
+
+/** Converts milliseconds (or a Duration object) to a google.protobuf.Duration. */
+function duration(v) {
+  if (v == null || typeof v === 'object') {
+    return v ?? null;
+  }
+  const ms = Number(v);
+  if (!Number.isFinite(ms) || ms < 0) {
+    throw new RangeError(`invalid duration ${v} ms`);
+  }
+  const seconds = Math.floor(ms / 1000);
+  return { seconds: String(seconds), nanos: Math.round((ms - seconds * 1000) * 1e6) };
+}
+
+/** Converts a google.protobuf.Duration or Timestamp to milliseconds. */
+function millis(d) {
+  if (!d) {
+    return 0;
+  }
+  return Number(d.seconds || 0) * 1000 + Math.floor((d.nanos || 0) / 1e6);
+}
+
+module.exports = {
+  CoordinatorClient,
+  descriptorPath,
+  encodeStatus,
+  decodeStatus,
+  requestToWire,
+  answerFromWire,
+  metadataToWire,
+  storedResponse,
+  duration,
+  millis,
+};

@@ -1,0 +1,27 @@
+// Type-checked (not run) by `npm test`: the declarations describe a real use.
+import { Client, dedupKey, markSideEffect, currentLease, FailureError, StoredFailureError, Result } from '../..';
+
+async function charge(client: Client, user: string, name: string): Promise<Buffer | undefined> {
+  const key = dedupKey('create-project', user, null, name);
+  try {
+    const res: Result = await client.once('projects.create', key, Buffer.from(name), async (attempt) => {
+      if (attempt.lease.previous === 'STATE_UNKNOWN') {
+        // check the outside world first
+      }
+      attempt.signal.throwIfAborted();
+      markSideEffect();
+      const lease = currentLease();
+      return { body: Buffer.from(`created by ${lease?.token}`), metadata: { 'x-id': '1' }, status_code: 201 };
+    });
+    return Buffer.from(res.response.body ?? []);
+  } catch (err) {
+    if (err instanceof StoredFailureError) {
+      return err.result.response.body ? Buffer.from(err.result.response.body) : undefined;
+    }
+    throw new FailureError('FAILURE_KIND_RETRYABLE', { cause: err });
+  }
+}
+
+const client = new Client('127.0.0.1:50051', { token: 'secret', tls: false, leaseMs: 30000 });
+void charge(client, 'u1', 'Flower Shop');
+void client.begin({ scope: 's', key: 'k', lease: 5000, wait: { seconds: 1 } }).then((r) => r.record?.uncertain);

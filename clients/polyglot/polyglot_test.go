@@ -1,0 +1,165 @@
+package polyglot_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemcoord/idemcoord/clients"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+)
+
+func TestMain(m *testing.M) { os.Exit(coordtest.Main(m)) }
+
+// python is the interpreter the Python library is tested with: Debian's,
+// with Debian's python3-grpcio and python3-protobuf.
+const python = "/usr/bin/python3"
+
+// repoRoot is the repository's top directory (tests run in clients/polyglot).
+func repoRoot(t *testing.T) string {
+	t.Helper()
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+// missing skips the test naming what is missing, or fails it under CI=true,
+// where every runtime must be present.
+func missing(t *testing.T, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if os.Getenv("CI") == "true" {
+		t.Fatalf("CI=true and %s", msg)
+	}
+	t.Skip("skipping: " + msg)
+}
+
+// nodeReady returns the node binary, or skips (fails under CI) naming what is missing.
+func nodeReady(t *testing.T) string {
+	t.Helper()
+	node, err := exec.LookPath("node")
+	if err != nil {
+		missing(t, "no `node` on PATH; install Node.js ≥ 18 (Debian: apt-get install nodejs npm), then `npm ci --prefix clients/node`")
+	}
+	if _, err := os.Stat(filepath.Join(repoRoot(t), "clients", "node", "node_modules", "@grpc", "grpc-js", "package.json")); err != nil {
+		missing(t, "clients/node/node_modules is missing; install it with `npm ci --prefix clients/node`")
+	}
+	return node
+}
+
+// pythonReady skips (fails under CI) naming what is missing.
+func pythonReady(t *testing.T) {
+	t.Helper()
+	if _, err := os.Stat(python); err != nil {
+		missing(t, "no %s; install it with `apt-get install python3 python3-grpcio python3-protobuf`", python)
+	}
+	if out, err := exec.Command(python, "-c", "import grpc, google.protobuf").CombinedOutput(); err != nil {
+		missing(t, "%s cannot import grpc and protobuf (%s); install them with `apt-get install python3-grpcio python3-protobuf`",
+			python, bytes.TrimSpace(out))
+	}
+}
+
+// startCoordinator starts a coordinator with auth on for one tenant and
+// returns the environment that points a suite at it.
+func startCoordinator(t *testing.T) []string {
+	t.Helper()
+	var raw [24]byte
+	_, _ = rand.Read(raw[:])
+	token := hex.EncodeToString(raw[:])
+	sum := sha256.Sum256([]byte(token))
+	c := coordtest.Start(t, coordtest.Options{Config: "tenants:\n  - name: clients-test\n    token_sha256: " +
+		hex.EncodeToString(sum[:]) + "\n    scopes: [\"*\"]\n"})
+	return append(os.Environ(), "IDEMCOORD_ADDR="+c.Addr, "IDEMCOORD_TOKEN="+token)
+}
+
+// runSuite runs a library's test suite in dir and fails when it fails.
+func runSuite(t *testing.T, dir string, env []string, name string, args ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir, cmd.Env = dir, env
+	out, err := cmd.CombinedOutput()
+	t.Logf("%s %s in %s:\n%s", name, strings.Join(args, " "), dir, out)
+	if err != nil {
+		t.Fatalf("%s %s: %v", name, strings.Join(args, " "), err)
+	}
+}
+
+func TestNodeClient(t *testing.T) {
+	t.Parallel()
+	nodeReady(t)
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		missing(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
+	}
+	runSuite(t, filepath.Join(repoRoot(t), "clients", "node"), startCoordinator(t), npm, "test")
+}
+
+func TestPythonClient(t *testing.T) {
+	t.Parallel()
+	pythonReady(t)
+	runSuite(t, filepath.Join(repoRoot(t), "clients", "python"), startCoordinator(t), python, "-m", "unittest", "discover", "-v")
+}
+
+// names are project names on which the languages' own string functions
+// disagree; each library must still give Go's key.
+var names = []string{"\uFEFFFlower Shop", "Flower\u0085Shop", "DİYARBAKIR", "ΟΔΟΣ ΣΟΦΟΣ", "Cafe\u0301", "A\u001cB", "🌸  x"}
+
+// TestDedupKeyAcrossLanguages asks Node (require('./clients/node') from the
+// repository root) and Python (idemcoord with clients/python on sys.path)
+// for the keys of names and compares them with clients.DedupKey.
+func TestDedupKeyAcrossLanguages(t *testing.T) {
+	t.Parallel()
+	want := make([]string, len(names))
+	for i, n := range names {
+		want[i] = clients.DedupKey("create-project", "u1", "", n)
+	}
+	in, err := json.Marshal(names)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(t *testing.T, name string, args ...string) {
+		cmd := exec.Command(name, args...)
+		cmd.Dir, cmd.Stdin = repoRoot(t), bytes.NewReader(in)
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var got []string
+		if err := json.Unmarshal(out, &got); err != nil {
+			t.Fatalf("%s printed %q: %v", name, out, err)
+		}
+		for i := range names {
+			if i >= len(got) || got[i] != want[i] {
+				t.Errorf("%s: key of %+q = %v, Go's is %q", name, names[i], got, want[i])
+			}
+		}
+	}
+	t.Run("node", func(t *testing.T) {
+		node := nodeReady(t)
+		check(t, node, "-e", `const {dedupKey} = require('./clients/node');
+const names = JSON.parse(require('fs').readFileSync(0, 'utf8'));
+console.log(JSON.stringify(names.map((n) => dedupKey('create-project', 'u1', '', n))));`)
+	})
+	t.Run("python", func(t *testing.T) {
+		pythonReady(t)
+		check(t, python, "-c", `import json, sys
+sys.path.insert(0, "clients/python")
+import idemcoord
+names = json.load(sys.stdin)
+print(json.dumps([idemcoord.dedup_key("create-project", "u1", "", n) for n in names]))`)
+	})
+}

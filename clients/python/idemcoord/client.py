@@ -1,0 +1,607 @@
+"""The Client: typed calls with retries, and once."""
+
+import contextvars
+import dataclasses
+import datetime
+import logging
+import os
+import random
+import threading
+import time
+
+import grpc
+
+from . import _api
+from .errors import (CONTENT_TYPE_PROTO, SCHEMA_VERSION_STATUS, FailureError, LeaseLost, LeaseUnconfirmed,
+                     StoredFailure, UnknownHeld)
+
+# Timings, as in the Go client (clients/lease.go), in seconds.
+DEFAULT_LEASE = 30.0  # when a Begin answer does not tell the lease
+MIN_HEARTBEAT = 0.05
+FINISH_TIMEOUT = 5.0  # the Complete/Fail made before once returns
+MAX_BEGIN_WAIT = 30.0  # the longest wait one Begin asks for
+MAX_REASON_BYTES = 1024
+
+_C = grpc.StatusCode
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+# How fn's errors are recorded by gRPC code (DESIGN.md, the Go client's table).
+DEFAULT_FAILURE_KINDS = {
+    _C.INVALID_ARGUMENT: "FAILURE_KIND_ABANDONED", _C.UNAUTHENTICATED: "FAILURE_KIND_ABANDONED",
+    _C.PERMISSION_DENIED: "FAILURE_KIND_ABANDONED", _C.RESOURCE_EXHAUSTED: "FAILURE_KIND_ABANDONED",
+    _C.UNIMPLEMENTED: "FAILURE_KIND_ABANDONED",
+    _C.UNAVAILABLE: "FAILURE_KIND_RETRYABLE", _C.ABORTED: "FAILURE_KIND_RETRYABLE",
+    _C.DEADLINE_EXCEEDED: "FAILURE_KIND_UNKNOWN", _C.CANCELLED: "FAILURE_KIND_UNKNOWN",
+    _C.INTERNAL: "FAILURE_KIND_UNKNOWN", _C.UNKNOWN: "FAILURE_KIND_UNKNOWN", _C.DATA_LOSS: "FAILURE_KIND_UNKNOWN",
+    _C.FAILED_PRECONDITION: "FAILURE_KIND_REPLAYABLE", _C.NOT_FOUND: "FAILURE_KIND_REPLAYABLE",
+    _C.ALREADY_EXISTS: "FAILURE_KIND_REPLAYABLE", _C.OUT_OF_RANGE: "FAILURE_KIND_REPLAYABLE",
+}
+
+_current = contextvars.ContextVar("idemcoord_attempt", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """The acquisition a function run by once holds: enough to fence its own writes."""
+
+    scope: str
+    key: str  # as stored
+    token: str  # the fencing token
+    generation: int
+    attempt: int
+    previous: int  # a State; STATE_UNKNOWN: an earlier attempt may have done the side effect
+    uncertain: bool
+
+
+@dataclasses.dataclass
+class Result:
+    """The recorded outcome of a key, as once returns it."""
+
+    response: object  # a StoredResponse: fn's when this call ran it, else the stored one
+    replayed: bool  # fn did not run in this call
+    state: int  # STATE_COMPLETED or STATE_FAILED_REPLAYABLE
+    attempt: int  # the attempt that produced response
+
+
+class Attempt:
+    """What fn receives: the lease, the side-effect mark and the cancellation.
+
+    Python cannot stop a running function: fn checks cancelled (or calls
+    raise_if_cancelled) between its steps. It is set when the caller's
+    cancel event is set, when the lease was lost (reason LeaseLost) and when
+    it cannot be confirmed before it runs out (reason LeaseUnconfirmed).
+    """
+
+    def __init__(self, lease, cancel_event=None):
+        self.lease = lease
+        self.cancelled = threading.Event()
+        self.reason = None
+        self._marked = False
+        self._outer = cancel_event
+
+    def mark_side_effect(self):
+        """See idemcoord.mark_side_effect."""
+        self._marked = True
+
+    def cancel(self, reason):
+        if not self.cancelled.is_set():
+            self.reason = reason
+            self.cancelled.set()
+
+    def raise_if_cancelled(self):
+        """Raises the reason when the attempt was cancelled."""
+        if self._outer is not None and self._outer.is_set():
+            self.cancel(self.reason or RuntimeError("idemcoord: cancelled by the caller"))
+        if self.cancelled.is_set():
+            raise self.reason
+
+
+def mark_side_effect():
+    """Marks, inside a function once runs, that its first irreversible step is about to happen.
+
+    After it, any exception ends the attempt FAILURE_KIND_UNKNOWN (a
+    FailureError naming FAILURE_KIND_REPLAYABLE is still stored as such).
+    Outside such a function it does nothing.
+    """
+    attempt = _current.get()
+    if attempt is not None:
+        attempt.mark_side_effect()
+
+
+def current_lease():
+    """The Lease of the attempt a function run by once is in, or None outside one."""
+    attempt = _current.get()
+    return attempt.lease if attempt is not None else None
+
+
+def _duration(v):
+    if v is None or isinstance(v, _api.Duration):
+        return v
+    d = _api.Duration()
+    d.FromTimedelta(v if isinstance(v, datetime.timedelta) else datetime.timedelta(seconds=v))
+    return d
+
+
+def _seconds(d):
+    return d.seconds + d.nanos / 1e9 if d is not None else 0.0
+
+
+def _code(err):
+    """The grpc.StatusCode an exception carries, or None."""
+    code = getattr(err, "code", None)
+    if callable(code):
+        try:
+            code = code()
+        except TypeError:
+            return None
+    if isinstance(code, int) and not isinstance(code, bool):
+        code = _CODES.get(code)
+    return code if isinstance(code, grpc.StatusCode) else None
+
+
+def _lease_length(rec):
+    """The lease a Begin or Heartbeat answer granted: updated_at to lease_expires_at (0 when not told)."""
+    if not (rec.HasField("lease_expires_at") and rec.HasField("updated_at")):
+        return 0.0
+    return (rec.lease_expires_at.ToNanoseconds() - rec.updated_at.ToNanoseconds()) / 1e9
+
+
+def _unreachable(err):
+    return _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.RESOURCE_EXHAUSTED, _C.CANCELLED)
+
+
+def _lease_gone(err):
+    return _code(err) in (_C.FAILED_PRECONDITION, _C.NOT_FOUND)
+
+
+def _fail_reason(msg):
+    raw = str(msg).replace("\0", "").encode("utf-8", "replace")[:MAX_REASON_BYTES]
+    return raw.decode("utf-8", "ignore")
+
+
+def _credentials(tls):
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, dict):
+        return grpc.ssl_channel_credentials(**tls)
+    return None
+
+
+def _status_response(err):
+    code = _code(err) or _C.UNKNOWN
+    details = err.details() if isinstance(err, grpc.RpcError) and callable(getattr(err, "details", None)) else str(err)
+    body = _api.Status(code=code.value[0], message=details or "").SerializeToString(deterministic=True)
+    return _api.StoredResponse(schema_version=SCHEMA_VERSION_STATUS, content_type=CONTENT_TYPE_PROTO, body=body,
+                               status_code=code.value[0])
+
+
+def _stored_failure(record, result):
+    resp = record.response
+    if resp.schema_version == SCHEMA_VERSION_STATUS:
+        st = _api.Status()
+        try:
+            st.ParseFromString(resp.body)
+        except Exception:  # not a google.rpc.Status after all
+            st = None
+        if st is not None and st.code != 0:
+            return StoredFailure(_CODES.get(st.code, _C.UNKNOWN), st.message, result)
+    code = _C.FAILED_PRECONDITION
+    if 0 < resp.status_code <= 16:
+        code = _CODES[resp.status_code]
+    return StoredFailure(code, record.failure_reason or "replayed failure", result)
+
+
+def _failure_kind(err, marked):
+    if isinstance(err, FailureError) and err.kind:
+        kind = err.kind if isinstance(err.kind, str) else _api.FailureKind.Name(err.kind)
+        if kind != "FAILURE_KIND_UNSPECIFIED":
+            return "FAILURE_KIND_UNKNOWN" if marked and kind != "FAILURE_KIND_REPLAYABLE" else kind
+    if marked:
+        return "FAILURE_KIND_UNKNOWN"
+    return DEFAULT_FAILURE_KINDS.get(_code(err), "FAILURE_KIND_UNKNOWN")
+
+
+def _new_attempt_id():
+    return os.urandom(16).hex()
+
+
+class Client:
+    """Calls an idemcoord coordinator. Safe for concurrent use from many threads.
+
+    Every call is retried with backoff while the coordinator answers
+    UNAVAILABLE, since each is safe to repeat: begin carries an attempt_id
+    (the same on each retry), and the coordinator answers a repeated
+    complete or fail with the same token and content OK.
+
+    token is sent as "authorization: Bearer <token>". tls: None or False for
+    plaintext, True for TLS with the system roots, a dict of
+    grpc.ssl_channel_credentials arguments, or grpc.ChannelCredentials.
+    Durations (ttl, lease, wait, timeout, backoff) are seconds or timedeltas.
+    """
+
+    def __init__(self, address, token=None, tls=None, *, max_attempts=5, backoff=0.1, max_backoff=2.0, timeout=10.0,
+                 lease=None, interceptors=(), options=(), logger=None):
+        creds = _credentials(tls)
+        channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address, options)
+        self._channel = channel
+        if interceptors:
+            channel = grpc.intercept_channel(channel, *interceptors)
+        self._metadata = (("authorization", "Bearer " + token),) if token else ()
+        self._max_attempts = max(1, max_attempts)
+        self._backoff, self._max_backoff, self._timeout = backoff, max_backoff, timeout
+        self._lease = _duration(lease)
+        self._log = logger or logging.getLogger("idemcoord")
+        self._stubs = {
+            m: channel.unary_unary("/%s/%s" % (_api.SERVICE, m), request_serializer=lambda r: r.SerializeToString(),
+                                   response_deserializer=_api.RESPONSES[m].FromString)
+            for m in _api.METHODS
+        }
+        self._background = set()
+        self._bg_lock = threading.Lock()
+        self._bg_stop = threading.Event()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def _call(self, method, request, fields, timeout, extra=0.0):
+        cls = _api.REQUESTS[method]
+        if request is None:
+            request = cls(**fields)
+        elif isinstance(request, dict):
+            request = cls(**dict(request, **fields))
+        elif fields:
+            merged = cls()
+            merged.CopyFrom(request)
+            merged.MergeFrom(cls(**fields))
+            request = merged
+        timeout = (self._timeout if timeout is None else timeout) + extra
+        delay = self._backoff
+        attempt = 1
+        while True:
+            try:
+                return self._stubs[method](request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if _code(err) != _C.UNAVAILABLE or attempt >= self._max_attempts:
+                    raise
+                self._log.debug("idemcoord: retrying %s (attempt %d): %s", method, attempt, err)
+                time.sleep(delay / 2 + random.random() * delay / 2)
+                delay = min(delay * 2, self._max_backoff)
+                attempt += 1
+
+    def begin(self, request=None, *, timeout=None, **fields):
+        """Claims a key (idempotency.v1.Coordinator.Begin).
+
+        Takes a BeginRequest, a dict, or its fields as keywords; ttl, lease
+        and wait may be seconds or timedeltas. Without attempt_id a fresh
+        random one is sent, the same on each retry of this call, so a
+        retried begin whose reply was lost gets the same lease token back.
+        """
+        if request is not None:
+            fields = dict(_as_dict(request), **fields)
+        for name in ("ttl", "lease", "wait"):
+            if fields.get(name) is not None:
+                fields[name] = _duration(fields[name])
+        if not fields.get("attempt_id"):
+            fields["attempt_id"] = _new_attempt_id()
+        return self._call("Begin", None, fields, timeout, _seconds(fields.get("wait")))
+
+    def complete(self, request=None, *, timeout=None, **fields):
+        """Stores the response and ends the record COMPLETED."""
+        return self._call("Complete", request, fields, timeout)
+
+    def fail(self, request=None, *, timeout=None, **fields):
+        """Ends the attempt with a failure (kind: a FailureKind name or number).
+
+        An ABANDONED fail that finds no record answers an empty FailResponse:
+        the abandoned first attempt deleted it, which is what a retried fail
+        whose first reply was lost asked for.
+        """
+        if request is not None:
+            fields = dict(_as_dict(request), **fields)
+        try:
+            return self._call("Fail", None, fields, timeout)
+        except grpc.RpcError as err:
+            kind = fields.get("kind")
+            if _code(err) == _C.NOT_FOUND and kind in ("FAILURE_KIND_ABANDONED", _api.FailureKind.FAILURE_KIND_ABANDONED):
+                return _api.RESPONSES["Fail"]()
+            raise
+
+    def lookup(self, request=None, *, timeout=None, **fields):
+        """Reads a record as in effect now."""
+        return self._call("Lookup", request, fields, timeout)
+
+    def heartbeat(self, request=None, *, timeout=None, **fields):
+        """Extends the current attempt's lease (lease: seconds or a timedelta)."""
+        if request is not None:
+            fields = dict(_as_dict(request), **fields)
+        if fields.get("lease") is not None:
+            fields["lease"] = _duration(fields["lease"])
+        return self._call("Heartbeat", None, fields, timeout)
+
+    def once(self, scope, key, fingerprint, fn, *, timeout=None, cancel_event=None):
+        """Runs fn at most once per (scope, key) and returns the recorded outcome.
+
+        fn(attempt) runs in this thread when this call acquires the key,
+        while a thread heartbeats every third of the lease. It returns a
+        StoredResponse, a dict of its fields, or None (an empty response),
+        which is stored with Complete. An exception is recorded with Fail of
+        the kind a FailureError names or, by default, of the kind its gRPC
+        code maps to (no code: UNKNOWN; after mark_side_effect: UNKNOWN), and
+        raised again. A replayable failure raises StoredFailure (now and on
+        every replay). When the key already has an outcome, once returns it
+        without running fn (replayed=True); while another attempt holds the
+        key it waits for its outcome, up to timeout seconds (None: no limit);
+        a key held UNKNOWN raises UnknownHeld. If a heartbeat learns that the
+        lease was lost, once raises LeaseLost and records nothing.
+        """
+        breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
+        if self._lease is not None:
+            breq["lease"] = self._lease
+        start = time.monotonic()
+        res, sent = self._begin_waiting(breq, None if timeout is None else start + timeout, cancel_event)
+        rec = res.record
+        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
+            result = Result(rec.response, True, rec.state, rec.attempt)
+            if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
+                raise _stored_failure(rec, result)
+            return result
+        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+            if rec.state == _api.State.STATE_UNKNOWN:
+                raise UnknownHeld()
+            raise TimeoutError("idemcoord: another attempt with this idempotency key is still in progress")
+
+        lease = _Holder(self, breq, res, sent)
+        attempt = Attempt(lease.info, cancel_event)
+        value, error, marked, started = lease.run(fn, attempt)
+        if lease.lost:
+            raise LeaseLost()
+        if not started:  # fn never ran: the key goes back to how it was
+            finish_err = lease.finish(kind="FAILURE_KIND_ABANDONED",
+                                      reason="the lease could not be confirmed before the attempt started")
+            if finish_err is not None:
+                raise finish_err from LeaseUnconfirmed()
+            raise LeaseUnconfirmed()
+        if error is None:
+            response = value if value is not None else _api.StoredResponse()
+            if isinstance(response, dict):
+                response = _api.StoredResponse(**response)
+            finish_err = lease.finish(complete=response)
+            if finish_err is not None:
+                raise finish_err
+            return Result(response, False, _api.State.STATE_COMPLETED, rec.attempt)
+        kind = _failure_kind(error, marked)
+        reason = _fail_reason(error)
+        if kind != "FAILURE_KIND_REPLAYABLE":
+            finish_err = lease.finish(kind=kind, reason=reason)
+            if finish_err is not None:
+                raise finish_err from error
+            raise error
+        if isinstance(error, FailureError) and error.response is not None:
+            response = error.response
+            if isinstance(response, dict):
+                response = _api.StoredResponse(**response)
+        else:
+            response = _status_response(error)
+        result = Result(response, False, _api.State.STATE_FAILED_REPLAYABLE, rec.attempt)
+        finish_err = lease.finish(kind=kind, response=response, reason=reason)
+        failure = _stored_failure(_api.Record(response=response, failure_reason=reason), result)
+        if finish_err is not None:
+            raise finish_err from error
+        raise failure from error
+
+    def _begin_waiting(self, req, give_up, cancel_event):
+        """Begin, then, while another attempt holds the key, Begin's long poll until give_up.
+
+        Returns the last answer and when its Begin was sent: a lease it
+        granted runs at least until then plus the lease, by the local clock.
+        """
+        sent = time.monotonic()
+        res = self.begin(**req)
+        while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
+            left = MAX_BEGIN_WAIT if give_up is None else min(MAX_BEGIN_WAIT, give_up - time.monotonic())
+            if left <= 0 or (cancel_event is not None and cancel_event.is_set()):
+                return res, sent
+            start = sent = time.monotonic()
+            res = self.begin(**req, wait=left)
+            if res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and time.monotonic() - start < left / 2:
+                pause = min(_seconds(res.retry_after) or 0.1, left)
+                if cancel_event is not None:
+                    cancel_event.wait(pause)
+                else:
+                    time.sleep(pause)
+        return res, sent
+
+    def _run_in_background(self, f):
+        t = threading.Thread(target=self._background_main, args=(f,), daemon=True)
+        with self._bg_lock:
+            self._background.add(t)
+        t.start()
+
+    def _background_main(self, f):
+        try:
+            f(self._bg_stop)
+        except Exception:  # logged; the record reads UNKNOWN once its lease runs out
+            self._log.exception("idemcoord: background work failed")
+        finally:
+            with self._bg_lock:
+                self._background.discard(threading.current_thread())
+
+    def shutdown(self, timeout=None):
+        """Waits for the background work of once (at most timeout seconds), then closes the channel.
+
+        That work is a complete or fail that could not reach the coordinator,
+        retried for up to one lease; when timeout runs out it is cancelled.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._bg_lock:
+                pending = list(self._background)
+            if not pending:
+                break
+            for t in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                t.join(left)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._bg_stop.set()
+        self._channel.close()
+
+    close = shutdown
+
+
+def _as_dict(msg):
+    if isinstance(msg, dict):
+        return dict(msg)
+    return {f.name: v for f, v in msg.ListFields()}
+
+
+class _Holder:
+    """An acquisition this process holds: heartbeats while fn runs, then ends it."""
+
+    def __init__(self, client, req, res, sent):
+        self.client = client
+        self.scope, self.key = req["scope"], req["key"]
+        self.token = res.lease_token
+        self.request = req.get("lease")
+        rec = res.record
+        if self.request is not None:
+            self.length = _seconds(self.request)
+        else:
+            self.length = _lease_length(rec)
+        if self.length <= 0:
+            self.length = DEFAULT_LEASE
+        self.info = Lease(self.scope, self.key, self.token, rec.generation, rec.attempt, res.previous_state,
+                          bool(getattr(rec, "uncertain", False)))
+        self.sent = sent
+        self.lost = False
+
+    @property
+    def margin(self):
+        """How long before the lease would run out, by the local clock, fn is cancelled unless confirmed."""
+        return max(self.length / 10, MIN_HEARTBEAT)
+
+    def run(self, fn, attempt):
+        """Runs fn(attempt) with heartbeats; returns (value, error, marked, started) once they stopped.
+
+        When the Begin that granted the lease took long (a wait for another
+        attempt), it first confirms the lease with a heartbeat; if the lease
+        cannot be confirmed for long enough to start fn, fn does not run.
+        """
+        confirmed = self.sent
+        if time.monotonic() - confirmed > self.length / 3:
+            sent = time.monotonic()
+            try:
+                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
+                confirmed = sent
+                if length > 0:
+                    self.length = length
+            except grpc.RpcError as err:
+                if _lease_gone(err):
+                    self.lost = True
+                    return None, None, False, False
+        if time.monotonic() >= confirmed + self.length - self.margin:
+            return None, None, False, False
+        self.until = confirmed + self.length - self.margin
+        self.next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
+        stop = threading.Event()
+        beats = threading.Thread(target=self._keep_alive, args=(attempt, stop), daemon=True)
+        beats.start()
+        token = _current.set(attempt)
+        value = error = None
+        try:
+            value = fn(attempt)
+        except Exception as err:  # recorded, then raised again by once
+            error = err
+        finally:
+            _current.reset(token)
+            stop.set()
+            beats.join()
+        return value, error, attempt._marked, True
+
+    def _keep_alive(self, attempt, stop):
+        """Heartbeats a third of the lease after the last confirmation, more often while unreachable.
+
+        Cancels the attempt with LeaseLost when a heartbeat is refused, and
+        with LeaseUnconfirmed when no heartbeat confirmed the lease before it
+        would run out by the local clock (less the margin).
+        """
+        while True:
+            now = time.monotonic()
+            if now >= self.until and not attempt.cancelled.is_set():
+                self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
+                                         "cancelling the attempt", self.scope, self.key)
+                attempt.cancel(LeaseUnconfirmed())
+            outer = attempt._outer
+            if outer is not None and outer.is_set():
+                attempt.cancel(attempt.reason or RuntimeError("idemcoord: cancelled by the caller"))
+            wake = self.next_beat if attempt.cancelled.is_set() else min(self.next_beat, self.until)
+            if stop.wait(max(0.0, wake - now)):
+                return
+            if time.monotonic() < self.next_beat:
+                continue
+            sent = time.monotonic()
+            try:
+                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
+                granted = length if length > 0 else self.length
+                self.until = sent + granted - self.margin
+                self.next_beat = sent + max(granted / 3, MIN_HEARTBEAT)
+            except grpc.RpcError as err:
+                if _lease_gone(err):
+                    self.lost = True
+                    attempt.cancel(LeaseLost())
+                    return
+                self.next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
+
+    def heartbeat(self, timeout=None):
+        """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
+        res = self.client.heartbeat(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request,
+                                    timeout=timeout)
+        return _lease_length(res.record)
+
+    def _send(self, ending, timeout):
+        base = dict(scope=self.scope, key=self.key, lease_token=self.token)
+        if "complete" in ending:
+            return self.client.complete(response=ending["complete"], timeout=timeout, **base)
+        return self.client.fail(kind=ending["kind"], response=ending.get("response"), reason=ending.get("reason", ""),
+                                timeout=timeout, **base)
+
+    def finish(self, **ending):
+        """Ends the attempt; returns None when done or retrying in the background, else the refusal."""
+        try:
+            self._send(ending, FINISH_TIMEOUT)
+            return None
+        except grpc.RpcError as err:
+            if _unreachable(err):
+                self.client._log.warning("idemcoord: coordinator unreachable at the end of an attempt on %s/%s; "
+                                         "retrying in the background", self.scope, self.key)
+                self.client._run_in_background(lambda stop: self._finish_later(ending, stop))
+                return None
+            if _code(err) == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
+                return self.finish(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
+            return err
+
+    def _finish_later(self, ending, stop):
+        give_up = time.monotonic() + self.length
+        delay = 0.1
+        while time.monotonic() < give_up and not stop.wait(delay):
+            try:
+                self._send(ending, FINISH_TIMEOUT)
+                return
+            except grpc.RpcError as err:
+                if not _unreachable(err):
+                    self.client._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
+                    return
+            # Keep the key held meanwhile. A refused heartbeat (ALREADY_FINISHED
+            # when the ending did land and only its reply was lost) decides
+            # nothing: the next try of the ending tells.
+            try:
+                self.heartbeat(timeout=FINISH_TIMEOUT)
+            except grpc.RpcError:
+                pass
+            delay = min(delay * 2, 2.0)
+        self.client._log.error("idemcoord: gave up ending an attempt on %s/%s; the record will read UNKNOWN "
+                               "once its lease runs out", self.scope, self.key)
