@@ -26,10 +26,12 @@ const effectiveStateSQL = `CASE
 var listColumns = strings.NewReplacer("has_response", "false",
 	"body", "NULL::bytea", "metadata", "NULL::bytea").Replace(recordColumns)
 
-// RecordKey names a record within a tenant.
+// RecordKey names a record within a tenant. ArchivedAt tells archived
+// records of one key apart (zero for live records).
 type RecordKey struct {
-	Scope string
-	Key   string
+	Scope      string
+	Key        string
+	ArchivedAt time.Time
 }
 
 // ListParams select a page of one tenant's records.
@@ -49,6 +51,9 @@ type ListParams struct {
 	After *RecordKey
 	// Limit is the most records to return (at least 1).
 	Limit int
+	// Archived lists the archive instead of the live records, in (scope,
+	// key, archived_at) order: the records Reap moved there.
+	Archived bool
 }
 
 // ListedRecord is one record of a page, as in effect at the page's Now,
@@ -66,7 +71,8 @@ type ListResult struct {
 }
 
 // ListRecords returns a page of the tenant's records in (scope, key) order,
-// filtered by their state in effect now and by scope. Pages are keyset
+// filtered by their state in effect now and by scope; with Archived, a
+// page of the archive. Pages are keyset
 // pages over the primary key, so records written between two pages never
 // shift the ones that follow.
 func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, error) {
@@ -78,9 +84,18 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 	}
 	var where strings.Builder
 	where.WriteString("tenant = $2")
+	table, extra, order := "idempotency_records", "", "tenant, scope, key"
+	if p.Archived {
+		table, extra, order = "idempotency_archive", ", archived_at", "tenant, scope, key, archived_at"
+	}
 	if p.After != nil {
 		// A row comparison the primary key index serves directly.
-		where.WriteString(" AND (tenant, scope, key) > ($2, " + arg(p.After.Scope) + ", " + arg(p.After.Key) + ")")
+		if p.Archived {
+			where.WriteString(" AND (tenant, scope, key, archived_at) > ($2, " + arg(p.After.Scope) + ", " +
+				arg(p.After.Key) + ", " + arg(p.After.ArchivedAt) + ")")
+		} else {
+			where.WriteString(" AND (tenant, scope, key) > ($2, " + arg(p.After.Scope) + ", " + arg(p.After.Key) + ")")
+		}
 	}
 	if p.State != statemachine.StateNone {
 		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
@@ -92,10 +107,10 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		where.WriteString(" AND starts_with(key, " + arg(p.KeyPrefix) + ")")
 	}
 	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
-		SELECT scope, key, ` + listColumns + `, clock.now
-		FROM idempotency_records, clock
+		SELECT scope, key, ` + listColumns + `, clock.now` + extra + `
+		FROM ` + table + `, clock
 		WHERE ` + where.String() + `
-		ORDER BY tenant, scope, key
+		ORDER BY ` + order + `
 		LIMIT ` + arg(limit+1)
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
@@ -112,13 +127,20 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		var lr ListedRecord
 		id := Identity{Tenant: p.Tenant}
 		dest, fin := s.scanTargets(&lr.Record, &id)
-		if err := rows.Scan(append(append([]any{&id.Scope, &id.Key}, dest...), &now)...); err != nil {
+		dest = append(append([]any{&id.Scope, &id.Key}, dest...), &now)
+		if p.Archived {
+			dest = append(dest, &lr.ArchivedAt)
+		}
+		if err := rows.Scan(dest...); err != nil {
 			return nil, classify(err)
 		}
 		if err := fin(); err != nil {
 			return nil, err
 		}
 		lr.Scope, lr.Key = id.Scope, id.Key
+		if p.Archived {
+			lr.ArchivedAt = lr.ArchivedAt.UTC()
+		}
 		lr.Record = statemachine.Effective(lr.Record, now.UTC())
 		res.Records = append(res.Records, lr)
 	}

@@ -14,16 +14,34 @@ const batchTimeout = 30 * time.Second
 // already queued (up to max), runs them together, and goes back for more.
 // Nothing waits for a batch to fill, so a lone request runs at once, and
 // under load the batches grow by themselves.
+//
+// Every request submitted is answered: by run, or by reject once the
+// coalescer is closed.
 type coalescer[T any] struct {
-	queue chan T
-	max   int
-	run   func(context.Context, []T)
-	stop  chan struct{}
-	wg    sync.WaitGroup
+	queue  chan T
+	max    int
+	run    func(context.Context, []T)
+	reject func(T)
+
+	// mu orders submit against close: a request is either queued before
+	// closed is set (and then run or rejected) or refused by submit.
+	mu     sync.RWMutex
+	closed bool
+	stop   chan struct{}
+	// base is the parent of every batch's context; close cancels it, so a
+	// batch in flight ends at once.
+	base   context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
 }
 
-func newCoalescer[T any](workers, max int, run func(context.Context, []T)) *coalescer[T] {
-	c := &coalescer[T]{queue: make(chan T, workers*max), max: max, run: run, stop: make(chan struct{})}
+// newCoalescer starts workers that run batches of at most max requests.
+// reject answers a request that the coalescer will not run (it was queued
+// when close was called).
+func newCoalescer[T any](workers, max int, run func(context.Context, []T), reject func(T)) *coalescer[T] {
+	base, cancel := context.WithCancel(context.Background())
+	c := &coalescer[T]{queue: make(chan T, workers*max), max: max, run: run, reject: reject,
+		stop: make(chan struct{}), base: base, cancel: cancel}
 	for range workers {
 		c.wg.Add(1)
 		go c.work()
@@ -31,18 +49,25 @@ func newCoalescer[T any](workers, max int, run func(context.Context, []T)) *coal
 	return c
 }
 
-// submit queues r, or returns false when the coalescer stopped or ctx ended
-// first.
+// submit queues r, or returns false when the coalescer is closed or ctx
+// ended first.
 func (c *coalescer[T]) submit(ctx context.Context, r T) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.closed {
+		return false
+	}
 	select {
 	case c.queue <- r:
 		return true
-	case <-c.stop:
-		return false
 	case <-ctx.Done():
 		return false
 	}
 }
+
+// closing reports whether close has been called; a batch that fails then
+// answers its callers ErrUnavailable instead of retrying them.
+func (c *coalescer[T]) closing() bool { return c.base.Err() != nil }
 
 func (c *coalescer[T]) work() {
 	defer c.wg.Done()
@@ -63,15 +88,35 @@ func (c *coalescer[T]) work() {
 				break drain
 			}
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), batchTimeout)
+		if c.closing() {
+			// Closed while these were queued: close answers the rest.
+			for _, r := range batch {
+				c.reject(r)
+			}
+			return
+		}
+		ctx, cancel := context.WithTimeout(c.base, batchTimeout)
 		c.run(ctx, batch)
 		cancel()
 	}
 }
 
-// close stops the workers after their current batch. Requests still queued
-// are not run; their callers see their own context end or close's error.
+// close stops the workers: a batch in flight has its statement cancelled
+// and answers its callers (ErrUnavailable unless it had finished), and
+// every request still queued is answered by reject. Later submits fail.
 func (c *coalescer[T]) close() {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	c.cancel()
 	close(c.stop)
 	c.wg.Wait()
+	for {
+		select {
+		case r := <-c.queue:
+			c.reject(r)
+		default:
+			return
+		}
+	}
 }

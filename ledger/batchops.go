@@ -1,7 +1,11 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
+	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -13,6 +17,17 @@ const (
 	batchMax     = 64
 )
 
+// errStoreClosed answers the requests a closing store will not run.
+var errStoreClosed = fmt.Errorf("%w: the store is closed", ErrUnavailable)
+
+// compareIdentity is the one global order in which every batch takes its
+// row locks: by tenant, scope, then key, bytewise (the SQL statements
+// order by the same columns under COLLATE "C", which compares bytes).
+// Two batches that lock rows in one order cannot deadlock on each other.
+func compareIdentity(a, b Identity) int {
+	return cmp.Or(strings.Compare(a.Tenant, b.Tenant), strings.Compare(a.Scope, b.Scope), strings.Compare(a.Key, b.Key))
+}
+
 // beginReq is a Begin run in a batch.
 type beginReq struct {
 	ctx context.Context
@@ -23,7 +38,8 @@ type beginReq struct {
 
 // beginRes is what the batch found: the key created with this request's
 // token (inserted), or the existing record (found), or neither (the caller
-// takes the single-record path).
+// takes the single-record path). err is this request's own failure, such
+// as its record being unreadable.
 type beginRes struct {
 	rec      statemachine.Record
 	now      time.Time
@@ -35,8 +51,10 @@ type beginRes struct {
 // beginBatchSQL creates every key of the batch that does not exist yet and
 // reads every one that does, in one statement: beginSQL for many records.
 // $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
-// attempt_id, ttl µs, failure ttl µs, lease µs. The first column says
-// whether the row was created; created rows carry the creator's token.
+// attempt_id, ttl µs, failure ttl µs, lease µs, one element per distinct
+// record. The first column says whether the row was created; created rows
+// carry the creator's token. The INSERT takes its rows in the global lock
+// order (see compareIdentity), whatever order the arrays come in.
 var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
@@ -48,24 +66,49 @@ ins AS (
 	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
 		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond'
 	FROM input i, clock
+	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
 	ON CONFLICT DO NOTHING
 	RETURNING tenant, scope, key, ` + recordColumns + `)
 SELECT true, ins.*, clock.now FROM ins, clock
 UNION ALL
-SELECT DISTINCT ON (r.tenant, r.scope, r.key) false, r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now
+SELECT false, r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now
 FROM idempotency_records r JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key, clock
 WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = i.tenant AND ins.scope = i.scope AND ins.key = i.key)`
 
-// runBeginBatch runs one batch of Begins and answers each request.
-func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
-	var live []*beginReq
+// liveBatch drops the requests whose caller has gone (answering them with
+// their context's error) and sorts the rest into the global lock order.
+func liveBatch[T any](batch []T, ctxOf func(T) context.Context, idOf func(T) Identity, answer func(T, error)) []T {
+	live := make([]T, 0, len(batch))
 	for _, r := range batch {
-		if r.ctx.Err() != nil {
-			r.out <- beginRes{err: r.ctx.Err()}
+		if err := ctxOf(r).Err(); err != nil {
+			answer(r, err)
 			continue
 		}
 		live = append(live, r)
 	}
+	slices.SortStableFunc(live, func(a, b T) int { return compareIdentity(idOf(a), idOf(b)) })
+	return live
+}
+
+// batchFailed answers for a batch statement that failed as a whole: when
+// the store is closing, every caller is told ErrUnavailable; otherwise
+// each caller is run again on its own (retry), where it gets its own
+// answer. A batch that committed before it failed is no loss: a Begin run
+// again finds the record its own token created (see Store.Begin), and a
+// Complete run again is a repeat, which answers OK.
+func (s *Store) batchFailed(kind string, n int, err error, closing bool) bool {
+	if closing {
+		return false
+	}
+	s.logger.Warn("batch statement failed; running its callers one by one", "kind", kind, "callers", n, "err", err)
+	return true
+}
+
+// runBeginBatch runs one batch of Begins and answers each request.
+func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
+	live := liveBatch(batch, func(r *beginReq) context.Context { return r.ctx },
+		func(r *beginReq) Identity { return r.p.ID },
+		func(r *beginReq, err error) { r.out <- beginRes{err: err} })
 	switch len(live) {
 	case 0:
 		return
@@ -73,28 +116,41 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		// Alone: the single-record statement plans faster than unnest.
 		r := live[0]
 		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev)
+		if err != nil && s.begins.closing() {
+			err = errStoreClosed
+		}
 		r.out <- beginRes{rec: rec, now: now, inserted: inserted, found: found, err: classify(err)}
 		return
 	}
-	n := len(live)
-	tenants, scopes, keys := make([]string, n), make([]string, n), make([]string, n)
-	fps, tokens, attemptIDs := make([][]byte, n), make([]string, n), make([]string, n)
-	ttls, fttls, leases := make([]int64, n), make([]int64, n), make([]int64, n)
+	// One row per record: a later request of the same record is answered
+	// from the same row (or, if the row is not its own creation, decides
+	// on the single-record path).
+	n := 0
+	tenants, scopes, keys := make([]string, 0, len(live)), make([]string, 0, len(live)), make([]string, 0, len(live))
+	fps, tokens, attemptIDs := make([][]byte, 0, len(live)), make([]string, 0, len(live)), make([]string, 0, len(live))
+	ttls, fttls, leases := make([]int64, 0, len(live)), make([]int64, 0, len(live)), make([]int64, 0, len(live))
 	for i, r := range live {
-		tenants[i], scopes[i], keys[i] = r.p.ID.Tenant, r.p.ID.Scope, r.p.ID.Key
-		fps[i] = r.ev.Fingerprint
-		if fps[i] == nil {
-			fps[i] = []byte{}
+		if i > 0 && live[i-1].p.ID == r.p.ID {
+			continue
 		}
-		tokens[i], attemptIDs[i] = r.ev.NewToken, r.ev.AttemptID
-		ttls[i], fttls[i], leases[i] = r.ev.TTL.Microseconds(), min(r.ev.FailureTTL, r.ev.TTL).Microseconds(), r.ev.Lease.Microseconds()
+		n++
+		fp := r.ev.Fingerprint
+		if fp == nil {
+			fp = []byte{}
+		}
+		tenants, scopes, keys = append(tenants, r.p.ID.Tenant), append(scopes, r.p.ID.Scope), append(keys, r.p.ID.Key)
+		fps, tokens, attemptIDs = append(fps, fp), append(tokens, r.ev.NewToken), append(attemptIDs, r.ev.AttemptID)
+		ttls = append(ttls, r.ev.TTL.Microseconds())
+		fttls = append(fttls, min(r.ev.FailureTTL, r.ev.TTL).Microseconds())
+		leases = append(leases, r.ev.Lease.Microseconds())
 	}
 	type row struct {
 		rec      statemachine.Record
 		now      time.Time
 		inserted bool
+		err      error // the row could not be read
 	}
-	found := map[Identity]row{}
+	found := make(map[Identity]row, n)
 	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases)
 	if err == nil {
 		for rows.Next() {
@@ -104,9 +160,8 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 			if err = rows.Scan(append(append([]any{&rw.inserted, &id.Tenant, &id.Scope, &id.Key}, dest...), &rw.now)...); err != nil {
 				break
 			}
-			if err = fin(); err != nil {
-				break
-			}
+			// A row that cannot be decoded fails its own callers only.
+			rw.err = fin()
 			rw.now = rw.now.UTC()
 			found[id] = rw
 		}
@@ -115,13 +170,24 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 			err = rows.Err()
 		}
 	}
+	if err != nil {
+		retry := s.batchFailed("begin", len(live), err, s.begins.closing())
+		for _, r := range live {
+			if retry {
+				r.out <- beginRes{}
+			} else {
+				r.out <- beginRes{err: errStoreClosed}
+			}
+		}
+		return
+	}
 	for _, r := range live {
 		rw, ok := found[r.p.ID]
 		switch {
-		case err != nil:
-			r.out <- beginRes{err: classify(err)}
 		case !ok:
 			r.out <- beginRes{}
+		case rw.err != nil:
+			r.out <- beginRes{err: rw.err}
 		case rw.inserted && rw.rec.LeaseToken != r.ev.NewToken:
 			// Another Begin of the same new key in this batch created it.
 			r.out <- beginRes{}
@@ -148,41 +214,47 @@ type completeRes struct {
 // completeBatchSQL ends every held record of the batch (IN_PROGRESS or
 // UNKNOWN with the request's token) as COMPLETED, in one statement; see
 // completeHeldSQL for the single form. $1 now or NULL; $2.. arrays: tenant,
-// scope, key, token, then the responseArgs columns.
+// scope, key, token, then the responseArgs columns. The rows are locked
+// first, in the global lock order (see compareIdentity), and only then
+// updated.
 var completeBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bool[], $7::text[],
 		$8::text[], $9::int4[], $10::bytea[], $11::bytea[], $12::text[])
 		AS i(tenant, scope, key, token, has_response, schema_version, content_type, status_code,
-			body, metadata, enc_key_id))
-UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = i.has_response,
-	schema_version = i.schema_version, content_type = i.content_type, status_code = i.status_code,
-	body = i.body, metadata = i.metadata, enc_key_id = i.enc_key_id, failure_reason = '',
+			body, metadata, enc_key_id)),
+locked AS MATERIALIZED (
+	SELECT i.* FROM idempotency_records r
+	JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key
+	WHERE r.lease_token = i.token AND r.state IN (1, 6)
+	ORDER BY r.tenant COLLATE "C", r.scope COLLATE "C", r.key COLLATE "C"
+	FOR UPDATE OF r)
+UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = l.has_response,
+	schema_version = l.schema_version, content_type = l.content_type, status_code = l.status_code,
+	body = l.body, metadata = l.metadata, enc_key_id = l.enc_key_id, failure_reason = '',
 	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
-FROM input i, clock
-WHERE r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key AND r.lease_token = i.token
+FROM locked l, clock
+WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
 	AND r.state IN (1, 6)
 RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`
 
 // runCompleteBatch runs one batch of Completes and answers each request. A
-// batch holds at most one request per record; the others wait for the
-// next batch.
+// batch holds at most one request per record; the others decide on the
+// locked path, after this batch commits.
 func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
-	var live []*completeReq
-	seen := map[Identity]bool{}
-	for _, r := range batch {
-		switch {
-		case r.ctx.Err() != nil:
-			r.out <- completeRes{err: r.ctx.Err()}
-		case seen[r.id]:
+	sorted := liveBatch(batch, func(r *completeReq) context.Context { return r.ctx },
+		func(r *completeReq) Identity { return r.id },
+		func(r *completeReq, err error) { r.out <- completeRes{err: err} })
+	live := sorted[:0]
+	for i, r := range sorted {
+		if i > 0 && sorted[i-1].id == r.id {
 			// A second Complete of the same record in this batch: let it
 			// decide on its own, after this batch commits.
 			r.out <- completeRes{}
-		default:
-			seen[r.id] = true
-			live = append(live, r)
+			continue
 		}
+		live = append(live, r)
 	}
 	switch len(live) {
 	case 0:
@@ -190,6 +262,9 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 	case 1:
 		r := live[0]
 		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.args)
+		if err != nil && s.completes.closing() {
+			err = errStoreClosed
+		}
 		r.out <- completeRes{res: res, err: classify(err)}
 		return
 	}
@@ -205,8 +280,12 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 		svs[i], cts[i], codes[i] = r.args[1].(string), r.args[2].(string), r.args[3].(int32)
 		bodies[i], metas[i], keyIDs[i] = r.args[4].([]byte), r.args[5].([]byte), r.args[6].(string)
 	}
+	type row struct {
+		res *Result
+		err error // the row was written but cannot be read back
+	}
+	done := make(map[Identity]row, n)
 	rows, err := s.pool.Query(ctx, completeBatchSQL, s.now(), tenants, scopes, keys, tokens, has, svs, cts, codes, bodies, metas, keyIDs)
-	done := map[Identity]*Result{}
 	if err == nil {
 		for rows.Next() {
 			var id Identity
@@ -216,21 +295,30 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 			if err = rows.Scan(append(append([]any{&id.Tenant, &id.Scope, &id.Key}, dest...), &now)...); err != nil {
 				break
 			}
-			if err = fin(); err != nil {
-				break
+			if ferr := fin(); ferr != nil {
+				done[id] = row{err: ferr}
+				continue
 			}
-			done[id] = &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now.UTC()}
+			done[id] = row{res: &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now.UTC()}}
 		}
 		rows.Close()
 		if err == nil {
 			err = rows.Err()
 		}
 	}
-	for _, r := range live {
-		if err != nil {
-			r.out <- completeRes{err: classify(err)}
-			continue
+	if err != nil {
+		retry := s.batchFailed("complete", n, err, s.completes.closing())
+		for _, r := range live {
+			if retry {
+				r.out <- completeRes{}
+			} else {
+				r.out <- completeRes{err: errStoreClosed}
+			}
 		}
-		r.out <- completeRes{res: done[r.id]}
+		return
+	}
+	for _, r := range live {
+		d := done[r.id]
+		r.out <- completeRes{res: d.res, err: d.err}
 	}
 }

@@ -2,11 +2,6 @@ package ledger
 
 import (
 	"container/list"
-	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,9 +15,6 @@ const (
 	// be for cached records to be served: a record changed or forgotten on
 	// any replica stops being served here within this time.
 	cacheFreshness = 900 * time.Millisecond
-	// cachePingEvery is how often a store checks its notification round
-	// trip.
-	cachePingEvery = 200 * time.Millisecond
 	// cacheExpiryMargin sends a Begin to the database when the cached
 	// record expires within this time, so expiry is decided by the
 	// database's clock.
@@ -56,10 +48,9 @@ type replayCache struct {
 
 	hits, misses atomic.Int64
 
-	// lastPing is the send time (UnixNano, local clock) of the latest own
-	// ping that came back through the notification channel.
-	lastPing atomic.Int64
-	nonce    string
+	// fresh reports whether change notifications are known to arrive
+	// within cacheFreshness (see notifier.fresh).
+	fresh func() bool
 }
 
 type cacheEntry struct {
@@ -68,16 +59,9 @@ type cacheEntry struct {
 	size int64
 }
 
-func newReplayCache(maxBytes int64) *replayCache {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
+func newReplayCache(maxBytes int64, fresh func() bool) *replayCache {
 	return &replayCache{maxBytes: maxBytes, lru: list.New(), entries: map[string]*list.Element{},
-		inval: map[string]uint64{}, nonce: hex.EncodeToString(b[:])}
-}
-
-// fresh reports whether notifications are known to arrive in time.
-func (c *replayCache) fresh() bool {
-	return time.Since(time.Unix(0, c.lastPing.Load())) < cacheFreshness
+		inval: map[string]uint64{}, fresh: fresh}
 }
 
 // snapshot returns the invalidation sequence to pass to put for a read
@@ -186,42 +170,7 @@ func (c *replayCache) invalidateAll() {
 	c.floor = c.seq
 }
 
-// pingPayload is the notification payload of a ping sent at t.
-func (c *replayCache) pingPayload(t time.Time) string {
-	return "ping:" + c.nonce + ":" + strconv.FormatInt(t.UnixNano(), 10)
-}
-
-// notified handles a notification payload: an own ping records the
-// round trip; any other payload invalidates its record.
+// notified handles a record notification: it invalidates its record.
 func (c *replayCache) notified(payload string) {
-	if rest, ok := strings.CutPrefix(payload, "ping:"); ok {
-		nonce, sent, _ := strings.Cut(rest, ":")
-		if nonce == c.nonce {
-			if ns, err := strconv.ParseInt(sent, 10, 64); err == nil && ns > c.lastPing.Load() {
-				c.lastPing.Store(ns)
-			}
-		}
-		return
-	}
 	c.invalidate(payload)
-}
-
-// pingLoop sends a ping through the notification channel every
-// cachePingEvery until ctx ends.
-func (s *Store) pingLoop(ctx context.Context) {
-	t := time.NewTicker(cachePingEvery)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		pctx, cancel := context.WithTimeout(ctx, cacheFreshness)
-		_, err := s.pool.Exec(pctx, `SELECT pg_notify($1, $2)`, notifyChannel, s.cache.pingPayload(time.Now()))
-		cancel()
-		if err != nil && ctx.Err() == nil {
-			s.logger.Debug("replay cache ping failed; cache not served until pings return", "err", err)
-		}
-	}
 }

@@ -4,7 +4,10 @@
 //
 // The database decides every race: the primary key on (tenant, scope, key)
 // settles concurrent Begins of a new key, and every other write happens under
-// a row lock. Every write is committed before the method that made it
+// a row lock. Batched statements take their row locks in one global order
+// (tenant, scope, key), so concurrent batches never deadlock, and a batch
+// answers each caller on its own: one unreadable row fails only its
+// caller. Every write is committed before the method that made it
 // returns. Errors are the statemachine's refusals, ErrUnavailable when the
 // database cannot be reached, or context errors; no pgx type leaves the
 // package, except the transaction RunTx lends to its function.

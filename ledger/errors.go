@@ -19,6 +19,26 @@ var ErrUnavailable = errors.New("database unavailable")
 // not help.
 var ErrUnreadable = errors.New("stored record cannot be read")
 
+// MaxIdentityBytes bounds a record's identity: tenant, scope and key
+// together, in bytes. It is what the primary key's btree index can hold
+// (an index entry is at most 2704 bytes on PostgreSQL's 8 KiB pages; the
+// rest is the entry's own overhead, with a margin). Servers refuse a
+// configuration whose limits would let a longer identity through.
+const MaxIdentityBytes = 2600
+
+// ErrIdentityTooLong is returned, before any database work, for an
+// identity longer than MaxIdentityBytes. It wraps ErrInvalidArgument.
+var ErrIdentityTooLong = fmt.Errorf("%w: tenant, scope and key together are too long to be stored", ErrInvalidArgument)
+
+// checkIdentity refuses an identity the primary key index cannot hold, so
+// it never reaches a statement (where it would fail a whole batch).
+func checkIdentity(id Identity) error {
+	if n := len(id.Tenant) + len(id.Scope) + len(id.Key); n > MaxIdentityBytes {
+		return fmt.Errorf("%w: %d bytes, at most %d", ErrIdentityTooLong, n, MaxIdentityBytes)
+	}
+	return nil
+}
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {

@@ -2,6 +2,8 @@ package ledger
 
 import (
 	"context"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -14,6 +16,21 @@ type ReapParams struct {
 	MaxBatches int
 	// Retention is how long EXPIRED rows are kept after their expires_at
 	// before they are deleted (0 deletes them at the first pass).
+	Retention time.Duration
+	// UnknownRetention is how long an UNKNOWN record (counted from when it
+	// became UNKNOWN; for an IN_PROGRESS record whose lease lapsed, from
+	// the end of its lease) stays in the live table before it is moved to
+	// the archive, with all its columns. 0 archives nothing.
+	UnknownRetention time.Duration
+	// ScopeRetention overrides UnknownRetention for the scopes its
+	// entries match; the first matching entry wins.
+	ScopeRetention []ScopeRetention
+}
+
+// ScopeRetention is the unknown retention of the scopes matching Glob (in
+// which `*` matches any run of bytes, every other byte itself).
+type ScopeRetention struct {
+	Glob      string
 	Retention time.Duration
 }
 
@@ -29,6 +46,10 @@ type ReapResult struct {
 	Expired int
 	// Deleted is the number of EXPIRED records deleted after retention.
 	Deleted int
+	// Archived is the number of UNKNOWN records moved to the archive;
+	// ArchivedScopes lists the scope of each.
+	Archived       int
+	ArchivedScopes []string
 	// More reports that the pass stopped at MaxBatches with work left: a
 	// caller keeping pace with a backlog runs the next pass at once.
 	More bool
@@ -70,9 +91,10 @@ RETURNING 1`
 )
 
 // Reap runs one reaper pass: stale leases become UNKNOWN, terminal records
-// past expires_at become EXPIRED without their response, and EXPIRED
-// records older than the retention are deleted. IN_PROGRESS and UNKNOWN
-// records are never deleted. Work is done in bounded batches, each its own
+// past expires_at become EXPIRED without their response, EXPIRED records
+// older than the retention are deleted, and UNKNOWN records older than
+// their unknown retention are moved to the archive (see ListParams.Archived).
+// IN_PROGRESS and UNKNOWN records are never deleted. Work is done in bounded batches, each its own
 // transaction; replicas may reap at the same time without doing the same
 // work twice.
 func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
@@ -94,6 +116,17 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 		{reapExpiredSQL, nil, &res.Expired, nil},
 		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted, nil},
 	}
+	if p.UnknownRetention > 0 {
+		// First, so a lease that lapsed long ago is archived by its lease's
+		// end, before marking it UNKNOWN would stamp it with the present.
+		sql, args := archiveStatement(p)
+		steps = append([]struct {
+			sql    string
+			args   []any
+			count  *int
+			scopes *[]string
+		}{{sql, args, &res.Archived, &res.ArchivedScopes}}, steps...)
+	}
 	for _, st := range steps {
 		full := 0
 		for range maxBatches {
@@ -110,6 +143,47 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 		res.More = res.More || full == maxBatches
 	}
 	return res, nil
+}
+
+// archiveStatement returns the reaper's archiving statement for p and its
+// arguments after $1 now and $2 the batch size: $3 the least retention
+// (µs, which lets the indexes narrow the scan), then the retention of
+// each scope rule and the default, in a CASE that picks the first match.
+func archiveStatement(p *ReapParams) (string, []any) {
+	least := p.UnknownRetention
+	args := []any{int64(0)}
+	var retention strings.Builder
+	retention.WriteString("CASE")
+	for _, r := range p.ScopeRetention {
+		least = min(least, r.Retention)
+		args = append(args, globToLike(r.Glob), r.Retention.Microseconds())
+		retention.WriteString(" WHEN scope LIKE $" + strconv.Itoa(len(args)+1) + " THEN $" + strconv.Itoa(len(args)+2) + "::int8")
+	}
+	args = append(args, p.UnknownRetention.Microseconds())
+	def := "$" + strconv.Itoa(len(args)+2) + "::int8"
+	if len(p.ScopeRetention) == 0 {
+		retention.Reset()
+		retention.WriteString(def)
+	} else {
+		retention.WriteString(" ELSE " + def + " END")
+	}
+	args[0] = least.Microseconds()
+	cutoff := func(us string) string {
+		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
+	}
+	return `WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE ((state = 6 AND updated_at <= ` + cutoff("$3") + `)
+		OR (state = 1 AND lease_expires_at <= ` + cutoff("$3") + `))
+		AND CASE WHEN state = 6 THEN updated_at ELSE lease_expires_at END <= ` + cutoff("("+retention.String()+")") + `
+	ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED),
+moved AS (
+	DELETE FROM idempotency_records r USING batch
+	WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
+INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
+SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
+RETURNING scope`, args
 }
 
 // reapBatch runs one statement and counts its rows; with scopes set, it

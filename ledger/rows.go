@@ -2,8 +2,12 @@ package ledger
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -164,8 +168,9 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 			r := &statemachine.Response{SchemaVersion: schemaVersion, ContentType: contentType,
 				StatusCode: statusCode, Body: body}
 			if len(metadata) > 0 {
-				if err := json.Unmarshal(metadata, &r.Metadata); err != nil {
-					return fmt.Errorf("ledger: decode stored metadata: %w", err)
+				var err error
+				if r.Metadata, err = decodeMetadata(metadata); err != nil {
+					return err
 				}
 			}
 			rec.Response = r
@@ -193,10 +198,7 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response) ([]any, erro
 	}
 	var metadata []byte
 	if len(r.Metadata) > 0 {
-		var err error
-		if metadata, err = json.Marshal(r.Metadata); err != nil {
-			return nil, fmt.Errorf("ledger: encode metadata: %w", err)
-		}
+		metadata = encodeMetadata(r.Metadata)
 	}
 	var keyID string
 	if s.keyring != nil {
@@ -207,6 +209,65 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response) ([]any, erro
 		}
 	}
 	return []any{true, r.SchemaVersion, r.ContentType, r.StatusCode, body, metadata, keyID}, nil
+}
+
+// metadataFormat is the first byte of metadata in its stored form: the
+// entries sorted by name, each as uvarint length + name + uvarint length +
+// value. The stored form is never larger than the same map in the
+// protobuf encoding of the request, so the response limit (which counts
+// the protobuf encoding) bounds the stored bytes. Rows written before it
+// hold a JSON object, which starts with '{' and is still read.
+const metadataFormat = 0x01
+
+// encodeMetadata returns the stored form of m (non-empty).
+func encodeMetadata(m map[string]string) []byte {
+	size := 1
+	for k, v := range m {
+		size += 2*binary.MaxVarintLen64 + len(k) + len(v)
+	}
+	out := make([]byte, 1, size)
+	out[0] = metadataFormat
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		out = binary.AppendUvarint(out, uint64(len(k)))
+		out = append(out, k...)
+		out = binary.AppendUvarint(out, uint64(len(m[k])))
+		out = append(out, m[k]...)
+	}
+	return out
+}
+
+// decodeMetadata reads metadata in its stored form, or as the JSON object
+// of older rows.
+func decodeMetadata(b []byte) (map[string]string, error) {
+	m := map[string]string{}
+	if b[0] == '{' {
+		if err := json.Unmarshal(b, &m); err != nil {
+			return nil, fmt.Errorf("ledger: decode stored metadata: %w", err)
+		}
+		return m, nil
+	}
+	if b[0] != metadataFormat {
+		return nil, fmt.Errorf("ledger: stored metadata in unknown format %#x", b[0])
+	}
+	b = b[1:]
+	next := func() (string, bool) {
+		n, w := binary.Uvarint(b)
+		if w <= 0 || n > uint64(len(b)-w) {
+			return "", false
+		}
+		v := string(b[w : w+int(n)])
+		b = b[w+int(n):]
+		return v, true
+	}
+	for len(b) > 0 {
+		k, ok := next()
+		v, ok2 := next()
+		if !ok || !ok2 {
+			return nil, errors.New("ledger: stored metadata is truncated")
+		}
+		m[k] = v
+	}
+	return m, nil
 }
 
 // recordArgs returns the values of recordColumns for rec, the record id.

@@ -52,6 +52,9 @@ type options struct {
 	keyring  *Keyring
 	noBatch  bool
 	cacheMax int64
+	// notifyQueueLimit, when set, is the session's
+	// idemcoord.notify_queue_limit (tests lower it).
+	notifyQueueLimit string
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -112,6 +115,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
 	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if o.notifyQueueLimit != "" {
+		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
+	}
 	if !hasParam(databaseURL, "pool_max_conns") {
 		cfg.MaxConns = o.maxConns
 	}
@@ -122,31 +128,38 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring, exactCountBytes: exactCountBytes}
 	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
 	if !o.noBatch {
-		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch)
-		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch)
+		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
+			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
+		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch,
+			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax)
+		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.fresh(cacheFreshness) })
 		s.notifier.onPayload = s.cache.notified
-		s.notifier.onConnect = s.cache.invalidateAll
-		s.notifier.start()
-		ctx, cancel := context.WithCancel(context.Background())
-		s.stopPing, s.pingDone = cancel, make(chan struct{})
-		go func() {
-			defer close(s.pingDone)
-			s.pingLoop(ctx)
-		}()
+		s.notifier.onLost = s.cache.invalidateAll
 	}
+	// The listener and its pings run from the start: the pings measure the
+	// listener's delay and carry the count of changes not notified, which
+	// the replay cache and waiting Begins rely on.
+	s.notifier.start()
+	pctx, cancel := context.WithCancel(context.Background())
+	s.stopPing, s.pingDone = cancel, make(chan struct{})
+	go func() {
+		defer close(s.pingDone)
+		s.pingLoop(pctx)
+	}()
 	return s, nil
 }
 
 // Close stops the batch workers and the change listener and closes every
-// connection.
+// connection. Every call queued for a batch, or in a batch statement that
+// Close interrupts, returns ErrUnavailable (a Begin or Complete whose
+// statement was interrupted may have committed, as ErrUnavailable allows);
+// calls made after Close return ErrUnavailable too. Close waits for calls
+// on their own connection to finish.
 func (s *Store) Close() {
-	if s.stopPing != nil {
-		s.stopPing()
-		<-s.pingDone
-	}
+	s.stopPing()
+	<-s.pingDone
 	if s.begins != nil {
 		s.begins.close()
 		s.completes.close()
@@ -206,14 +219,22 @@ func newToken() string {
 	return "lt1." + base64.RawURLEncoding.EncodeToString(b[:])
 }
 
-// Begin applies a Begin event. A new key takes one round trip (an INSERT …
+// Begin applies a Begin event. An identity longer than MaxIdentityBytes is
+// refused with ErrIdentityTooLong. A new key takes one round trip (an INSERT …
 // ON CONFLICT DO NOTHING that also reads the existing row); a decision that
 // changes an existing record is taken again under its row lock.
 func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
 	ev.NewToken = newToken()
+	return s.begin(ctx, p, ev)
+}
 
+// begin is Begin with ev's new token chosen.
+func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -229,6 +250,12 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	if s.clock == nil {
 		s.clockOffset.Store(int64(now.Sub(time.Now())))
+	}
+	if found && !inserted && rec.LeaseToken == ev.NewToken && rec.State == statemachine.StateInProgress {
+		// This Begin's own insert, committed by a batch statement that
+		// failed afterwards (tokens are unique): it is this caller's
+		// acquisition, not someone else's lease.
+		inserted = true
 	}
 	if inserted {
 		d := statemachine.Next(nil, ev, p.Policy, now)
@@ -298,7 +325,7 @@ func submitErr(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return fmt.Errorf("%w: the store is closed", ErrUnavailable)
+	return errStoreClosed
 }
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
@@ -392,6 +419,9 @@ const maxRaceRetries = 8
 // locked takes the decision for ev under the row lock and applies it in the
 // same transaction.
 func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (*Result, error) {
+	if err := checkIdentity(id); err != nil {
+		return nil, err
+	}
 	for range maxRaceRetries {
 		res, retry, err := s.lockedOnce(ctx, id, ev, pol)
 		switch {

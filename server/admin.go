@@ -6,7 +6,10 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
+	"time"
 	"unicode/utf8"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 
@@ -55,14 +58,18 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	tenant := tenantFrom(ctx)
 	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
 		State: statemachine.State(req.GetState()), ScopeGlob: req.GetScopeGlob(), KeyPrefix: req.GetKeyPrefix(),
-		After: after, Limit: size})
+		After: after, Limit: size, Archived: req.GetArchived()})
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
 	logging.AddFields(ctx, logging.Fields{"tenant", tenant})
 	out := &idempotencyv1.ListRecordsResponse{Records: make([]*idempotencyv1.Record, 0, len(res.Records))}
 	for _, r := range res.Records {
-		out.Records = append(out.Records, recordToProto(r.Scope, r.Key, r.Record))
+		rec := recordToProto(r.Scope, r.Key, r.Record)
+		if req.GetArchived() {
+			rec.ArchivedAt = timestamppb.New(r.ArchivedAt)
+		}
+		out.Records = append(out.Records, rec)
 	}
 	if res.More {
 		out.NextPageToken = encodePageToken(req, res.Records[len(res.Records)-1].RecordKey)
@@ -191,8 +198,9 @@ const maxKeyPrefixBytes = 255
 
 // Page tokens are opaque to callers: base64url of a version byte, the first
 // 8 bytes of a hash of the request's filters (so a token is refused with
-// other filters), and the (scope, key) of the page's last record, the scope
-// prefixed by its length as a uvarint.
+// other filters), for the archive the archived_at of the page's last record
+// (8 bytes, µs since the Unix epoch), and the (scope, key) of the page's
+// last record, the scope prefixed by its length as a uvarint.
 const pageTokenVersion = 1
 
 func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
@@ -205,11 +213,17 @@ func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
 		h.Write([]byte{0})
 		h.Write([]byte(p))
 	}
+	if req.GetArchived() {
+		h.Write([]byte{1})
+	}
 	return h.Sum(nil)[:8]
 }
 
 func encodePageToken(req *idempotencyv1.ListRecordsRequest, last ledger.RecordKey) string {
 	b := append([]byte{pageTokenVersion}, filterHash(req)...)
+	if req.GetArchived() {
+		b = binary.BigEndian.AppendUint64(b, uint64(last.ArchivedAt.UnixMicro()))
+	}
 	b = binary.AppendUvarint(b, uint64(len(last.Scope)))
 	b = append(b, last.Scope...)
 	b = append(b, last.Key...)
@@ -224,11 +238,19 @@ func decodePageToken(req *idempotencyv1.ListRecordsRequest) (*ledger.RecordKey, 
 		return nil, false
 	}
 	b = b[9:]
+	var archivedAt time.Time
+	if req.GetArchived() {
+		if len(b) < 8 {
+			return nil, false
+		}
+		archivedAt = time.UnixMicro(int64(binary.BigEndian.Uint64(b))).UTC()
+		b = b[8:]
+	}
 	n, w := binary.Uvarint(b)
 	if w <= 0 || n > uint64(len(b)-w) {
 		return nil, false
 	}
-	k := &ledger.RecordKey{Scope: string(b[w : w+int(n)]), Key: string(b[w+int(n):])}
+	k := &ledger.RecordKey{Scope: string(b[w : w+int(n)]), Key: string(b[w+int(n):]), ArchivedAt: archivedAt}
 	// The names go into SQL as text: they must be names a record can have.
 	if !printableName(k.Scope) || !printableName(k.Key) {
 		return nil, false

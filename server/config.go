@@ -114,6 +114,10 @@ type PolicyConfig struct {
 	OnExpired   *string   `yaml:"on_expired"`
 	OnUnknown   *string   `yaml:"on_unknown"`
 	MaxAttempts *int32    `yaml:"max_attempts"`
+	// UnknownRetention is how long an UNKNOWN record (or an IN_PROGRESS
+	// one whose lease lapsed) stays in the live table before the reaper
+	// moves it to the archive (default 720h, 30 days).
+	UnknownRetention *Duration `yaml:"unknown_retention"`
 }
 
 // ScopeConfig is one per-scope entry.
@@ -161,15 +165,17 @@ type Policy struct {
 	OnExpired   statemachine.OnExpired
 	OnUnknown   statemachine.OnUnknown
 	MaxAttempts int32
+	// UnknownRetention: see PolicyConfig.UnknownRetention.
+	UnknownRetention time.Duration
 }
 
 // DefaultPolicy is the built-in policy: ttl 24h, failure_ttl 1h, lease 30s,
 // on_expired restart, on_unknown takeover, max_attempts 0 (unlimited),
-// max_ttl 720h.
+// max_ttl 720h, unknown_retention 720h.
 func DefaultPolicy() Policy {
 	return Policy{TTL: 24 * time.Hour, FailureTTL: time.Hour, Lease: 30 * time.Second,
 		MaxTTL: 720 * time.Hour, OnExpired: statemachine.ExpiredRestart,
-		OnUnknown: statemachine.UnknownTakeover}
+		OnUnknown: statemachine.UnknownTakeover, UnknownRetention: 720 * time.Hour}
 }
 
 // Limits bound the fields of requests.
@@ -275,6 +281,16 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 	return ledger.NewKeyring(e.ActiveKey, keys)
 }
 
+// unknownRetention returns the default unknown retention and the
+// per-scope ones, in the order the scopes are matched.
+func (p *Policies) unknownRetention() (time.Duration, []ledger.ScopeRetention) {
+	rules := make([]ledger.ScopeRetention, len(p.scopes))
+	for i, sc := range p.scopes {
+		rules[i] = ledger.ScopeRetention{Glob: sc.match, Retention: sc.policy.UnknownRetention}
+	}
+	return p.defaults.UnknownRetention, rules
+}
+
 // Reaper returns the reaper settings.
 func (p *Policies) Reaper() ReaperSettings { return p.reaper }
 
@@ -347,6 +363,9 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		names[tn.name] = true
 		out.tenants = append(out.tenants, tn)
 	}
+	if err := checkIdentityLimits(out.limits, out.tenants); err != nil {
+		errs = append(errs, err)
+	}
 	if rl := cfg.RateLimit; rl != nil {
 		if rl.RequestsPerSecond <= 0 || rl.Burst < 0 {
 			errs = append(errs, fmt.Errorf("rate_limit: requests_per_second must be positive and burst not negative"))
@@ -385,6 +404,22 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	return out, nil
 }
 
+// checkIdentityLimits refuses limits under which a key could not be
+// stored: the longest tenant name plus max_scope_bytes plus max_key_bytes
+// must fit the primary key index (ledger.MaxIdentityBytes).
+func checkIdentityLimits(l Limits, tenants []tenant) error {
+	longest := len(DefaultTenant)
+	for _, t := range tenants {
+		longest = max(longest, len(t.name))
+	}
+	if n := longest + l.MaxScopeBytes + l.MaxKeyBytes; n > ledger.MaxIdentityBytes {
+		return fmt.Errorf("limits: max_key_bytes %d + max_scope_bytes %d + the longest tenant name (%d bytes) = %d bytes, "+
+			"more than the %d bytes the database index can store for one record; lower max_key_bytes or max_scope_bytes",
+			l.MaxKeyBytes, l.MaxScopeBytes, longest, n, ledger.MaxIdentityBytes)
+	}
+	return nil
+}
+
 func (tc TenantConfig) resolve() (tenant, error) {
 	tn := tenant{name: tc.Name, scopes: tc.Scopes, admin: tc.Admin}
 	if tc.Name == "" {
@@ -413,6 +448,7 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	set(&p.FailureTTL, c.FailureTTL)
 	set(&p.Lease, c.Lease)
 	set(&p.MaxTTL, c.MaxTTL)
+	set(&p.UnknownRetention, c.UnknownRetention)
 	if c.MaxAttempts != nil {
 		p.MaxAttempts = *c.MaxAttempts
 	}
@@ -448,6 +484,9 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	}
 	if p.Lease < time.Second || p.Lease > time.Hour {
 		errs = append(errs, fmt.Errorf("lease %v: must be between 1s and 1h", p.Lease))
+	}
+	if p.UnknownRetention <= 0 {
+		errs = append(errs, fmt.Errorf("unknown_retention %v: must be positive", p.UnknownRetention))
 	}
 	if p.MaxAttempts < 0 {
 		errs = append(errs, fmt.Errorf("max_attempts %d: must be 0 (unlimited) or more", p.MaxAttempts))

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
@@ -84,12 +85,22 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	<-timer.C
+	var last *ledger.Result
 	for {
 		res, err := s.store.Begin(ctx, p)
-		if err != nil {
-			return nil, err
-		}
+		fresh := err == nil
 		left := time.Until(giveUp)
+		if err != nil {
+			// A re-read that finds the database unreachable (waiters poll
+			// while change notifications cannot be trusted, an outage
+			// included) keeps waiting on what the last read found; the
+			// outage is the answer only if it outlasts the wait.
+			if last == nil || left <= 0 || !errors.Is(err, ledger.ErrUnavailable) {
+				return nil, err
+			}
+			res = last
+		}
+		last = res
 		// A record held UNKNOWN (on_unknown: hold) waits for an operator,
 		// not for an attempt: answer at once.
 		if res.Outcome != statemachine.OutcomeInProgress || res.Record.State == statemachine.StateUnknown || left <= 0 {
@@ -99,13 +110,16 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 		if rec := res.Record; rec.State == statemachine.StateInProgress {
 			sleep = min(sleep, rec.LeaseExpiresAt.Sub(res.Now)+leaseSlack)
 			// Only changes someone waits for are notified: say so, then
-			// read again if the attempt ended meanwhile.
-			held, err := s.store.Watch(ctx, p.ID)
-			if err != nil {
-				return nil, err
-			}
-			if !held {
-				continue
+			// read again if the attempt ended meanwhile. (With the
+			// database unreachable, wait on the last read, as above.)
+			if fresh {
+				held, err := s.store.Watch(ctx, p.ID)
+				if err != nil && !errors.Is(err, ledger.ErrUnavailable) {
+					return nil, err
+				}
+				if err == nil && !held {
+					continue
+				}
 			}
 		}
 		timer.Reset(max(sleep, 0))

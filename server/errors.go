@@ -89,6 +89,12 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 		}
 	}
 	switch {
+	case errors.Is(err, ledger.ErrIdentityTooLong):
+		// The configured limits keep such identities out (see
+		// Config.Resolve); this answers one that slipped past them.
+		return withDetails(status.New(codes.InvalidArgument, "invalid key: "+err.Error()),
+			&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{
+				{Field: "key", Description: err.Error()}}})
 	case errors.Is(err, statemachine.ErrNotFound):
 		return status.Error(codes.NotFound, "no such record")
 	case errors.Is(err, ledger.ErrUnavailable):

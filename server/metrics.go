@@ -31,6 +31,7 @@ type metrics struct {
 	unknown      *prometheus.CounterVec
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
+	archived     *prometheus.CounterVec
 
 	scopes scopeLabels
 }
@@ -76,10 +77,27 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Begins refused because the fingerprint differed.", "scope"),
 		leaseLost: counter("idempotency_lease_lost_total",
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
+		archived: counter("idempotency_archived_total",
+			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost,
+	notif := func() ledger.NotificationStats { return store.NotificationStats() }
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived,
 		newRecordsCollector(store, logger),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
+			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
+			func() float64 { return notif().QueueUsage }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "idempotency_notifications_dropped_total",
+			Help: "Changes the database did not notify because the notification queue was over its limit (database-wide, as last seen)."},
+			func() float64 { return float64(max(notif().Dropped, 0)) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notifications_polling",
+			Help: "1 while this replica does not trust change notifications: waiting Begins poll every second and the replay cache is not served."},
+			func() float64 {
+				if notif().Polling {
+					return 1
+				}
+				return 0
+			}),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -124,10 +142,14 @@ func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
 	}
 }
 
-// observeReap counts the leases a reaper pass found lapsed.
+// observeReap counts the leases a reaper pass found lapsed and the records
+// it archived.
 func (m *metrics) observeReap(res ledger.ReapResult) {
 	for _, scope := range res.UnknownScopes {
 		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+	for _, scope := range res.ArchivedScopes {
+		m.archived.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
 }
 

@@ -237,7 +237,7 @@ func (s *Server) RunReaper(ctx context.Context) {
 }
 
 // ReapOnce runs one reaper pass with the current settings and counts the
-// leases it found lapsed.
+// leases it found lapsed and the records it archived.
 func (s *Server) ReapOnce(ctx context.Context) error {
 	_, err := s.reapPass(ctx)
 	return err
@@ -245,11 +245,15 @@ func (s *Server) ReapOnce(ctx context.Context) error {
 
 // reapPass is ReapOnce that also reports whether the pass left work.
 func (s *Server) reapPass(ctx context.Context) (more bool, err error) {
-	rs := s.policies.Load().Reaper()
-	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention})
+	pols := s.policies.Load()
+	rs := pols.Reaper()
+	unknownRetention, scopeRetention := pols.unknownRetention()
+	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention,
+		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention})
 	s.metrics.observeReap(res)
-	if res.Unknown+res.Expired+res.Deleted > 0 {
-		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted, "more", res.More)
+	if res.Unknown+res.Expired+res.Deleted+res.Archived > 0 {
+		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted,
+			"archived", res.Archived, "more", res.More)
 	}
 	return res.More, err
 }

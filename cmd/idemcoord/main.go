@@ -14,6 +14,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -49,6 +50,7 @@ type config struct {
 	logLevel        string
 	otlpEndpoint    string
 	shutdownTimeout time.Duration
+	maxStreams      uint
 	console         bool
 }
 
@@ -74,10 +76,15 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envUint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
+		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
 	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if c.maxStreams == 0 || c.maxStreams > math.MaxUint32 {
+		return nil, fmt.Errorf("--max-concurrent-streams %d: want 1 to %d", c.maxStreams, uint32(math.MaxUint32))
 	}
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
@@ -136,6 +143,16 @@ func tlsConfig(c *config) (*tls.Config, error) {
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
 	return cfg, nil
+}
+
+// envUint returns the environment variable name as a number, or def when
+// it is unset or not a number (the flag's check then reports a bad value).
+func envUint(name string, def uint) uint {
+	v, err := strconv.ParseUint(os.Getenv(name), 10, 64)
+	if err != nil {
+		return def
+	}
+	return uint(v)
 }
 
 func envBool(name string) bool {
@@ -218,7 +235,8 @@ func run(args []string, logOut *os.File) error {
 	}
 	defer store.Close()
 
-	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger)}
+	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
+		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams)))}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
 	}

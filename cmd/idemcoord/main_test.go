@@ -238,6 +238,25 @@ func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	}
 }
 
+// TestMaxConcurrentStreamsFlag reads the per-connection stream limit from
+// the flag or the environment, with a default, and refuses 0.
+func TestMaxConcurrentStreamsFlag(t *testing.T) {
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.maxStreams != 1000 {
+		t.Fatalf("default: %+v %v", c, err)
+	}
+	if c, err = parseFlags([]string{"--database-url", "postgres://x", "--max-concurrent-streams", "7"}); err != nil || c.maxStreams != 7 {
+		t.Fatalf("flag: %+v %v", c, err)
+	}
+	t.Setenv("IDEMCOORD_MAX_CONCURRENT_STREAMS", "9")
+	if c, err = parseFlags([]string{"--database-url", "postgres://x"}); err != nil || c.maxStreams != 9 {
+		t.Fatalf("environment: %+v %v", c, err)
+	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--max-concurrent-streams", "0"}); err == nil {
+		t.Fatal("0 accepted")
+	}
+}
+
 // TestPolicyReload changes a scope's ttl in the config file: after SIGHUP,
 // and after a plain save, new records get the new expires_at without a
 // restart; a broken file is refused and the old policy stays.

@@ -6,7 +6,7 @@
 //	idemctl [--addr HOST:PORT] [--token T] [--output table|json] COMMAND ...
 //
 //	lookup SCOPE KEY
-//	list [--state S] [--scope GLOB] [--key-prefix P] [--limit N]
+//	list [--state S] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
 //	resolve SCOPE KEY --as completed|retryable [--body-file F --schema-version V
 //	        --content-type T --status-code N]
 //	forget SCOPE KEY
@@ -68,11 +68,13 @@ const usage = `usage: idemctl [--addr HOST:PORT] [--token T] [--output table|jso
 commands:
   lookup SCOPE KEY
         show a record as in effect now
-  list [--state S] [--scope GLOB] [--key-prefix P] [--limit N]
+  list [--state S] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
         list records in (scope, key) order; S is a state without the STATE_
         prefix (unknown, in_progress, completed, failed_retryable,
         failed_replayable, expired), GLOB matches scopes with * for any run
-        of bytes, N is the most records to show (default 100, 0 for all)
+        of bytes, N is the most records to show (default 100, 0 for all);
+        --archived lists the archive: UNKNOWN records the reaper moved out
+        after their policy's unknown_retention, with the time it did
   resolve SCOPE KEY --as completed|retryable [--body-file F] [--schema-version V]
           [--content-type T] [--status-code N]
         end an UNKNOWN record after checking the outside world: as completed
@@ -255,10 +257,11 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	glob := fs.String("scope", "", "")
 	prefix := fs.String("key-prefix", "", "")
 	limit := fs.Int("limit", 100, "")
+	archived := fs.Bool("archived", false, "")
 	if _, err := parse(fs, args); err != nil {
 		return err
 	}
-	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix}
+	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix, Archived: *archived}
 	if *state != "" {
 		st, err := parseState(*state)
 		if err != nil {

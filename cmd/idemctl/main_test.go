@@ -318,3 +318,55 @@ func TestBinary(t *testing.T) {
 		t.Fatalf("usage error: exit %d", code)
 	}
 }
+
+// TestArchivedStory: UNKNOWN records older than their policy's
+// unknown_retention are moved to the archive by the reaper (a scope's own
+// retention first, the default's later); `idemctl list --archived` shows
+// them with the time they were archived, the live listing no longer does,
+// and the key is new again.
+func TestArchivedStory(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "defaults: {unknown_retention: 48h}\nscopes: [{match: short, unknown_retention: 1h}]")
+	ctx := context.Background()
+	e.begin(ctx, "short", "a", time.Second)
+	e.begin(ctx, "long", "b", time.Second)
+	e.coord.Clock.Advance(2 * time.Hour)
+	if err := e.coord.Server.ReapOnce(ctx); err != nil {
+		t.Fatal(err)
+	}
+	archived := mustRun(t, e.coord.Addr, "list", "--archived")
+	row := tableRow(t, archived, "short", "a")
+	if row == nil || row[2] != "unknown" || !strings.Contains(archived, "ARCHIVED") || tableRow(t, archived, "long", "b") != nil {
+		t.Fatalf("list --archived after 2h:\n%s", archived)
+	}
+	live := mustRun(t, e.coord.Addr, "list", "--state", "unknown")
+	if tableRow(t, live, "short", "a") != nil || tableRow(t, live, "long", "b") == nil {
+		t.Fatalf("list --state unknown after 2h:\n%s", live)
+	}
+	if r := e.begin(ctx, "short", "a", time.Minute); r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED ||
+		r.GetPreviousState() != idempotencyv1.State_STATE_UNSPECIFIED {
+		t.Fatalf("Begin of an archived key: %v", r)
+	}
+
+	// long/b became UNKNOWN when the first pass marked it (2h in).
+	e.coord.Clock.Advance(48 * time.Hour)
+	if err := e.coord.Server.ReapOnce(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var listed idempotencyv1.ListRecordsResponse
+	if err := protojson.Unmarshal([]byte(mustRun(t, e.coord.Addr, "list", "--archived", "--output", "json")), &listed); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{}
+	for _, r := range listed.GetRecords() {
+		if r.GetArchivedAt() == nil || r.GetState() != idempotencyv1.State_STATE_UNKNOWN {
+			t.Fatalf("archived record %v", r)
+		}
+		keys = append(keys, r.GetScope()+"/"+r.GetKey())
+	}
+	// short/a was begun again with a 1 min lease: it lapsed 48h ago, past
+	// its 1h retention, and is archived a second time.
+	if strings.Join(keys, " ") != "long/b short/a short/a" {
+		t.Fatalf("archive after 50h: %v", keys)
+	}
+}

@@ -73,11 +73,21 @@ func (c *cli) printList(l *idempotencyv1.ListRecordsResponse) error {
 		return c.printJSON(l)
 	}
 	w := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "SCOPE\tKEY\tSTATE\tATTEMPT\tGENERATION\tUPDATED\tLEASE EXPIRES\tEXPIRES")
+	// Archived records (listed with --archived) get a column of their own.
+	archived := len(l.GetRecords()) > 0 && l.GetRecords()[0].GetArchivedAt() != nil
+	header := "SCOPE\tKEY\tSTATE\tATTEMPT\tGENERATION\tUPDATED\tLEASE EXPIRES\tEXPIRES"
+	if archived {
+		header += "\tARCHIVED"
+	}
+	fmt.Fprintln(w, header)
 	for _, r := range l.GetRecords() {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.GetScope(), r.GetKey(), stateName(r.GetState()),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s", r.GetScope(), r.GetKey(), stateName(r.GetState()),
 			r.GetAttempt(), r.GetGeneration(), timeText(r.GetUpdatedAt()), timeText(r.GetLeaseExpiresAt()),
 			timeText(r.GetExpiresAt()))
+		if archived {
+			fmt.Fprintf(w, "\t%s", timeText(r.GetArchivedAt()))
+		}
+		fmt.Fprintln(w)
 	}
 	if err := w.Flush(); err != nil {
 		return err

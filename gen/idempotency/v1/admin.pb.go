@@ -95,7 +95,14 @@ type ListRecordsRequest struct {
 	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only records whose key starts with these bytes; empty matches every
 	// key. At most 255 printable bytes.
-	KeyPrefix     string `protobuf:"bytes,5,opt,name=key_prefix,json=keyPrefix,proto3" json:"key_prefix,omitempty"`
+	KeyPrefix string `protobuf:"bytes,5,opt,name=key_prefix,json=keyPrefix,proto3" json:"key_prefix,omitempty"`
+	// List the archive instead of the live records: the UNKNOWN records (and
+	// IN_PROGRESS ones whose lease lapsed) that the reaper moved there, with
+	// their metadata, once they were older than their policy's
+	// unknown_retention. Archived records are in (scope, key, archived_at)
+	// order, read STATE_UNKNOWN, carry archived_at, and no longer take part
+	// in Begin (the key is new again).
+	Archived      bool `protobuf:"varint,6,opt,name=archived,proto3" json:"archived,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -163,6 +170,13 @@ func (x *ListRecordsRequest) GetKeyPrefix() string {
 		return x.KeyPrefix
 	}
 	return ""
+}
+
+func (x *ListRecordsRequest) GetArchived() bool {
+	if x != nil {
+		return x.Archived
+	}
+	return false
 }
 
 // ListRecordsResponse is one page of records.
@@ -714,7 +728,7 @@ var File_idempotency_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\x8b\x02\n" +
+	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xa7\x02\n" +
 	"\x12ListRecordsRequest\x125\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x15.idempotency.v1.StateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x125\n" +
 	"\n" +
@@ -724,7 +738,8 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\x125\n" +
 	"\n" +
-	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\"o\n" +
+	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\x12\x1a\n" +
+	"\barchived\x18\x06 \x01(\bR\barchived\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"h\n" +

@@ -334,7 +334,10 @@ type Record struct {
 	// generation meanwhile answers previous_state STATE_UNKNOWN, even after a
 	// later Fail RETRYABLE or ABANDONED. Every record in STATE_UNKNOWN is
 	// uncertain.
-	Uncertain     bool `protobuf:"varint,13,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
+	Uncertain bool `protobuf:"varint,13,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
+	// When the reaper moved the record to the archive (set only on records
+	// listed with ListRecordsRequest.archived).
+	ArchivedAt    *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=archived_at,json=archivedAt,proto3" json:"archived_at,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -458,6 +461,13 @@ func (x *Record) GetUncertain() bool {
 		return x.Uncertain
 	}
 	return false
+}
+
+func (x *Record) GetArchivedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ArchivedAt
+	}
+	return nil
 }
 
 // BeginRequest claims a key.
@@ -1147,7 +1157,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\bmetadata\x18\x05 \x03(\v2,.idempotency.v1.StoredResponse.MetadataEntryR\bmetadata\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb1\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xee\x04\n" +
 	"\x06Record\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12+\n" +
@@ -1167,7 +1177,9 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x10lease_expires_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x129\n" +
 	"\n" +
 	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x1c\n" +
-	"\tuncertain\x18\r \x01(\bR\tuncertain\"\xff\x02\n" +
+	"\tuncertain\x18\r \x01(\bR\tuncertain\x12;\n" +
+	"\varchived_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"archivedAt\"\xff\x02\n" +
 	"\fBeginRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12 \n" +
@@ -1287,36 +1299,37 @@ var file_idempotency_v1_coordinator_proto_depIdxs = []int32{
 	16, // 4: idempotency.v1.Record.updated_at:type_name -> google.protobuf.Timestamp
 	16, // 5: idempotency.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
 	16, // 6: idempotency.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
-	17, // 7: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
-	17, // 8: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
-	17, // 9: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
-	1,  // 10: idempotency.v1.BeginResponse.outcome:type_name -> idempotency.v1.Outcome
-	4,  // 11: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
-	17, // 12: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
-	0,  // 13: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
-	3,  // 14: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 15: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
-	2,  // 16: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
-	3,  // 17: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 18: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
-	4,  // 19: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
-	17, // 20: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
-	4,  // 21: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
-	5,  // 22: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
-	7,  // 23: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
-	9,  // 24: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
-	11, // 25: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
-	13, // 26: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
-	6,  // 27: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
-	8,  // 28: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
-	10, // 29: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
-	12, // 30: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
-	14, // 31: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
-	27, // [27:32] is the sub-list for method output_type
-	22, // [22:27] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	16, // 7: idempotency.v1.Record.archived_at:type_name -> google.protobuf.Timestamp
+	17, // 8: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
+	17, // 9: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
+	17, // 10: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
+	1,  // 11: idempotency.v1.BeginResponse.outcome:type_name -> idempotency.v1.Outcome
+	4,  // 12: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
+	17, // 13: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
+	0,  // 14: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
+	3,  // 15: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 16: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
+	2,  // 17: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
+	3,  // 18: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 19: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
+	4,  // 20: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
+	17, // 21: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
+	4,  // 22: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
+	5,  // 23: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
+	7,  // 24: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
+	9,  // 25: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
+	11, // 26: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
+	13, // 27: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
+	6,  // 28: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
+	8,  // 29: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
+	10, // 30: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
+	12, // 31: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
+	14, // 32: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
+	28, // [28:33] is the sub-list for method output_type
+	23, // [23:28] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_coordinator_proto_init() }
