@@ -19,6 +19,19 @@ all: test
 run: build
 	@scripts/run-local.sh
 
+## test-pgbouncer: every server behaviour test with the coordinator behind a PgBouncer in transaction
+## pooling mode, LISTEN direct and notifications off (`make test` runs a representative set)
+.PHONY: test-pgbouncer
+test-pgbouncer:
+	IDEMCOORD_TEST_PGBOUNCER=listen go test -race -count=1 ./server/
+	IDEMCOORD_TEST_PGBOUNCER=poll go test -race -count=1 ./server/
+
+## run-ha: the coordinator on a local pg_auto_failover cluster under .data-ha/ (monitor + three nodes,
+## number_sync_standbys = 1) via its multi-host URL; `scripts/run-ha.sh failover` in another terminal fails over
+.PHONY: run-ha
+run-ha: build
+	@scripts/run-ha.sh
+
 ## build: compile every package and the binaries into ./bin
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
@@ -36,6 +49,19 @@ test: lint
 chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
+## mutants: plant each bug of a fixed list (scripts/mutants.sh) in a throwaway copy, one at a
+## time, and check that the tests named for it fail; prints the score. gremlins-statemachine:
+## the gremlins mutation tool (pinned) over statemachine.
+.PHONY: mutants gremlins-statemachine
+GREMLINS_VERSION := v0.6.0
+mutants:
+	scripts/mutants.sh
+gremlins-statemachine: $(BIN)/.gremlins-$(GREMLINS_VERSION)
+	$(BIN)/gremlins unleash --workers 1 --test-cpu 1 --threshold-efficacy 100 ./statemachine
+$(BIN)/.gremlins-$(GREMLINS_VERSION):
+	GOBIN=$(BIN) go install github.com/go-gremlins/gremlins/cmd/gremlins@$(GREMLINS_VERSION)
+	@touch $@
+
 ## fuzz-short: run every fuzz target for FUZZTIME (default 10s), as CI does; a new input is
 ## minimized for at most 2s (the default 60s would eat a short run)
 FUZZTIME  ?= 10s
@@ -45,6 +71,9 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzBegin$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzComplete$$'
 	go test ./server $(FUZZFLAGS) -fuzz '^FuzzFail$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzParsePolicies$$'
+	go test ./server $(FUZZFLAGS) -fuzz '^FuzzAuthenticate$$'
+	go test ./clients $(FUZZFLAGS) -fuzz '^FuzzParseIdempotencyKey$$'
 
 ## lint: gofmt, go vet, buf lint, generated code up to date
 lint: tools check-generated

@@ -154,9 +154,16 @@ func writeVisualization(t *testing.T, info porcupine.LinearizationInfo) string {
 // because its connection was cut may still commit until then.
 func waitNoOpenTransactions(t *testing.T, dbURL string) {
 	t.Helper()
+	waitNoOpenTransactionsOf(t, dbURL, "idemcoord")
+}
+
+// waitNoOpenTransactionsOf is waitNoOpenTransactions for the coordinator
+// whose connections carry application_name app.
+func waitNoOpenTransactionsOf(t *testing.T, dbURL, app string) {
+	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		n, err := openTransactions(dbURL)
+		n, err := openTransactions(dbURL, app)
 		if err == nil && n == 0 {
 			return
 		}
@@ -167,7 +174,7 @@ func waitNoOpenTransactions(t *testing.T, dbURL string) {
 	}
 }
 
-func openTransactions(dbURL string) (int, error) {
+func openTransactions(dbURL, app string) (int, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, dbURL)
@@ -177,7 +184,7 @@ func openTransactions(dbURL string) (int, error) {
 	defer conn.Close(context.WithoutCancel(ctx))
 	var n int
 	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-		WHERE application_name = 'idemcoord' AND state IS DISTINCT FROM 'idle'`).Scan(&n)
+		WHERE application_name = $1 AND state IS DISTINCT FROM 'idle'`, app).Scan(&n)
 	return n, err
 }
 
@@ -533,7 +540,12 @@ func responseOf(r *idempotencyv1.StoredResponse) *statemachine.Response {
 
 // step makes one random call at now and records it.
 func (cl *linClient) step(now time.Time) {
-	k := linKeys[cl.rng.IntN(len(linKeys))]
+	cl.do(now, linKeys[cl.rng.IntN(len(linKeys))], cl.rng.IntN(20))
+}
+
+// do makes call n (0-7 Begin, 8-11 Complete, 12-13 Fail, 14-15
+// Heartbeat, 16-19 Lookup) on key k = {scope, key} at now and records it.
+func (cl *linClient) do(now time.Time, k [2]string, n int) {
 	scope, key, id := k[0], k[1], k[0]+"/"+k[1]
 	in := linInput{id: int(cl.h.nextID.Add(1)), client: cl.id, scope: scope, key: key, now: now, policy: linPolicies[scope]}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -544,7 +556,7 @@ func (cl *linClient) step(now time.Time) {
 		err error
 		rec *idempotencyv1.Record
 	)
-	switch n := cl.rng.IntN(20); {
+	switch {
 	case n < 8:
 		in.op = opBegin
 		aid := cl.attempts[id]

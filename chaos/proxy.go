@@ -85,6 +85,13 @@ func (p *Proxy) CutAll() int {
 // Cuts is the number of connections cut so far, at random or by CutAll.
 func (p *Proxy) Cuts() int64 { return p.cuts.Load() }
 
+// Links is the number of connections open through the proxy now.
+func (p *Proxy) Links() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.links)
+}
+
 // Accepted is the number of connections accepted so far.
 func (p *Proxy) Accepted() int64 { return p.accepted.Load() }
 

@@ -1,9 +1,10 @@
 // Package clients is the Go side of idemcoord: a client for the
 // idempotency.v1 Coordinator, a unary gRPC server interceptor that makes the
-// methods of any Go gRPC service idempotent with one line, and helpers for
+// methods of any Go gRPC service idempotent with one line, the same for
+// net/http services as Idempotency-Key middleware, and helpers for
 // deterministic idempotency keys.
 //
-// Three entry points:
+// Four entry points:
 //
 //   - New wraps a connection to the coordinator in a Client. Its typed calls
 //     (Begin, Complete, Fail, Lookup, Heartbeat) retry on UNAVAILABLE with
@@ -12,6 +13,8 @@
 //     token back. Client.Once runs a function at most once per key.
 //   - UnaryServerInterceptor installs the same guarantee on the unary
 //     methods of a gRPC server.
+//   - HTTPMiddleware installs it on the POST and PATCH requests with an
+//     Idempotency-Key header of a net/http service.
 //   - DedupKey builds a key for callers that send none.
 //
 // The interceptor goes after authentication and inside recovery, with the

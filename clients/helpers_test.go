@@ -24,7 +24,12 @@ import (
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(coordtest.Main(m)) }
+func TestMain(m *testing.M) {
+	if os.Getenv(httpChildEnv) != "" {
+		os.Exit(runHTTPChild()) // this binary, re-executed as a service to kill (see http_crash_test.go)
+	}
+	os.Exit(coordtest.Main(m))
+}
 
 // Full method names of the demo proto that these tests serve.
 const (

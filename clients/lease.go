@@ -48,17 +48,18 @@ func attemptOf(ctx context.Context) *attemptState {
 }
 
 // Lease describes the acquisition that a handler under
-// UnaryServerInterceptor, or a function run by Client.Once, runs under.
+// UnaryServerInterceptor or HTTPMiddleware, or a function run by
+// Client.Once, runs under.
 // With it the handler can fence its own write: store (Key, Generation) or
 // Token with its side effect under a unique constraint, so that a second
 // attempt of the same generation cannot apply it twice even if the
 // coordinator's lease was lost meanwhile (see the LeaseFrom example).
 type Lease struct {
 	// Scope is the coordinator scope (the full method name, under the
-	// interceptor).
+	// interceptor; "http" or WithHTTPScope's, under HTTPMiddleware).
 	Scope string
 	// Key is the idempotency key as stored, after principal folding (see
-	// WithPrincipal).
+	// WithPrincipal, WithHTTPPrincipal).
 	Key string
 	// Token is this acquisition's lease token, a fencing token: a later
 	// acquisition of the key gets another one.
@@ -77,9 +78,10 @@ type Lease struct {
 }
 
 // LeaseFrom returns the lease of the attempt that ctx belongs to: inside a
-// handler the interceptor runs, or a function Once runs. ok is false
-// outside such a call, and when the interceptor runs a handler unprotected
-// (no key, or fail-open).
+// handler the interceptor or HTTPMiddleware runs (an HTTP handler passes
+// r.Context()), or a function Once runs. ok is false outside such a call,
+// and when the interceptor or the middleware runs a handler unprotected (no
+// key, or fail-open).
 func LeaseFrom(ctx context.Context) (Lease, bool) {
 	if a := attemptOf(ctx); a != nil {
 		return a.lease, true
@@ -87,15 +89,17 @@ func LeaseFrom(ctx context.Context) (Lease, bool) {
 	return Lease{}, false
 }
 
-// MarkSideEffect tells Once or the interceptor that the attempt ctx belongs
-// to is about to take its first irreversible step (charge the card, send the
+// MarkSideEffect tells Once, the interceptor or HTTPMiddleware that the
+// attempt ctx belongs to is about to take its first irreversible step (charge the card, send the
 // mail). Call it just before that step. From then on, any error or panic of
 // the attempt ends it FAILURE_KIND_UNKNOWN, whatever its gRPC code and
 // whatever WithFailureKinds says, except a *FailureError whose Kind is
 // FAILURE_KIND_REPLAYABLE, which is stored as such: the next attempt then
 // sees previous state STATE_UNKNOWN and checks the outside world before it
 // repeats the step. Before the mark, errors are classified by their code as
-// usual. Outside an attempt (no key, fail-open, plain calls) it does
+// usual. Under HTTPMiddleware, after the mark every response that would not
+// be stored (any status but 2xx and 3xx and the replayable ones, 404, 409 and
+// 422 by default) ends the attempt UNKNOWN. Outside an attempt (no key, fail-open, plain calls) it does
 // nothing. Calling it more than once is harmless.
 func MarkSideEffect(ctx context.Context) {
 	if a := attemptOf(ctx); a != nil {
@@ -103,8 +107,8 @@ func MarkSideEffect(ctx context.Context) {
 	}
 }
 
-// AttemptFrom reports, inside a handler the interceptor runs (or a function
-// Once runs), which attempt of its key this is within the record's
+// AttemptFrom reports, inside a handler the interceptor or HTTPMiddleware
+// runs (or a function Once runs), which attempt of its key this is within the record's
 // generation (1 for the first) and the state the key was in before this
 // attempt acquired it: STATE_UNSPECIFIED for a new key, STATE_FAILED_RETRYABLE
 // after a retryable failure, STATE_EXPIRED after expiry, and STATE_UNKNOWN
@@ -112,8 +116,8 @@ func MarkSideEffect(ctx context.Context) {
 // even if a later one failed retryably or was abandoned in between: a
 // handler that sees STATE_UNKNOWN checks the outside world before it repeats
 // the side effect.
-// ok is false outside such a call, and when the interceptor runs a handler
-// unprotected (no key, or fail-open).
+// ok is false outside such a call, and when the interceptor or the
+// middleware runs a handler unprotected (no key, or fail-open).
 func AttemptFrom(ctx context.Context) (attempt int32, previous idempotencyv1.State, ok bool) {
 	if a := attemptOf(ctx); a != nil {
 		return a.lease.Attempt, a.lease.Previous, true

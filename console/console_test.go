@@ -398,8 +398,8 @@ func TestCookiesAndHeaders(t *testing.T) {
 }
 
 // TestClientCertificateSignsIn: over TLS, a client certificate that the
-// listener verified and that names an admin tenant is enough; one naming a
-// non-admin tenant gets 403.
+// listener verified and that an admin tenant lists in client_cert_names is
+// enough; one a non-admin tenant lists gets 403.
 func TestClientCertificateSignsIn(t *testing.T) {
 	t.Parallel()
 	ca, caKey := newCA(t)

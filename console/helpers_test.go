@@ -43,12 +43,13 @@ func sha(token string) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// tenantsConfig has an admin tenant (ops) and a plain one (payments).
+// tenantsConfig has an admin tenant (ops) and a plain one (payments), each
+// reachable by token and by a client certificate with its name as CN.
 func tenantsConfig() string {
 	return fmt.Sprintf(`
 tenants:
-  - { name: ops,      token_sha256: %s, scopes: ["*"], admin: true }
-  - { name: payments, token_sha256: %s, scopes: ["*"] }
+  - { name: ops,      token_sha256: %s, scopes: ["*"], admin: true, client_cert_names: [ops] }
+  - { name: payments, token_sha256: %s, scopes: ["*"], client_cert_names: [payments] }
 `, sha(opsToken), sha(payToken))
 }
 

@@ -126,7 +126,7 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		}
 		var lr ListedRecord
 		id := Identity{Tenant: p.Tenant}
-		dest, fin := s.scanTargets(&lr.Record, &id)
+		dest, fin := s.scanTargetsMode(&lr.Record, &id, scanList)
 		dest = append(append([]any{&id.Scope, &id.Key}, dest...), &now)
 		if p.Archived {
 			dest = append(dest, &lr.ArchivedAt)
@@ -254,21 +254,41 @@ type ForgetParams struct {
 }
 
 // Forget deletes a record whatever its state and returns it as it was in
-// effect just before, or statemachine.ErrNotFound. A holder's later
+// effect just before, or statemachine.ErrNotFound. A record that does not
+// open (ErrUnreadable elsewhere) is deleted too and returned without its
+// sealed columns (response, failure reason, fingerprint). A holder's later
 // Complete, Fail or Heartbeat then finds no record; the next Begin acquires
 // the key as new. Waiting Begins wake.
 func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Record, error) {
-	row := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+	type deleted struct {
+		rec statemachine.Record
+		now time.Time
+	}
+	// The DELETE commits by itself: never cancelled by ctx (see
+	// commitTimeout).
+	d, err := detached(ctx, func(cctx context.Context) (deleted, error) {
+		row := s.pool.QueryRow(cctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
 		DELETE FROM idempotency_records USING clock
 		WHERE tenant = $1 AND scope = $2 AND key = $3
 		RETURNING `+recordColumns+`, clock.now`,
-		p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
-	rec, now, err := s.scanRecordNow(row, p.ID)
+			p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
+		// Leniently: a record that does not open is forgotten too, and
+		// returned without its sealed columns.
+		var d deleted
+		id := p.ID
+		dest, fin := s.scanTargetsMode(&d.rec, &id, scanLenient)
+		err := row.Scan(append(dest, &d.now)...)
+		if err == nil {
+			err = fin()
+		}
+		return d, err
+	})
+	rec, now := d.rec, d.now
 	if err == pgx.ErrNoRows {
 		return statemachine.Record{}, statemachine.ErrNotFound
 	}
 	if err != nil {
 		return statemachine.Record{}, classify(err)
 	}
-	return statemachine.Effective(rec, now), nil
+	return statemachine.Effective(rec, now.UTC()), nil
 }

@@ -3,11 +3,13 @@ package ledger
 import (
 	"context"
 	"sync"
-	"time"
 )
 
-// batchTimeout bounds one batch statement.
-const batchTimeout = 30 * time.Second
+// batchTimeout bounds one batch statement. The statements commit by
+// themselves and run apart from their callers' contexts, so a caller that
+// gives up never cancels a commit; the bound is commitTimeout's, for the
+// same reason.
+const batchTimeout = commitTimeout
 
 // coalescer gathers concurrent requests of one kind into batches run by a
 // few workers: a worker takes the first waiting request and every other one

@@ -52,9 +52,10 @@ type beginRes struct {
 // reads every one that does, in one statement: beginSQL for many records.
 // $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
 // attempt_id, ttl µs, failure ttl µs, lease µs, one element per distinct
-// record. The first column says whether the row was created; created rows
-// carry the creator's token. The INSERT takes its rows in the global lock
-// order (see compareIdentity), whatever order the arrays come in.
+// record; $11 enc_key_id, $12 seal_version. The first column says whether
+// the row was created; created rows carry the creator's token. The INSERT
+// takes its rows in the global lock order (see compareIdentity), whatever
+// order the arrays come in.
 var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
@@ -62,9 +63,10 @@ input AS (
 		AS i(tenant, scope, key, fp, token, attempt_id, ttl, fttl, lease)),
 ins AS (
 	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
-		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at)
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
 	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
-		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond'
+		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond', $11, $12
 	FROM input i, clock
 	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
 	ON CONFLICT DO NOTHING
@@ -151,7 +153,8 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		err      error // the row could not be read
 	}
 	found := make(map[Identity]row, n)
-	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases)
+	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
+		s.newRowKeyID(), int16(sealVersion))
 	if err == nil {
 		for rows.Next() {
 			var id Identity

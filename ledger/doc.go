@@ -12,6 +12,15 @@
 // database cannot be reached, or context errors; no pgx type leaves the
 // package, except the transaction RunTx lends to its function.
 //
+// High availability: the database URL may be pgx's multi-host form with
+// target_session_attrs=read-write; every connection then follows a
+// failover. A read-only or unreachable node is ErrUnavailable. A commit
+// never follows its caller's cancellation (a cancelled wait for a
+// synchronous standby would commit on the primary only); it runs to its
+// end under a bound of its own, and a caller that gives up gets its
+// context's error at once. Behind a transaction-pooling PgBouncer, see
+// WithNotifyDatabaseURL and WithoutNotifications.
+//
 // Same-transaction mode: a Go service whose side effect is a write to its
 // own PostgreSQL applies Migrate to that database, opens a Store on it with
 // Open, and runs each request through Store.RunTx, which commits the record

@@ -9,15 +9,40 @@ import (
 )
 
 // ErrUnavailable wraps every failure to reach the database or to commit:
-// connection refused or lost, server shutting down, too many connections.
-// Callers may retry: a write that failed this way either committed entirely
-// or not at all.
+// connection refused or lost, server shutting down, starting up or
+// crashed, a node that is read-only (a standby, or a primary fenced during a
+// switchover), too many connections. Callers may retry: a write that failed
+// this way either committed entirely or not at all.
 var ErrUnavailable = errors.New("database unavailable")
 
-// ErrUnreadable wraps failures to decode or decrypt a stored row (for
-// instance a row encrypted under a key no longer configured). Retrying does
-// not help.
+// ErrUnreadable wraps failures to decode or decrypt a stored row: a row
+// encrypted under a key no longer configured, a row whose sealed columns or
+// bound clear columns were altered in the table, or a row in clear where
+// encryption is required. Retrying does not help; the error never carries
+// the row's contents. The server answers it DATA_LOSS with ErrorInfo
+// reason RECORD_UNREADABLE. Only the call that read the row fails.
 var ErrUnreadable = errors.New("stored record cannot be read")
+
+// readOnlySQLState is read_only_sql_transaction: the node takes no writes
+// (a hot standby, or default_transaction_read_only, as an orchestrator sets
+// to fence a demoted primary).
+const readOnlySQLState = "25006"
+
+// closeOnReadOnly is a pgconn OnPgError handler: it closes a connection
+// that met a read-only node (as the default handler closes one after a
+// FATAL error), so the pool's next connection goes through
+// target_session_attrs again and finds the primary of a multi-host URL.
+func closeOnReadOnly(next pgconn.PgErrorHandler) pgconn.PgErrorHandler {
+	return func(c *pgconn.PgConn, pgErr *pgconn.PgError) bool {
+		if pgErr.Code == readOnlySQLState {
+			return false
+		}
+		if next == nil {
+			return true
+		}
+		return next(c, pgErr)
+	}
+}
 
 // MaxIdentityBytes bounds a record's identity: tenant, scope and key
 // together, in bytes. It is what the primary key's btree index can hold
@@ -53,6 +78,7 @@ func classify(err error) error {
 		switch {
 		case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08", // connection exception
 			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // shutdown, crash, cannot connect now
+			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
 			pgErr.Code == "40001", pgErr.Code == "40P01": // serialization failure, deadlock: retry
 			return fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)

@@ -56,6 +56,9 @@ type notifier struct {
 	connConfig *pgx.ConnConfig
 	logger     *slog.Logger
 	nonce      string
+	// noListen: no listening connection at all (WithoutNotifications);
+	// notifications are never trusted, so subscribers poll.
+	noListen bool
 
 	// onPayload, if set, sees every record notification; onLost runs each
 	// time notifications may have been missed (at every (re)connect, and
@@ -249,6 +252,10 @@ func (n *notifier) run(ctx context.Context) {
 		defer close(polled)
 		n.pollLoop(ctx)
 	}()
+	if n.noListen {
+		<-ctx.Done()
+		return
+	}
 	backoff := 50 * time.Millisecond
 	for ctx.Err() == nil {
 		err := n.listen(ctx)

@@ -188,7 +188,15 @@ RETURNING scope`, args
 
 // reapBatch runs one statement and counts its rows; with scopes set, it
 // also collects their first column.
+//
+// The statement commits by itself, so it runs to its end even when ctx
+// ends meanwhile (see commitTimeout); ctx is checked before it starts.
 func (s *Store) reapBatch(ctx context.Context, sql string, args []any, scopes *[]string) (int, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	ctx, cancel := commitContext(ctx)
+	defer cancel()
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
 		return 0, err

@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -23,7 +24,7 @@ import (
 var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
 	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
 	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
-	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain"}
+	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain", "seal_version"}
 
 var (
 	// recordColumns lists recordColumnNames for SELECT and RETURNING.
@@ -60,14 +61,16 @@ func wholeRecordSQL(insert bool) string {
 // concurrent insert committed after this statement's snapshot, it returns no
 // row and the caller takes the locked path.
 //
-// Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint, $5 lease token,
-// $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9 lease µs, $10 now or NULL.
+// Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint (in its stored
+// form), $5 lease token, $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9
+// lease µs, $10 now or NULL, $11 enc_key_id, $12 seal_version.
 var beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
 ins AS (
 	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
-		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at)
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
 	SELECT $1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, clock.now, clock.now,
-		clock.now + $9 * interval '1 microsecond'
+		clock.now + $9 * interval '1 microsecond', $11, $12
 	FROM clock
 	ON CONFLICT DO NOTHING
 	RETURNING ` + recordColumns + `
@@ -79,12 +82,30 @@ SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
 
 // insertOrRead runs beginSQL. found is false when no row came back.
 func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+	// The INSERT commits by itself: never cancelled by ctx (see
+	// commitTimeout).
+	type row struct {
+		rec             statemachine.Record
+		inserted, found bool
+		now             time.Time
+	}
+	r, err := detached(ctx, func(cctx context.Context) (row, error) {
+		var r row
+		var err error
+		r.rec, r.inserted, r.now, r.found, err = s.insertOrReadOnce(cctx, id, ev)
+		return r, err
+	})
+	return r.rec, r.inserted, r.now, r.found, err
+}
+
+func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	fp := ev.Fingerprint
 	if fp == nil {
 		fp = []byte{}
 	}
 	rows, err := s.pool.Query(ctx, beginSQL, id.Tenant, id.Scope, id.Key, fp, ev.NewToken, ev.AttemptID,
-		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now())
+		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now(),
+		s.newRowKeyID(), int16(sealVersion))
 	if err != nil {
 		return rec, false, now, false, err
 	}
@@ -118,10 +139,31 @@ func (s *Store) scanRecordNow(row pgx.Row, id Identity) (statemachine.Record, ti
 	return rec, now.UTC(), nil
 }
 
+// scanMode says how scanTargets treats a row it cannot open.
+type scanMode int
+
+const (
+	// scanStrict fails with ErrUnreadable.
+	scanStrict scanMode = iota
+	// scanLenient returns the record without its sealed columns (response,
+	// failure reason, fingerprint), for Forget, which must work on any row.
+	scanLenient
+	// scanList is scanLenient for listColumns, which leave the response
+	// out.
+	scanList
+)
+
 // scanTargets returns scan destinations for recordColumns and a function
-// that moves the scanned values into rec, decrypting the response of the
-// record *id (which the same Scan may fill in).
+// that moves the scanned values into rec, opening the sealed columns of
+// the record *id (which the same Scan may fill in). A row that does not
+// open fails ErrUnreadable.
 func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
+	return s.scanTargetsMode(rec, id, scanStrict)
+}
+
+// scanTargetsMode is scanTargets with the given treatment of rows that do
+// not open.
+func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode scanMode) ([]any, func() error) {
 	var (
 		state, acquiredFrom, endedBy int16
 		hasResponse                  bool
@@ -131,11 +173,12 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 		ttl, failureTTL              int64
 		leaseExpires, expires        *time.Time
 		keyID                        string
+		version                      int16
 	)
 	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
 		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
 		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
-		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain}
+		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain, &version}
 	decode := func() error {
 		rec.State = statemachine.State(state)
 		rec.AcquiredFrom = statemachine.State(acquiredFrom)
@@ -144,25 +187,36 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 		rec.FailureTTL = time.Duration(failureTTL) * time.Microsecond
 		rec.CreatedAt = rec.CreatedAt.UTC()
 		rec.UpdatedAt = rec.UpdatedAt.UTC()
-		if len(rec.Fingerprint) == 0 {
-			rec.Fingerprint = nil
-		}
 		if leaseExpires != nil {
 			rec.LeaseExpiresAt = leaseExpires.UTC()
 		}
 		if expires != nil {
 			rec.ExpiresAt = expires.UTC()
 		}
+		o := opener{k: s.keyring, keyID: keyID, version: version, id: *id,
+			b: binding{generation: rec.Generation, attempt: rec.Attempt, endedBy: endedBy}}
+		if err := o.check(); err != nil {
+			return err
+		}
+		if mode != scanList && o.sealed() && !hasResponse &&
+			(rec.State == statemachine.StateCompleted || rec.State == statemachine.StateFailedReplayable) {
+			return fmt.Errorf("ledger: %s record %q has no stored response", rec.State, id.Key)
+		}
+		var err error
+		if rec.FailureReason, err = o.openReason(rec.FailureReason); err != nil {
+			return err
+		}
+		rec.Fingerprint = o.fingerprint(rec.Fingerprint)
 		if hasResponse {
-			if keyID != "" {
-				var err error
-				if body, err = s.keyring.open(keyID, *id, "body", body); err != nil {
+			rb := o.b
+			rb.response, rb.state, rb.statusCode, rb.schemaVersion, rb.contentType = true, state, statusCode, schemaVersion, contentType
+			rb.hasMetadata = metadata != nil
+			if body, err = o.open("body", rb, body); err != nil {
+				return err
+			}
+			if metadata != nil {
+				if metadata, err = o.open("metadata", rb, metadata); err != nil {
 					return err
-				}
-				if metadata != nil {
-					if metadata, err = s.keyring.open(keyID, *id, "metadata", metadata); err != nil {
-						return err
-					}
 				}
 			}
 			r := &statemachine.Response{SchemaVersion: schemaVersion, ContentType: contentType,
@@ -178,19 +232,109 @@ func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func
 		return nil
 	}
 	return dest, func() error {
-		if err := decode(); err != nil {
+		err := decode()
+		if err == nil {
+			return nil
+		}
+		if mode == scanStrict {
 			return fmt.Errorf("%w: %w", ErrUnreadable, err)
 		}
+		s.logger.Warn("record unreadable; returned without its sealed columns", "tenant", id.Tenant, "scope", id.Scope, "err", err)
+		rec.Response, rec.FailureReason, rec.Fingerprint = nil, "", nil
 		return nil
 	}
 }
 
+// opener opens the sealed columns of one scanned row.
+type opener struct {
+	k       *Keyring
+	keyID   string
+	version int16
+	id      Identity
+	b       binding
+}
+
+// sealed reports whether the row is in the current sealed form.
+func (o *opener) sealed() bool { return o.keyID != "" && o.version >= sealVersion }
+
+// legacy reports whether the row is in clear or sealed in the v1 form.
+func (o *opener) legacy() bool { return !o.sealed() }
+
+// check refuses a row the keyring may not read: any sealed row without a
+// keyring; with one, a row in clear or in the v1 form (a downgrade: a
+// database writer could write either) unless legacy rows are accepted.
+func (o *opener) check() error {
+	switch {
+	case o.k == nil && o.keyID != "":
+		return fmt.Errorf("%w: key id %q (encryption is off)", ErrUnknownKey, o.keyID)
+	case o.k == nil:
+		return nil
+	case o.keyID == "" && !o.k.legacy:
+		return errors.New("ledger: record stored in clear where encryption is required " +
+			"(written while encryption was off, or altered; see encryption.accept_legacy_rows)")
+	case o.legacy() && !o.k.legacy:
+		return fmt.Errorf("ledger: record sealed in the legacy form (seal_version %d) where seal_version %d is required "+
+			"(see encryption.accept_legacy_rows)", o.version, sealVersion)
+	}
+	return nil
+}
+
+// open opens one sealed response column.
+func (o *opener) open(column string, b binding, v []byte) ([]byte, error) {
+	switch {
+	case o.keyID == "":
+		return v, nil // in clear: check allowed it
+	case o.legacy():
+		return o.k.open(o.keyID, o.id, column, legacyAdditionalData(o.id, column), v)
+	}
+	return o.k.open(o.keyID, o.id, column, additionalData(o.id, column, b), v)
+}
+
+// openReason opens the failure reason (stored base64-encoded when sealed;
+// empty is stored as is).
+func (o *opener) openReason(v string) (string, error) {
+	if v == "" || !o.sealed() {
+		return v, nil // legacy rows kept the reason in clear
+	}
+	sealed, err := base64.StdEncoding.DecodeString(v)
+	if err != nil {
+		return "", fmt.Errorf("ledger: failure_reason of %q is not sealed", o.id.Key)
+	}
+	plain, err := o.k.open(o.keyID, o.id, "failure_reason", additionalData(o.id, "failure_reason", o.b), sealed)
+	return string(plain), err
+}
+
+// fingerprint returns the stored fingerprint in the form Begin compares:
+// as stored for current rows; keyed under the active key for a legacy
+// row's raw fingerprint when a keyring reads it.
+func (o *opener) fingerprint(v []byte) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	if o.k != nil && o.legacy() {
+		return o.k.keyedFingerprint(o.k.active, o.id, v)
+	}
+	return v
+}
+
+// newRowKeyID is the enc_key_id of rows written now: the active key, or ""
+// (in clear) without a keyring.
+func (s *Store) newRowKeyID() string {
+	if s.keyring == nil {
+		return ""
+	}
+	return s.keyring.active
+}
+
 // responseArgs returns the stored form of a response of record id:
 // has_response, schema_version, content_type, status_code, body, metadata
-// and enc_key_id, sealed with the active key if there is a keyring.
-func (s *Store) responseArgs(id Identity, r *statemachine.Response) ([]any, error) {
+// and enc_key_id. With a keyring, body and metadata are sealed with the
+// active key and bound by b (whose response part responseArgs fills in);
+// b may be nil only without a keyring.
+func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *binding) ([]any, error) {
+	keyID := s.newRowKeyID()
 	if r == nil {
-		return []any{false, "", "", int32(0), []byte(nil), []byte(nil), ""}, nil
+		return []any{false, "", "", int32(0), []byte(nil), []byte(nil), keyID}, nil
 	}
 	body := r.Body
 	if body == nil {
@@ -200,12 +344,16 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response) ([]any, erro
 	if len(r.Metadata) > 0 {
 		metadata = encodeMetadata(r.Metadata)
 	}
-	var keyID string
 	if s.keyring != nil {
-		keyID = s.keyring.active
-		body = s.keyring.seal(id, "body", body)
+		if b == nil {
+			return nil, errors.New("ledger: sealing a response without its record's binding")
+		}
+		rb := *b
+		rb.response, rb.statusCode, rb.schemaVersion, rb.contentType = true, r.StatusCode, r.SchemaVersion, r.ContentType
+		rb.hasMetadata = metadata != nil
+		body = s.keyring.seal(id, "body", rb, body)
 		if metadata != nil {
-			metadata = s.keyring.seal(id, "metadata", metadata)
+			metadata = s.keyring.seal(id, "metadata", rb, metadata)
 		}
 	}
 	return []any{true, r.SchemaVersion, r.ContentType, r.StatusCode, body, metadata, keyID}, nil
@@ -270,9 +418,12 @@ func decodeMetadata(b []byte) (map[string]string, error) {
 	return m, nil
 }
 
-// recordArgs returns the values of recordColumns for rec, the record id.
+// recordArgs returns the values of recordColumns for rec, the record id,
+// with its sensitive columns sealed when there is a keyring: the
+// fingerprint is already in its stored form (see Keyring.fingerprintFor).
 func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
-	resp, err := s.responseArgs(id, rec.Response)
+	b := binding{generation: rec.Generation, attempt: rec.Attempt, endedBy: int16(rec.EndedBy), state: int16(rec.State)}
+	resp, err := s.responseArgs(id, rec.Response, &b)
 	if err != nil {
 		return nil, err
 	}
@@ -280,10 +431,14 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	if fp == nil {
 		fp = []byte{}
 	}
+	reason := rec.FailureReason
+	if s.keyring != nil && reason != "" {
+		reason = base64.StdEncoding.EncodeToString(s.keyring.seal(id, "failure_reason", b, []byte(reason)))
+	}
 	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
-		rec.FailureReason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain}, nil
+		reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain, int16(sealVersion)}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.

@@ -272,7 +272,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 // Begin applies to its event before statemachine.Next (such as a keyed
 // fingerprint) belongs here too, so both modes store and compare alike.
 func (s *Store) txBeginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
-	return ev
+	return s.beginEventFor(id, cur, ev)
 }
 
 // replayOf is RunTx's answer for a replayed record.
@@ -423,8 +423,12 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		return dbErr(err)
 	}
 	// A COMMIT is never cancelled by the caller: a cancelled commit may have
-	// happened anyway, and the caller could not tell.
-	if err := tx.Commit(context.WithoutCancel(ctx)); err != nil {
+	// happened anyway, and the caller could not tell; and a cancelled wait
+	// for a synchronous standby commits locally only (see commitTimeout).
+	cctx, cancel := commitContext(ctx)
+	err = tx.Commit(cctx)
+	cancel()
+	if err != nil {
 		return out, classify(err)
 	}
 	committed = true

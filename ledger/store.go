@@ -52,9 +52,32 @@ type options struct {
 	keyring  *Keyring
 	noBatch  bool
 	cacheMax int64
+	// notifyURL, if set, is where the change listener connects;
+	// noNotify turns the listener off (see WithoutNotifications).
+	notifyURL string
+	noNotify  bool
 	// notifyQueueLimit, when set, is the session's
 	// idemcoord.notify_queue_limit (tests lower it).
 	notifyQueueLimit string
+}
+
+// WithNotifyDatabaseURL makes the change listener (one connection that
+// LISTENs) connect to url instead of the database URL given to Open: to
+// reach PostgreSQL directly when the other connections go through a
+// transaction-pooling PgBouncer, where LISTEN does not work. url may be
+// multi-host, like the database URL.
+func WithNotifyDatabaseURL(url string) Option {
+	return func(o *options) { o.notifyURL = url }
+}
+
+// WithoutNotifications runs without the change listener: no LISTEN
+// connection and no replay cache (every Begin reads the database), and
+// subscribers (waiting Begins) are woken every second to read again, as
+// they are whenever notifications cannot be trusted, instead of by a
+// notification. For a database reached only through a transaction-pooling
+// PgBouncer.
+func WithoutNotifications() Option {
+	return func(o *options) { o.noNotify = true }
 }
 
 // WithClock makes the Store take "now" from clock instead of the database's
@@ -69,10 +92,14 @@ func WithLogger(l *slog.Logger) Option {
 	return func(o *options) { o.logger = l }
 }
 
-// WithKeyring encrypts stored responses (body and metadata) at rest with
-// the keyring's active key and decrypts rows written under any of its keys.
-// Without it, responses are stored in clear, and encrypted rows cannot be
-// read (ErrUnknownKey).
+// WithKeyring seals every record's sensitive columns (the response's body
+// and metadata, the failure reason) at rest with the keyring's active key,
+// stores fingerprints as keyed hashes, and opens rows written under any of
+// its keys. A row that does not open, or that is in clear (unless the
+// keyring accepts legacy rows), fails ErrUnreadable. Without it, records
+// are stored in clear, and sealed rows cannot be read (ErrUnknownKey).
+// With it, Complete always takes the locked path (two statements in a
+// transaction instead of one), since the seal binds counters it reads.
 func WithKeyring(k *Keyring) Option {
 	return func(o *options) { o.keyring = k }
 }
@@ -114,7 +141,10 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	// An acknowledged write must be durable whatever the server's default.
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	if !hasParam(databaseURL, "application_name") {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
+	}
+	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
 	if o.notifyQueueLimit != "" {
 		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
 	}
@@ -126,7 +156,29 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
 	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring, exactCountBytes: exactCountBytes}
-	s.notifier = newNotifier(cfg.ConnConfig.Copy(), o.logger)
+	listenCfg := cfg.ConnConfig.Copy()
+	if o.notifyURL != "" {
+		ncfg, err := pgx.ParseConfig(o.notifyURL)
+		if err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("ledger: parse notify database URL: %w", err)
+		}
+		for _, p := range []string{"synchronous_commit", "application_name", "idemcoord.notify_queue_limit"} {
+			if v, ok := cfg.ConnConfig.RuntimeParams[p]; ok {
+				ncfg.RuntimeParams[p] = v
+			}
+		}
+		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
+		listenCfg = ncfg
+	}
+	s.notifier = newNotifier(listenCfg, o.logger)
+	if o.noNotify {
+		// No listener: the notifier never trusts notifications, so
+		// subscribers poll, and there is no replay cache (it learns of
+		// changes only from notifications) and no ping.
+		s.notifier.noListen = true
+		o.cacheMax = 0
+	}
 	if !o.noBatch {
 		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
@@ -146,7 +198,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	s.stopPing, s.pingDone = cancel, make(chan struct{})
 	go func() {
 		defer close(s.pingDone)
-		s.pingLoop(pctx)
+		if !o.noNotify {
+			s.pingLoop(pctx)
+		}
 	}()
 	return s, nil
 }
@@ -235,6 +289,10 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 
 // begin is Begin with ev's new token chosen.
 func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
+	// ev carries the caller's fingerprint; a new row stores it keyed under
+	// the active key, an existing one is compared in its own stored form.
+	insert := ev
+	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -244,7 +302,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		s.cache.misses.Add(1)
 		seq = s.cache.snapshot()
 	}
-	rec, inserted, now, found, err := s.beginRead(ctx, p, ev)
+	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err
 	}
@@ -258,12 +316,12 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		inserted = true
 	}
 	if inserted {
-		d := statemachine.Next(nil, ev, p.Policy, now)
+		d := statemachine.Next(nil, insert, p.Policy, now)
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
 	if found {
-		d := statemachine.Next(&rec, ev, p.Policy, now)
+		d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
 		if d.Err != nil {
 			return nil, d.Err
 		}
@@ -291,11 +349,26 @@ func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, boo
 	if !now.Add(cacheExpiryMargin).Before(rec.ExpiresAt) {
 		return nil, false
 	}
-	d := statemachine.Next(&rec, ev, p.Policy, now)
+	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
 	if d.Write != statemachine.WriteNone {
 		return nil, false
 	}
 	return &Result{Decision: d, Now: now}, true
+}
+
+// beginEventFor returns the Begin event ev, which carries the caller's
+// fingerprint, with the fingerprint in the stored form of record id (cur
+// nil: a new record); other events are returned as they are.
+func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
+	if ev.Kind != statemachine.EventBegin || s.keyring == nil {
+		return ev
+	}
+	var stored []byte
+	if cur != nil {
+		stored = cur.Fingerprint
+	}
+	ev.Fingerprint = s.keyring.fingerprintFor(id, stored, ev.Fingerprint)
+	return ev
 }
 
 // beginRead creates the key with ev's token, or reads its record: in a
@@ -330,11 +403,14 @@ func submitErr(ctx context.Context) error {
 
 // Complete, Fail and Heartbeat apply p.Event under the record's row lock.
 //
-// A Complete by the holder of the lease takes one statement; anything else
-// (a stale token, a repeat, a record that ended) takes the locked path,
+// A Complete by the holder of the lease takes one statement (without a
+// keyring); anything else (a stale token, a repeat, a record that ended,
+// and every Complete when responses are encrypted) takes the locked path,
 // which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
-	if p.Event.Kind == statemachine.EventComplete {
+	// With a keyring the response is sealed bound to the record's
+	// generation and attempt, which only the locked path reads first.
+	if p.Event.Kind == statemachine.EventComplete && s.keyring == nil {
 		res, err := s.completeHeld(ctx, p.ID, p.Event)
 		if err != nil || res != nil {
 			return res, err
@@ -363,7 +439,7 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	if resp == nil {
 		resp = &statemachine.Response{}
 	}
-	rargs, err := s.responseArgs(id, resp)
+	rargs, err := s.responseArgs(id, resp, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -385,16 +461,20 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 
 // completeHeldOne runs completeHeldSQL for one record; rargs are its
 // responseArgs. It returns (nil, nil) when the token does not hold it.
+// The statement commits by itself and is never cancelled by ctx (see
+// commitTimeout).
 func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, rargs []any) (*Result, error) {
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
-	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, completeHeldSQL, args...), id)
-	if err == pgx.ErrNoRows {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	return detached(ctx, func(cctx context.Context) (*Result, error) {
+		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
+		if err == pgx.ErrNoRows {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		return &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now}, nil
+	})
 }
 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
@@ -453,7 +533,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		default:
 			curp = &cur
 		}
-		d := statemachine.Next(curp, ev, pol, now)
+		d := statemachine.Next(curp, s.beginEventFor(id, curp, ev), pol, now)
 		res = &Result{Decision: d, Now: now}
 		if d.Err != nil {
 			return nil // a refusal writes nothing; committing releases the lock
@@ -505,7 +585,9 @@ func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
 
 // withTx runs fn in a transaction and commits it. On error it rolls back
 // under context.WithoutCancel, so a cancelled call still releases its locks
-// at once.
+// at once. The COMMIT itself is never cancelled by ctx (see commitTimeout):
+// when ctx ends during it, withTx returns ctx's error and the commit goes
+// on by itself.
 func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -515,7 +597,14 @@ func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) erro
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		return err
 	}
-	return tx.Commit(ctx)
+	if err := ctx.Err(); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return err
+	}
+	_, err = detached(ctx, func(cctx context.Context) (struct{}, error) {
+		return struct{}{}, tx.Commit(cctx)
+	})
+	return err
 }
 
 // hasParam reports whether a URL or DSN sets the named parameter.

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 )
@@ -41,31 +43,77 @@ func unauthenticatedService(_ context.Context, c interceptors.CallMeta) bool {
 }
 
 // authenticate finds the caller's tenant from a verified TLS client
-// certificate or a bearer token. With auth disabled it lets every call
-// through as DefaultTenant. It is an auth.AuthFunc.
+// certificate or a bearer token; each authenticates on its own. A
+// certificate selects a tenant only when that tenant lists its subject CN or
+// one of its URI SANs in client_cert_names; a verified certificate naming no
+// tenant is ignored, so a valid token on the same call still works. When
+// both name a tenant they must name the same one. A bearer token that is
+// sent must be valid. With auth disabled every call goes through as
+// DefaultTenant. It is an auth.AuthFunc.
 func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	pols := s.policies.Load()
 	if !pols.AuthEnabled() {
 		return ctx, nil
 	}
-	if names, ok := certificateNames(ctx); ok {
+	byCert, err := pols.tenantByCertificate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	byToken, err := pols.tenantByToken(ctx)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case byCert != nil && byToken != nil && byCert != byToken:
+		return nil, status.Error(codes.Unauthenticated, "the client certificate and the bearer token name different tenants")
+	case byCert != nil:
+		return context.WithValue(ctx, tenantKey{}, byCert), nil
+	case byToken != nil:
+		return context.WithValue(ctx, tenantKey{}, byToken), nil
+	}
+	return nil, status.Error(codes.Unauthenticated, "credentials required: send `authorization: Bearer <token>` or a client certificate listed in a tenant's client_cert_names")
+}
+
+// tenantByCertificate returns the tenant whose client_cert_names lists a
+// name of the call's verified client certificate, or nil (no certificate,
+// or one no tenant lists). A certificate whose names select two tenants is
+// refused.
+func (p *Policies) tenantByCertificate(ctx context.Context) (*tenant, error) {
+	names, ok := certificateNames(ctx)
+	if !ok {
+		return nil, nil
+	}
+	var found *tenant
+	for i := range p.tenants {
+		t := &p.tenants[i]
 		for _, name := range names {
-			for i := range pols.tenants {
-				if pols.tenants[i].name == name {
-					return context.WithValue(ctx, tenantKey{}, &pols.tenants[i]), nil
-				}
+			if !slices.Contains(t.certNames, name) {
+				continue
 			}
+			if found != nil && found != t {
+				return nil, status.Error(codes.Unauthenticated, "the client certificate's names select more than one tenant")
+			}
+			found = t
 		}
-		return nil, status.Error(codes.Unauthenticated, "the client certificate names no configured tenant")
+	}
+	return found, nil
+}
+
+// tenantByToken returns the tenant of the call's bearer token, nil when the
+// call sends no authorization header, or UNAUTHENTICATED for a malformed
+// header or an unknown token.
+func (p *Policies) tenantByToken(ctx context.Context) (*tenant, error) {
+	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) == 0 {
+		return nil, nil
 	}
 	token, err := auth.AuthFromMD(ctx, "bearer")
-	if err != nil {
-		return nil, status.Error(codes.Unauthenticated, "credentials required: send `authorization: Bearer <token>` or a client certificate")
+	if err != nil || token == "" {
+		return nil, status.Error(codes.Unauthenticated, "malformed authorization header: want `Bearer <token>`")
 	}
 	sum := sha256.Sum256([]byte(token))
 	var found *tenant
-	for i := range pols.tenants {
-		t := &pols.tenants[i]
+	for i := range p.tenants {
+		t := &p.tenants[i]
 		// Compare against every tenant so timing does not tell which matched.
 		if t.token != nil && subtle.ConstantTimeCompare(t.token, sum[:]) == 1 && found == nil {
 			found = t
@@ -74,7 +122,7 @@ func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	if found == nil {
 		return nil, status.Error(codes.Unauthenticated, "invalid bearer token")
 	}
-	return context.WithValue(ctx, tenantKey{}, found), nil
+	return found, nil
 }
 
 // certificateNames returns the subject common name and URI SANs of a

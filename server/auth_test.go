@@ -14,6 +14,7 @@ import (
 	"math/big"
 	"net"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
@@ -37,9 +38,10 @@ func authConfig() string {
 	return fmt.Sprintf(`
 tenants:
   - { name: payments, token_sha256: %s, scopes: ["/payments.v1.*", "build"] }
-  - { name: builds,   token_sha256: %s, scopes: ["build"] }
-  - { name: spiffe://example.org/ci, scopes: ["*"] }
-`, sha("pay-secret"), sha("build-secret"))
+  - { name: builds,   token_sha256: %s, scopes: ["build"], client_cert_names: ["builds"] }
+  - { name: ci, client_cert_names: ["spiffe://example.org/ci"], scopes: ["*"] }
+  - { name: ops, token_sha256: %s, scopes: ["*"], admin: true }
+`, sha("pay-secret"), sha("build-secret"), sha("ops-secret"))
 }
 
 func withToken(token string) context.Context {
@@ -132,7 +134,20 @@ func TestBadTenantConfigIsRefused(t *testing.T) {
 		"tenants: [{ name: a, token_sha256: abc, scopes: ['*'] }]",
 		"tenants: [{ name: a, token_sha256: " + sha("x") + " }]",
 		"tenants: [{ token_sha256: " + sha("x") + ", scopes: ['*'] }]",
-		"tenants: [{ name: a, scopes: ['*'] }, { name: a, scopes: ['*'] }]",
+		"tenants: [{ name: a, token_sha256: " + sha("x") + ", scopes: ['*'] }, { name: a, token_sha256: " + sha("y") + ", scopes: ['*'] }]",
+		// Two tenants behind one token: the token would select either.
+		"tenants: [{ name: a, token_sha256: " + sha("x") + ", scopes: ['*'] }, { name: b, token_sha256: " + strings.ToUpper(sha("x")) + ", scopes: ['*'] }]",
+		// One certificate name for two tenants, or twice in one.
+		"tenants: [{ name: a, client_cert_names: [c], scopes: ['*'] }, { name: b, client_cert_names: [c], scopes: ['*'] }]",
+		"tenants: [{ name: a, client_cert_names: [c, c], scopes: ['*'] }]",
+		"tenants: [{ name: a, client_cert_names: [''], scopes: ['*'] }]",
+		// Non-printable names.
+		"tenants: [{ name: \"a\\x00b\", token_sha256: " + sha("x") + ", scopes: ['*'] }]",
+		"tenants: [{ name: \"ops\\n\", token_sha256: " + sha("x") + ", scopes: ['*'] }]",
+		"tenants: [{ name: \"a\\u0085\", token_sha256: " + sha("x") + ", scopes: ['*'] }]",
+		"tenants: [{ name: a, client_cert_names: [\"c\\td\"], scopes: ['*'] }]",
+		// A tenant nobody could authenticate as.
+		"tenants: [{ name: a, scopes: ['*'] }]",
 		"rate_limit: { requests_per_second: 0 }",
 	} {
 		if _, err := server.ParsePolicies([]byte(cfg)); err == nil {
@@ -195,6 +210,11 @@ func (p *pki) issue(t *testing.T, cn string, uri string, server bool) tls.Certif
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
 
+// TestClientCertificateNamesTenant: a verified certificate selects a tenant
+// only through that tenant's client_cert_names, never by the tenant's name
+// (the attack: a certificate whose CN is the admin tenant's name, "ops",
+// or a token-only tenant's, "payments"); a certificate naming no tenant
+// leaves the token to decide.
 func TestClientCertificateNamesTenant(t *testing.T) {
 	t.Parallel()
 	p := newPKI(t)
@@ -205,19 +225,24 @@ func TestClientCertificateNamesTenant(t *testing.T) {
 	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
 		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
 
-	dial := func(certs ...tls.Certificate) idempotencyv1.CoordinatorClient {
+	dial := func(certs ...tls.Certificate) *grpc.ClientConn {
 		conn, err := grpc.NewClient(c.Addr, grpc.WithTransportCredentials(credentials.NewTLS(
 			&tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12})))
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _ = conn.Close() })
+		return conn
+	}
+	coord := func(conn *grpc.ClientConn) idempotencyv1.CoordinatorClient {
 		return idempotencyv1.NewCoordinatorClient(conn)
 	}
-	byCN := dial(p.issue(t, "builds", "", false))
-	byURI := dial(p.issue(t, "someone", "spiffe://example.org/ci", false))
-	stranger := dial(p.issue(t, "stranger", "", false))
-	tokenOnly := dial()
+	byCN := coord(dial(p.issue(t, "builds", "", false)))
+	byURI := coord(dial(p.issue(t, "someone", "spiffe://example.org/ci", false)))
+	stranger := coord(dial(p.issue(t, "stranger", "", false)))
+	tokenOnly := coord(dial())
+	asAdminConn := dial(p.issue(t, "ops", "", false))
+	asAdmin, asPayments := coord(asAdminConn), coord(dial(p.issue(t, "payments", "spiffe://payments", false)))
 
 	if _, err := byCN.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil {
 		t.Fatalf("certificate CN builds: %v", err)
@@ -233,5 +258,36 @@ func TestClientCertificateNamesTenant(t *testing.T) {
 	r, err = tokenOnly.Begin(withToken("build-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
 	if err != nil || r.GetOutcome() != inProgress {
 		t.Fatalf("token over TLS, same tenant as the CN: %v %v", r, err)
+	}
+
+	// A certificate named after the admin tenant or a token-only tenant is
+	// no credential at all: neither tenant lists a certificate name.
+	_, err = asAdmin.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+	_, err = idempotencyv1.NewAdminClient(asAdminConn).ListRecords(context.Background(), &idempotencyv1.ListRecordsRequest{})
+	wantCode(t, err, codes.Unauthenticated, "")
+	_, err = idempotencyv1.NewAdminClient(asAdminConn).Forget(context.Background(), &idempotencyv1.ForgetRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+	_, err = asPayments.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+
+	// A verified certificate that names no tenant does not spoil a valid
+	// token: the token authenticates on its own.
+	r, err = stranger.Begin(withToken("build-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	if err != nil || r.GetOutcome() != inProgress {
+		t.Fatalf("stranger certificate + builds token: %v %v", r, err)
+	}
+	if _, err := idempotencyv1.NewAdminClient(asAdminConn).ListRecords(withToken("ops-secret"), &idempotencyv1.ListRecordsRequest{}); err != nil {
+		t.Fatalf("admin token over a connection with an unlisted certificate: %v", err)
+	}
+	// Certificate and token of different tenants, or a bad token next to a
+	// good certificate: refused.
+	_, err = byCN.Begin(withToken("pay-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+	_, err = byCN.Begin(withToken("wrong"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	wantCode(t, err, codes.Unauthenticated, "")
+	r, err = byCN.Begin(withToken("build-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"})
+	if err != nil || r.GetOutcome() != inProgress {
+		t.Fatalf("certificate and token of the same tenant: %v %v", r, err)
 	}
 }

@@ -40,13 +40,21 @@ type Config struct {
 	Encryption *EncryptionConfig `yaml:"encryption"`
 }
 
-// EncryptionConfig encrypts stored bodies and metadata with AES-256-GCM.
-// New rows use ActiveKey; rows written under any listed key stay readable,
-// so a key is rotated by adding a new one, making it active, and removing
-// the old one only once no row uses it (after the longest ttl).
+// EncryptionConfig seals every record's sensitive columns (the stored
+// response's body and metadata, the failure reason) with AES-256-GCM, bound
+// to the record, and stores fingerprints as keyed hashes. New rows use
+// ActiveKey; rows written under any listed key stay readable, so a key is
+// rotated by adding a new one, making it active, and removing the old one
+// only once no row uses it (after the longest ttl).
 type EncryptionConfig struct {
 	ActiveKey string                `yaml:"active_key"`
 	Keys      []EncryptionKeyConfig `yaml:"keys"`
+	// AcceptLegacyRows reads rows stored in clear or sealed by versions
+	// before seal_version 2 instead of answering them DATA_LOSS, and
+	// converts them at start-up. For the upgrade (or encryption switch-on)
+	// window only: while it is on, rows planted in clear by a database
+	// writer are served.
+	AcceptLegacyRows bool `yaml:"accept_legacy_rows"`
 }
 
 // EncryptionKeyConfig names a 32-byte key, written base64-encoded in a file
@@ -83,12 +91,20 @@ type ReaperSettings struct {
 
 // TenantConfig is one tenant. A caller is this tenant when it presents a
 // bearer token whose SHA-256 is TokenSHA256, or a verified TLS client
-// certificate whose subject common name or a URI SAN equals Name.
+// certificate whose subject common name or one of whose URI SANs is listed,
+// exactly, in ClientCertNames. A tenant's Name alone never matches a
+// certificate. A tenant needs at least one of the two.
 type TenantConfig struct {
+	// Name identifies the tenant: it separates its records from every
+	// other tenant's. Printable (valid UTF-8, no control characters).
 	Name string `yaml:"name"`
 	// TokenSHA256 is the hex SHA-256 of the tenant's bearer token (the
 	// token itself is never stored). Optional for certificate-only tenants.
 	TokenSHA256 string `yaml:"token_sha256"`
+	// ClientCertNames are the exact subject common names and URI SANs
+	// (e.g. "spiffe://example.org/ci") of the client certificates that
+	// authenticate as this tenant. Empty: certificates never do.
+	ClientCertNames []string `yaml:"client_cert_names"`
 	// Scopes are the scope globs the tenant may use (`*` matches any run of
 	// bytes); ["*"] allows all.
 	Scopes []string `yaml:"scopes"`
@@ -209,14 +225,17 @@ type Policies struct {
 	rateLimit *RateLimitConfig
 	reaper    ReaperSettings
 	keyring   *ledger.Keyring
+	// empty: the file held no YAML document (nothing, or only comments).
+	empty bool
 }
 
 // tenant is a validated TenantConfig.
 type tenant struct {
-	name   string
-	token  []byte // SHA-256 of the token, nil for certificate-only tenants
-	scopes []string
-	admin  bool
+	name      string
+	token     []byte   // SHA-256 of the token, nil for certificate-only tenants
+	certNames []string // exact certificate CNs / URI SANs that name this tenant
+	scopes    []string
+	admin     bool
 }
 
 type scopePolicy struct {
@@ -239,6 +258,23 @@ func (p *Policies) For(scope string) Policy {
 	return p.defaults
 }
 
+// scopeLabel is the metrics label of scope: the scope itself when a
+// `scopes:` entry names it exactly, the entry's match pattern when the
+// first entry matching it is a glob, and "other" for every scope the file
+// does not name. The label set is thus fixed by the operator, never grown
+// by callers, and reveals no scope the operator did not write down.
+func (p *Policies) scopeLabel(scope string) string {
+	for _, s := range p.scopes {
+		if globMatch(s.match, scope) {
+			if !strings.Contains(s.match, "*") {
+				return scope
+			}
+			return s.match
+		}
+	}
+	return otherScope
+}
+
 func defaultReaper() ReaperSettings {
 	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour}
 }
@@ -257,7 +293,7 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		case (kc.File == "") == (kc.Env == ""):
 			return nil, fmt.Errorf("key %q: give exactly one of file or env", kc.ID)
 		case kc.File != "":
-			data, err := os.ReadFile(kc.File)
+			data, err := readKeyFile(kc.File)
 			if err != nil {
 				return nil, fmt.Errorf("key %q: %w", kc.ID, err)
 			}
@@ -278,7 +314,40 @@ func (e *EncryptionConfig) keyring() (*ledger.Keyring, error) {
 		}
 		keys[kc.ID] = key
 	}
-	return ledger.NewKeyring(e.ActiveKey, keys)
+	k, err := ledger.NewKeyring(e.ActiveKey, keys)
+	if err != nil || !e.AcceptLegacyRows {
+		return k, err
+	}
+	return k.AcceptingLegacyRows(), nil
+}
+
+// maxKeyFileBytes bounds a key file: 32 bytes in base64 and white space.
+const maxKeyFileBytes = 4096
+
+// readKeyFile reads a key file, which must be a regular file (a symbolic
+// link to one is fine) of at most maxKeyFileBytes: never a device or pipe
+// that would block or never end.
+func readKeyFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, maxKeyFileBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > maxKeyFileBytes {
+		return nil, fmt.Errorf("%s is larger than a key file (%d bytes at most)", path, maxKeyFileBytes)
+	}
+	return data, nil
 }
 
 // unknownRetention returns the default unknown retention and the
@@ -319,10 +388,17 @@ func ParsePolicies(data []byte) (*Policies, error) {
 	var cfg Config
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
-	if err := dec.Decode(&cfg); err != nil && !errors.Is(err, io.EOF) { // io.EOF: an empty file
+	err := dec.Decode(&cfg)
+	empty := errors.Is(err, io.EOF) // no document: an empty file, or only comments
+	if err != nil && !empty {
 		return nil, err
 	}
-	return cfg.Resolve()
+	p, err := cfg.Resolve()
+	if err != nil {
+		return nil, err
+	}
+	p.empty = empty
+	return p, nil
 }
 
 // Resolve validates cfg and merges it over the built-in defaults.
@@ -350,19 +426,7 @@ func (cfg *Config) Resolve() (*Policies, error) {
 		errs = append(errs, fmt.Errorf("limits: %w", err))
 	}
 	out.limits = limits
-	names := map[string]bool{}
-	for i, tc := range cfg.Tenants {
-		tn, err := tc.resolve()
-		if err == nil && names[tn.name] {
-			err = fmt.Errorf("name %q is used twice", tn.name)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, err))
-			continue
-		}
-		names[tn.name] = true
-		out.tenants = append(out.tenants, tn)
-	}
+	errs = append(errs, out.resolveTenants(cfg.Tenants)...)
 	if err := checkIdentityLimits(out.limits, out.tenants); err != nil {
 		errs = append(errs, err)
 	}
@@ -404,6 +468,44 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	return out, nil
 }
 
+// resolveTenants validates the tenants and adds them to p. Two tenants may
+// not share a name, a token hash or a certificate name: any of those would
+// let one tenant's credentials select another.
+func (p *Policies) resolveTenants(tcs []TenantConfig) []error {
+	var errs []error
+	names, tokens, certs := map[string]int{}, map[string]int{}, map[string]int{}
+	for i, tc := range tcs {
+		tn, err := tc.resolve()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, err))
+			continue
+		}
+		var dups []error
+		if j, dup := names[tn.name]; dup {
+			dups = append(dups, fmt.Errorf("name %q is used by tenants[%d] too", tn.name, j))
+		}
+		if tn.token != nil {
+			if j, dup := tokens[string(tn.token)]; dup {
+				dups = append(dups, fmt.Errorf("tenant %q: token_sha256 is the same as tenants[%d]'s: one token would select two tenants", tn.name, j))
+			}
+			tokens[string(tn.token)] = i
+		}
+		for _, cn := range tn.certNames {
+			if j, dup := certs[cn]; dup {
+				dups = append(dups, fmt.Errorf("tenant %q: client certificate name %q is listed twice (also by tenants[%d])", tn.name, cn, j))
+			}
+			certs[cn] = i
+		}
+		names[tn.name] = i
+		if len(dups) > 0 {
+			errs = append(errs, fmt.Errorf("tenants[%d]: %w", i, errors.Join(dups...)))
+			continue
+		}
+		p.tenants = append(p.tenants, tn)
+	}
+	return errs
+}
+
 // checkIdentityLimits refuses limits under which a key could not be
 // stored: the longest tenant name plus max_scope_bytes plus max_key_bytes
 // must fit the primary key index (ledger.MaxIdentityBytes).
@@ -425,12 +527,24 @@ func (tc TenantConfig) resolve() (tenant, error) {
 	if tc.Name == "" {
 		return tn, errors.New("name is required")
 	}
+	if !printableName(tc.Name) {
+		return tn, fmt.Errorf("name %q: must be valid UTF-8 without control characters", tc.Name)
+	}
+	for _, cn := range tc.ClientCertNames {
+		if cn == "" || !printableName(cn) {
+			return tn, fmt.Errorf("tenant %q: client_cert_names entry %q: must be a non-empty printable certificate CN or URI SAN", tc.Name, cn)
+		}
+		tn.certNames = append(tn.certNames, cn)
+	}
 	if tc.TokenSHA256 != "" {
 		sum, err := hex.DecodeString(tc.TokenSHA256)
 		if err != nil || len(sum) != sha256.Size {
 			return tn, fmt.Errorf("tenant %q: token_sha256 must be 64 hex digits (the SHA-256 of the token, e.g. from `printf %%s TOKEN | sha256sum`)", tc.Name)
 		}
 		tn.token = sum
+	}
+	if tn.token == nil && len(tn.certNames) == 0 {
+		return tn, fmt.Errorf("tenant %q: give token_sha256, client_cert_names or both: no caller could authenticate as it", tc.Name)
 	}
 	if len(tc.Scopes) == 0 {
 		return tn, fmt.Errorf("tenant %q: scopes is required (use [\"*\"] to allow every scope)", tc.Name)

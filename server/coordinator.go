@@ -23,6 +23,25 @@ const waitMargin = 50 * time.Millisecond
 // lease has surely run out when it looks again.
 const leaseSlack = 5 * time.Millisecond
 
+// While the store does not trust change notifications (--notifications=off,
+// a listener that fell behind or lost its connection), a waiting Begin
+// re-reads the record on a backoff: pollFirst after its first read, doubling
+// up to pollMax. A holder that finishes quickly is seen quickly, and a long
+// wait costs about one read a second.
+const (
+	pollFirst = 50 * time.Millisecond
+	pollMax   = time.Second
+)
+
+// nextPoll returns the delay before the re-read that follows one waited
+// for prev (0 before the first wait).
+func nextPoll(prev time.Duration) time.Duration {
+	if prev <= 0 {
+		return pollFirst
+	}
+	return min(2*prev, pollMax)
+}
+
 func identity(ctx context.Context, scope, key string) ledger.Identity {
 	return ledger.Identity{Tenant: tenantFrom(ctx), Scope: scope, Key: key}
 }
@@ -86,6 +105,7 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 	defer timer.Stop()
 	<-timer.C
 	var last *ledger.Result
+	var poll time.Duration
 	for {
 		res, err := s.store.Begin(ctx, p)
 		fresh := err == nil
@@ -121,6 +141,10 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 					continue
 				}
 			}
+		}
+		if s.store.NotificationStats().Polling {
+			poll = nextPoll(poll)
+			sleep = min(sleep, poll)
 		}
 		timer.Reset(max(sleep, 0))
 		select {

@@ -117,7 +117,7 @@ func TestEncryptionAtRestAndRotation(t *testing.T) {
 	c.RestartWithConfig(config("k2", "k2"))
 	replays("new")
 	_, err := client.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "pay", Key: "old"})
-	wantCode(t, err, codes.Internal, "")
+	wantCode(t, err, codes.DataLoss, "RECORD_UNREADABLE")
 }
 
 func mustRead(t *testing.T, path string) string {

@@ -30,6 +30,11 @@ const (
 	// ReasonNotUnknown: Admin.Resolve found a record that does not read
 	// STATE_UNKNOWN.
 	ReasonNotUnknown = "NOT_UNKNOWN"
+	// ReasonRecordUnreadable (with DATA_LOSS): the stored record cannot be
+	// opened (a key no longer configured, a row altered in the table, or
+	// a row in clear where encryption is required). Its contents are never
+	// sent; an operator can Forget it.
+	ReasonRecordUnreadable = "RECORD_UNREADABLE"
 )
 
 // invalidError is a request that failed validation.
@@ -89,6 +94,12 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 		}
 	}
 	switch {
+	case errors.Is(err, ledger.ErrUnreadable):
+		// The cause may name a key id or a column, never the contents;
+		// it goes to the log only.
+		logger.ErrorContext(ctx, "stored record unreadable", "err", err)
+		return withDetails(status.New(codes.DataLoss, "the stored record cannot be read (RECORD_UNREADABLE); an operator may Forget it"),
+			errorInfo(ReasonRecordUnreadable))
 	case errors.Is(err, ledger.ErrIdentityTooLong):
 		// The configured limits keep such identities out (see
 		// Config.Resolve); this answers one that slipped past them.

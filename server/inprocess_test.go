@@ -28,7 +28,7 @@ func TestAdminConn(t *testing.T) {
 	t.Parallel()
 	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: fmt.Sprintf(`
 tenants:
-  - { name: ops,      token_sha256: %s, scopes: ["*"], admin: true }
+  - { name: ops,      token_sha256: %s, scopes: ["*"], admin: true, client_cert_names: [ops] }
   - { name: payments, token_sha256: %s, scopes: ["*"] }
 `, sha("ops-secret"), sha("pay-secret"))})
 	coord := idempotencyv1.NewCoordinatorClient(c.Dial(t))
@@ -62,8 +62,8 @@ tenants:
 	_, err = admin.ListRecords(withToken("ops-secret"), &idempotencyv1.ListRecordsRequest{PageSize: -1})
 	wantCode(t, err, codes.InvalidArgument, "")
 
-	// A verified client certificate given as the peer authenticates its
-	// tenant (here by its common name).
+	// A verified client certificate given as the peer authenticates the
+	// tenant that lists its common name in client_cert_names.
 	p := newPKI(t)
 	cert, err := x509.ParseCertificate(p.issue(t, "ops", "", false).Certificate[0])
 	if err != nil {

@@ -16,8 +16,9 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// otherScope is the scope label of scopes seen after maxScopeLabels
-// distinct ones, so callers cannot grow the metrics without bound.
+// otherScope is the scope label of scopes the policy file does not name
+// (and of any seen after maxScopeLabels distinct labels), so callers cannot
+// grow the metrics, nor learn other tenants' scopes from them.
 const otherScope = "other"
 
 // metrics are the server's Prometheus collectors, on a registry of its own.
@@ -33,18 +34,28 @@ type metrics struct {
 	leaseLost    *prometheus.CounterVec
 	archived     *prometheus.CounterVec
 
+	reloadFailures prometheus.Counter
+
 	scopes scopeLabels
 }
 
-// scopeLabels maps scopes to label values: the scope itself for the first
-// max distinct scopes, otherScope after that.
+// scopeLabels maps scopes to label values: named maps a scope to the label
+// the policy file gives it (see Policies.scopeLabel), and of those the
+// first max distinct ones are kept, otherScope after that.
 type scopeLabels struct {
-	mu   sync.Mutex
-	seen map[string]struct{}
-	max  int
+	named func(scope string) string
+	mu    sync.Mutex
+	seen  map[string]struct{}
+	max   int
 }
 
 func (l *scopeLabels) label(scope string) string {
+	if l.named != nil {
+		scope = l.named(scope)
+	}
+	if scope == otherScope {
+		return otherScope
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.seen[scope]; ok {
@@ -77,12 +88,14 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Begins refused because the fingerprint differed.", "scope"),
 		leaseLost: counter("idempotency_lease_lost_total",
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
+		reloadFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "idempotency_config_reload_failures_total",
+			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
 		archived: counter("idempotency_archived_total",
 			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},

@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/codes"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // TestMetricsCountScriptedCalls runs a scripted sequence of calls and checks
@@ -18,7 +20,9 @@ import (
 // metrics on /metrics.
 func TestMetricsCountScriptedCalls(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envOptions{})
+	// Only scopes the policy file names get a label: "s" exactly, the
+	// payments methods by their glob; "other" is not named.
+	e := newEnv(t, envOptions{config: "scopes:\n  - { match: s }\n  - { match: \"/payments.v1.Payments/*\" }\n"})
 
 	b := e.mustBegin("s", "k1", acquired)
 	e.mustBegin("s", "k1", inProgress)
@@ -49,13 +53,23 @@ func TestMetricsCountScriptedCalls(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	e.mustBegin("/payments.v1.Payments/Charge", "k7", acquired)
+	e.mustBegin("/payments.v1.Payments/Refund", "k7", acquired)
+	e.mustBegin("customer-4711-private", "k7", acquired)
+
 	rec := httptest.NewRecorder()
 	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
 	text := string(body)
+	for _, unnamed := range []string{"customer-4711", "Charge", "Refund"} {
+		if strings.Contains(text, unnamed) {
+			t.Errorf("/metrics shows the scope %q, which the policy file does not name", unnamed)
+		}
+	}
 	for _, line := range []string{
+		`idempotency_begin_total{outcome="acquired",scope="/payments.v1.Payments/*"} 2`,
 		`idempotency_begin_total{outcome="acquired",scope="s"} 6`,
-		`idempotency_begin_total{outcome="acquired",scope="other"} 2`,
+		`idempotency_begin_total{outcome="acquired",scope="other"} 3`,
 		`idempotency_begin_total{outcome="in_progress",scope="s"} 1`,
 		`idempotency_begin_total{outcome="replay",scope="s"} 1`,
 		`idempotency_replay_total{scope="s"} 1`,
@@ -64,10 +78,10 @@ func TestMetricsCountScriptedCalls(t *testing.T) {
 		`idempotency_unknown_state_total{scope="s"} 3`,
 		`idempotency_expired_retry_total{scope="other"} 1`,
 		`idempotency_records{state="completed"} 1`,
-		`idempotency_records{state="in_progress"} 3`,
+		`idempotency_records{state="in_progress"} 6`,
 		`idempotency_records{state="unknown"} 2`,
 		`idempotency_records{state="expired"} 0`,
-		`grpc_server_handled_total{grpc_code="OK",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 10`,
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 13`,
 		`grpc_server_handled_total{grpc_code="FailedPrecondition",grpc_method="Complete",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
 	} {
 		if !strings.Contains(text, "\n"+line+"\n") {
@@ -127,5 +141,40 @@ func TestReaperDrainsBacklogWithoutWaiting(t *testing.T) {
 			t.Fatalf("after 2 minutes the reaper had expired %d of %d records (one pass does 40; the next interval is an hour away)", expired, n)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestMetricsBehindToken: with a metrics token, /metrics answers 401 to a
+// scrape without it or with another one, and serves the one that sends it;
+// health endpoints stay open.
+func TestMetricsBehindToken(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{server.WithMetricsToken("scrape-secret")}})
+	h := c.Server.HTTPHandler()
+	get := func(path, auth string) int {
+		req := httptest.NewRequest("GET", path, nil)
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		if rec.Code == 200 && path == "/metrics" && !strings.Contains(rec.Body.String(), "idempotency_records") {
+			t.Fatalf("/metrics served without the metrics")
+		}
+		return rec.Code
+	}
+	for auth, want := range map[string]int{
+		"":                           401,
+		"Bearer wrong":               401,
+		"Basic c2NyYXBlLXNlY3JldA==": 401,
+		"bearer":                     401,
+		"Bearer scrape-secret":       200,
+	} {
+		if got := get("/metrics", auth); got != want {
+			t.Errorf("/metrics with %q: %d, want %d", auth, got, want)
+		}
+	}
+	if got := get("/healthz", ""); got != 200 {
+		t.Errorf("/healthz without a token: %d", got)
 	}
 }

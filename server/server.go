@@ -2,12 +2,15 @@ package server
 
 import (
 	"context"
+	"crypto/sha256"
+	"crypto/subtle"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"runtime/debug"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -44,6 +47,7 @@ type Server struct {
 	health    *health.Server
 	ready     atomic.Bool
 	metrics   *metrics
+	api       http.Handler
 	opts      options
 	unary     []grpc.UnaryServerInterceptor // the chain, for AdminConn
 }
@@ -58,6 +62,7 @@ type options struct {
 	maxScopeLabels int
 	grpcOptions    []grpc.ServerOption
 	unary          []grpc.UnaryServerInterceptor
+	metricsToken   string
 }
 
 // WithPolicies sets the per-scope policy and limits (default
@@ -72,8 +77,15 @@ func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l 
 func WithHealthInterval(d time.Duration) Option { return func(o *options) { o.healthInterval = d } }
 
 // WithMaxScopeLabels bounds the distinct scope label values of the domain
-// metrics (default 200); later scopes are counted as "other".
+// metrics (default 200); later scopes are counted as "other". Only scopes
+// the policy file names get a label of their own in any case (see
+// Policies.scopeLabel).
 func WithMaxScopeLabels(n int) Option { return func(o *options) { o.maxScopeLabels = n } }
+
+// WithMetricsToken puts /metrics behind a bearer token: a scrape must send
+// `Authorization: Bearer <token>` (compared in constant time) or gets 401.
+// /healthz and /readyz stay open. Empty (the default) leaves /metrics open.
+func WithMetricsToken(token string) Option { return func(o *options) { o.metricsToken = token } }
 
 // WithGRPCOptions adds options to the grpc.Server (TLS credentials, message
 // size limits, …).
@@ -107,6 +119,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	s := &Server{store: store, validator: pv, logger: o.logger, opts: o,
 		metrics: newMetrics(store, o.maxScopeLabels, o.logger)}
 	s.policies.Store(o.policies)
+	s.metrics.scopes.named = func(scope string) string { return s.policies.Load().scopeLabel(scope) }
 
 	recoveryHandler := func(ctx context.Context, p any) error {
 		s.logger.ErrorContext(ctx, "panic in call", "panic", p, "stack", string(debug.Stack()))
@@ -148,21 +161,31 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
+	if s.api, err = newAPIHandler(s.grpc); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
 // SetPolicies replaces the policy and limits for calls that start after it
-// returns.
+// returns, unchecked; a running coordinator reloads its file with Reload,
+// which refuses changes that take a restart.
 func (s *Server) SetPolicies(p *Policies) { s.policies.Store(p) }
 
 // Ready reports whether the database answered the latest health check.
 func (s *Server) Ready() bool { return s.ready.Load() }
 
-// HTTPHandler serves /metrics (Prometheus), /healthz (the process is up)
-// and /readyz (the database is reachable: 200, else 503).
+// HTTPHandler serves /metrics (Prometheus; behind a bearer token with
+// WithMetricsToken), /healthz (the process is up),
+// /readyz (the database is reachable: 200, else 503), and every Coordinator
+// and Admin method as HTTP/JSON under /idempotency.v1.Coordinator/ and
+// /idempotency.v1.Admin/ (Connect protocol and gRPC-Web, see the README).
 func (s *Server) HTTPHandler() http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.registry, promhttp.HandlerOpts{}))
+	for _, name := range apiServices {
+		mux.Handle("/"+name+"/", s.api)
+	}
+	mux.Handle("GET /metrics", requireBearer(s.opts.metricsToken, promhttp.HandlerFor(s.metrics.registry, promhttp.HandlerOpts{})))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "ok\n")
 	})
@@ -174,6 +197,25 @@ func (s *Server) HTTPHandler() http.Handler {
 		_, _ = io.WriteString(w, "ready\n")
 	})
 	return mux
+}
+
+// requireBearer serves next only to requests that send token as a bearer
+// token; without a token it is next.
+func requireBearer(token string, next http.Handler) http.Handler {
+	if token == "" {
+		return next
+	}
+	want := sha256.Sum256([]byte(token))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		sum := sha256.Sum256([]byte(got))
+		if !ok || subtle.ConstantTimeCompare(sum[:], want[:]) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="metrics"`)
+			http.Error(w, "metrics need `Authorization: Bearer <token>`", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // GRPCServer returns the underlying grpc.Server, for registering more

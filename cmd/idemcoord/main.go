@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -41,6 +42,8 @@ type config struct {
 	listen          string
 	httpListen      string
 	databaseURL     string
+	notifyURL       string
+	notifications   string
 	configPath      string
 	tlsCert         string
 	tlsKey          string
@@ -49,6 +52,7 @@ type config struct {
 	logFormat       string
 	logLevel        string
 	otlpEndpoint    string
+	metricsToken    string
 	shutdownTimeout time.Duration
 	maxStreams      uint
 	console         bool
@@ -68,6 +72,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.listen, "listen", env("IDEMCOORD_LISTEN", "127.0.0.1:50051"), "gRPC listen address (IDEMCOORD_LISTEN)")
 	fs.StringVar(&c.httpListen, "http-listen", env("IDEMCOORD_HTTP_LISTEN", "127.0.0.1:9090"), "HTTP address for /metrics, /healthz, /readyz (IDEMCOORD_HTTP_LISTEN)")
 	fs.StringVar(&c.databaseURL, "database-url", env("DATABASE_URL", ""), "PostgreSQL URL (DATABASE_URL)")
+	fs.StringVar(&c.notifyURL, "notify-database-url", env("IDEMCOORD_NOTIFY_DATABASE_URL", ""), "direct PostgreSQL URL for the LISTEN connection and migrations, when --database-url goes through a transaction-pooling PgBouncer (IDEMCOORD_NOTIFY_DATABASE_URL)")
+	fs.StringVar(&c.notifications, "notifications", env("IDEMCOORD_NOTIFICATIONS", "on"), "on: a LISTEN connection wakes waiting Begins and keeps the replay cache; off: no LISTEN, no replay cache, waits poll (IDEMCOORD_NOTIFICATIONS)")
 	fs.StringVar(&c.configPath, "config", env("IDEMCOORD_CONFIG", ""), "optional YAML policy file (IDEMCOORD_CONFIG)")
 	fs.StringVar(&c.tlsCert, "tls-cert", env("IDEMCOORD_TLS_CERT", ""), "TLS certificate file (IDEMCOORD_TLS_CERT)")
 	fs.StringVar(&c.tlsKey, "tls-key", env("IDEMCOORD_TLS_KEY", ""), "TLS key file (IDEMCOORD_TLS_KEY)")
@@ -76,6 +82,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
 	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
+	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
 	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envUint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
 		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
 	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
@@ -88,6 +95,12 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.databaseURL == "" {
 		return nil, errors.New("no database: set --database-url or DATABASE_URL (or use `make run`, which starts a local PostgreSQL)")
+	}
+	if c.notifications != "on" && c.notifications != "off" {
+		return nil, fmt.Errorf("--notifications %q: want on or off", c.notifications)
+	}
+	if c.notifications == "off" && c.notifyURL != "" {
+		return nil, errors.New("--notify-database-url is for the LISTEN connection, which --notifications=off turns off")
 	}
 	if (c.tlsCert == "") != (c.tlsKey == "") {
 		return nil, errors.New("--tls-cert and --tls-key go together")
@@ -143,6 +156,20 @@ func tlsConfig(c *config) (*tls.Config, error) {
 		cfg.ClientAuth = tls.VerifyClientCertIfGiven
 	}
 	return cfg, nil
+}
+
+// readMetricsToken reads the /metrics bearer token from path (surrounding
+// white space removed).
+func readMetricsToken(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("--metrics-token-file: %w", err)
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("--metrics-token-file %s is empty", path)
+	}
+	return token, nil
 }
 
 // envUint returns the environment variable name as a number, or def when
@@ -216,27 +243,52 @@ func run(args []string, logOut *os.File) error {
 	if err != nil {
 		return err
 	}
+	var metricsToken string
+	if c.metricsToken != "" {
+		if metricsToken, err = readMetricsToken(c.metricsToken); err != nil {
+			return err
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
 	logger.Info("applying migrations")
-	if err := migrateWithRetry(ctx, logger, c.databaseURL); err != nil {
+	// Migrations hold a session-level advisory lock, which a transaction
+	// pooler would not keep: they take the direct URL when there is one.
+	migrateURL := c.databaseURL
+	if c.notifyURL != "" {
+		migrateURL = c.notifyURL
+	}
+	if err := migrateWithRetry(ctx, logger, migrateURL); err != nil {
 		return err
 	}
 	lopts := []ledger.Option{ledger.WithLogger(logger)}
+	switch {
+	case c.notifications == "off":
+		lopts = append(lopts, ledger.WithoutNotifications())
+		logger.Info("notifications off: no replay cache, waiting Begins poll")
+	case c.notifyURL != "":
+		lopts = append(lopts, ledger.WithNotifyDatabaseURL(c.notifyURL))
+	}
 	if k := policies.Keyring(); k != nil {
 		lopts = append(lopts, ledger.WithKeyring(k))
-		logger.Info("stored responses are encrypted at rest")
+		logger.Info("records are encrypted at rest", "active_key", k.ActiveKeyID(), "accept_legacy_rows", k.AcceptsLegacyRows())
 	}
 	store, err := ledger.Open(ctx, c.databaseURL, lopts...)
 	if err != nil {
 		return err
 	}
 	defer store.Close()
+	if k := policies.Keyring(); k != nil {
+		go checkLegacyRows(ctx, logger, store, k)
+	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams)))}
+	if metricsToken != "" {
+		sopts = append(sopts, server.WithMetricsToken(metricsToken))
+	}
 	if creds != nil {
 		sopts = append(sopts, server.WithGRPCOptions(grpc.Creds(creds)))
 	}
@@ -265,7 +317,9 @@ func run(args []string, logOut *os.File) error {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
 	go srv.RunReaper(ctx)
-	go watchConfig(ctx, logger, c.configPath, hup, srv)
+	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
+		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
+	})
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
@@ -275,6 +329,16 @@ func run(args []string, logOut *os.File) error {
 		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
 			return err
 		}
+	} else if c.tlsCert != "" {
+		// The HTTP listener serves the API too (HTTP/JSON): with TLS on it
+		// serves HTTPS with the same certificates (as with the console), so
+		// client certificates authenticate there and tokens never travel in
+		// clear.
+		cfg, err := tlsConfig(c)
+		if err != nil {
+			return err
+		}
+		hlis = tls.NewListener(hlis, cfg)
 	}
 	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
@@ -298,6 +362,31 @@ func run(args []string, logOut *os.File) error {
 	_ = httpSrv.Shutdown(sctx)
 	logger.Info("stopped")
 	return nil
+}
+
+// checkLegacyRows converts the records not yet in the current sealed form
+// when the keyring accepts legacy rows, and otherwise warns about them:
+// each answers DATA_LOSS until it is converted.
+func checkLegacyRows(ctx context.Context, logger *slog.Logger, store *ledger.Store, k *ledger.Keyring) {
+	if k.AcceptsLegacyRows() {
+		converted, skipped, err := store.ConvertLegacyRows(ctx, 500)
+		if err != nil {
+			logger.Error("converting legacy rows failed; restart to try again", "converted", converted, "err", err)
+			return
+		}
+		n, err := store.CountLegacyRows(ctx)
+		logger.Warn("legacy rows converted to the current sealed form; remove encryption.accept_legacy_rows once none remain",
+			"converted", converted, "unreadable", skipped, "remaining", n, "err", err)
+		return
+	}
+	n, err := store.CountLegacyRows(ctx)
+	switch {
+	case err != nil:
+		logger.Warn("cannot count legacy rows", "err", err)
+	case n > 0:
+		logger.Error("records stored in clear or in the legacy sealed form answer DATA_LOSS (RECORD_UNREADABLE) "+
+			"until converted: set encryption.accept_legacy_rows: true and restart once to convert them", "rows", n)
+	}
 }
 
 // migrateWithRetry applies migrations, waiting for the database to come up

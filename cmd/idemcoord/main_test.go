@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -59,6 +60,12 @@ func (s *syncBuffer) String() string {
 // reports SERVING.
 func startBinary(t *testing.T, bin, dbURL, grpcAddr, httpAddr string, args ...string) *proc {
 	t.Helper()
+	return startBinaryWith(t, insecure.NewCredentials(), bin, dbURL, grpcAddr, httpAddr, args...)
+}
+
+// startBinaryWith is startBinary for a coordinator reached with creds.
+func startBinaryWith(t *testing.T, creds credentials.TransportCredentials, bin, dbURL, grpcAddr, httpAddr string, args ...string) *proc {
+	t.Helper()
 	cmd := exec.Command(bin, append([]string{"--listen", grpcAddr, "--http-listen", httpAddr}, args...)...)
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
 	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}, grpcAddr: grpcAddr}
@@ -68,7 +75,7 @@ func startBinary(t *testing.T, bin, dbURL, grpcAddr, httpAddr string, args ...st
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 
-	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -235,6 +242,15 @@ func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--tls-cert", "a.pem"}); err == nil {
 		t.Fatal("--tls-cert without --tls-key accepted")
+	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--notifications", "maybe"}); err == nil {
+		t.Fatal("--notifications maybe accepted")
+	}
+	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--notifications", "off", "--notify-database-url", "postgres://y"}); err == nil {
+		t.Fatal("--notify-database-url with --notifications=off accepted")
+	}
+	if c := parse("--notifications", "off"); c.notifications != "off" {
+		t.Fatalf("--notifications off parsed as %q", c.notifications)
 	}
 }
 

@@ -26,10 +26,12 @@ func notifyHangup() chan os.Signal {
 }
 
 // watchConfig reloads the policy file at path on SIGHUP and whenever the
-// file changes, until ctx ends. A file that fails to load or validate is
-// refused with a logged reason, and the policy in force stays. Without a
-// path, SIGHUP is logged and ignored.
-func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-chan os.Signal, srv *server.Server) {
+// file changes, until ctx ends, through server.Server.Reload: a file that
+// fails to load or validate, is empty, or would turn auth on or off is
+// refused with a logged reason (and counted), and the configuration in
+// force stays. check (the start-up exposure check) runs on every reload.
+// Without a path, SIGHUP is logged and ignored.
+func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-chan os.Signal, srv *server.Server, check func(*server.Policies) error) {
 	if path == "" {
 		for {
 			select {
@@ -57,13 +59,12 @@ func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-ch
 	}
 
 	reload := func(why string) {
-		p, err := server.LoadPolicies(path)
+		p, err := srv.Reload(path, check)
 		if err != nil {
-			logger.Error("config reload refused; keeping the policy in force", "why", why, "err", err)
+			logger.Error("config reload refused; keeping the configuration in force", "why", why, "path", path, "err", err)
 			return
 		}
-		srv.SetPolicies(p)
-		logger.Info("config reloaded", "why", why, "path", path)
+		logger.Info("config reloaded", "why", why, "path", path, "auth", p.AuthEnabled())
 	}
 	var debounce <-chan time.Time
 	for {

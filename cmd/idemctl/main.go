@@ -3,7 +3,9 @@
 // holder died), resolves UNKNOWN records after reconciliation, and forgets
 // records.
 //
-//	idemctl [--addr HOST:PORT] [--token T] [--output table|json] COMMAND ...
+//	idemctl [--addr HOST:PORT] [--token T] [--output table|json]
+//	        [--tls-ca F] [--tls-cert F --tls-key F] [--tls-server-name N] [--tls] [--insecure]
+//	        COMMAND ...
 //
 //	lookup SCOPE KEY
 //	list [--state S] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
@@ -12,7 +14,19 @@
 //	forget SCOPE KEY
 //
 // --addr defaults to $IDEMCOORD_ADDR, else 127.0.0.1:50051; --token to
-// $IDEMCOORD_TOKEN (sent as "authorization: Bearer <token>"). Flags may
+// $IDEMCOORD_TOKEN (sent as "authorization: Bearer <token>").
+//
+// TLS is on when any of --tls-ca (verify the coordinator against this CA
+// instead of the system roots), --tls-cert with --tls-key (a client
+// certificate, for tenants that list its name in client_cert_names),
+// --tls-server-name (the name to verify instead of the --addr host) or
+// --tls (system roots) is given; each defaults to $IDEMCOORD_TLS_CA,
+// $IDEMCOORD_TLS_CERT, $IDEMCOORD_TLS_KEY, $IDEMCOORD_TLS_SERVER_NAME and
+// $IDEMCOORD_TLS. Without TLS, idemctl talks only to a loopback address,
+// unless --insecure ($IDEMCOORD_INSECURE) says plaintext over the network
+// is meant: the token would travel in clear. When a plaintext call fails
+// against a coordinator that speaks TLS, or the other way round, the error
+// says so. Flags may
 // stand before or after the command and its arguments; "--" ends them.
 // States are written as in the API without the STATE_ prefix, in any case
 // (unknown, in_progress, …). It exits 0 on success, 1 when a call fails
@@ -36,7 +50,6 @@ import (
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -84,9 +97,17 @@ commands:
         delete a record whatever its state
 
 flags (before or after the command):
-  --addr     coordinator address (default $IDEMCOORD_ADDR, else 127.0.0.1:50051)
-  --token    bearer token (default $IDEMCOORD_TOKEN)
-  --output   table or json (default table)
+  --addr             coordinator address (default $IDEMCOORD_ADDR, else 127.0.0.1:50051)
+  --token            bearer token (default $IDEMCOORD_TOKEN)
+  --output           table or json (default table)
+  --tls-ca           verify the coordinator's certificate against this CA file ($IDEMCOORD_TLS_CA)
+  --tls-cert         client certificate file, with --tls-key ($IDEMCOORD_TLS_CERT)
+  --tls-key          client certificate key file ($IDEMCOORD_TLS_KEY)
+  --tls-server-name  name to verify in the coordinator's certificate ($IDEMCOORD_TLS_SERVER_NAME)
+  --tls              use TLS with the system's roots ($IDEMCOORD_TLS)
+  --insecure         allow plaintext to a non-loopback address ($IDEMCOORD_INSECURE)
+
+Without TLS, idemctl talks only to loopback addresses unless --insecure is given.
 `
 
 // usageError is a mistake in the command line.
@@ -101,6 +122,7 @@ func usagef(format string, args ...any) error {
 // cli is one invocation: its global settings and streams.
 type cli struct {
 	addr, token, output string
+	tls                 tlsSettings
 	stdin               io.Reader
 	stdout              io.Writer
 }
@@ -109,7 +131,7 @@ type cli struct {
 // status. getenv supplies IDEMCOORD_ADDR and IDEMCOORD_TOKEN.
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer, getenv func(string) string) int {
 	c := &cli{addr: getenv("IDEMCOORD_ADDR"), token: getenv("IDEMCOORD_TOKEN"), output: "table",
-		stdin: stdin, stdout: stdout}
+		tls: tlsFromEnv(getenv), stdin: stdin, stdout: stdout}
 	if c.addr == "" {
 		c.addr = defaultAddr
 	}
@@ -138,6 +160,7 @@ func (c *cli) flags(name string) *flag.FlagSet {
 	fs.StringVar(&c.addr, "addr", c.addr, "")
 	fs.StringVar(&c.token, "token", c.token, "")
 	fs.StringVar(&c.output, "output", c.output, "")
+	c.tls.bind(fs)
 	return fs
 }
 
@@ -215,7 +238,11 @@ func (c *cli) connect(ctx context.Context) (context.Context, *grpc.ClientConn, f
 	if c.addr == "" {
 		return nil, nil, nil, usagef("--addr is empty")
 	}
-	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	creds, err := c.tls.credentials(c.addr)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("connect to %s: %w", c.addr, err)
 	}
@@ -246,7 +273,7 @@ func (c *cli) callRecord(ctx context.Context, call func(context.Context, *grpc.C
 	defer done()
 	rec, err := call(ctx, conn)
 	if err != nil {
-		return err
+		return c.tls.explain(c.addr, err)
 	}
 	return c.printRecord(rec)
 }
@@ -286,7 +313,7 @@ func (c *cli) list(ctx context.Context, args []string) error {
 		}
 		resp, err := admin.ListRecords(ctx, req)
 		if err != nil {
-			return err
+			return c.tls.explain(c.addr, err)
 		}
 		out.Records = append(out.Records, resp.GetRecords()...)
 		out.NextPageToken = resp.GetNextPageToken()

@@ -9,6 +9,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -59,7 +60,17 @@ type Options struct {
 	DatabaseURL string
 	// ServerOptions are passed to server.New after the defaults.
 	ServerOptions []server.Option
+	// StoreOptions are passed to ledger.Open after the defaults.
+	StoreOptions []ledger.Option
 }
+
+// PgBouncerEnv names the environment variable that runs every coordinator
+// a test starts through a PgBouncer in transaction pooling mode
+// (pgtest.StartPgBouncer): "listen" keeps the LISTEN connection direct
+// (ledger.WithNotifyDatabaseURL), "poll" turns notifications off
+// (ledger.WithoutNotifications). Tests still read and write the database
+// directly (Coordinator.DatabaseURL).
+const PgBouncerEnv = "IDEMCOORD_TEST_PGBOUNCER"
 
 // Coordinator is a running coordinator.
 type Coordinator struct {
@@ -67,6 +78,10 @@ type Coordinator struct {
 	Addr string
 	// DatabaseURL is its database.
 	DatabaseURL string
+	// storeURL is the URL the store connects to: DatabaseURL, or a
+	// PgBouncer in front of it (PgBouncerEnv).
+	storeURL  string
+	storeOpts []ledger.Option
 	// Clock is the clock it reads when Options.FakeClock is set.
 	Clock *Clock
 	// Server and Store are the running parts, nil while stopped.
@@ -83,6 +98,19 @@ func Start(t testing.TB, opts Options) *Coordinator {
 	c := &Coordinator{t: t, opts: opts, Clock: NewClock(), DatabaseURL: opts.DatabaseURL}
 	if c.DatabaseURL == "" {
 		c.DatabaseURL = pgtest.NewDatabase(t)
+	}
+	c.storeURL = c.DatabaseURL
+	switch mode := os.Getenv(PgBouncerEnv); mode {
+	case "":
+	case "listen", "poll":
+		c.storeURL = pgtest.StartPgBouncer(t, c.DatabaseURL)
+		if mode == "listen" {
+			c.storeOpts = append(c.storeOpts, ledger.WithNotifyDatabaseURL(c.DatabaseURL))
+		} else {
+			c.storeOpts = append(c.storeOpts, ledger.WithoutNotifications())
+		}
+	default:
+		t.Fatalf("%s=%q: want listen or poll", PgBouncerEnv, mode)
 	}
 	c.start("127.0.0.1:0")
 	t.Cleanup(c.Stop)
@@ -106,7 +134,8 @@ func (c *Coordinator) start(addr string) {
 	if k := policies.Keyring(); k != nil {
 		sopts = append(sopts, ledger.WithKeyring(k))
 	}
-	store, err := ledger.Open(context.Background(), c.DatabaseURL, sopts...)
+	sopts = append(append(sopts, c.storeOpts...), c.opts.StoreOptions...)
+	store, err := ledger.Open(context.Background(), c.storeURL, sopts...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,6 +26,13 @@ type ClusterOptions struct {
 	// The default turns them off, which is faster and is safe for data
 	// that a test throws away.
 	Durable bool
+	// DataDir, when set, is where the data directory is created (it must
+	// not exist yet, and its parent must be writable by the server's
+	// user), for instance on a file system the test controls. The test
+	// removes it.
+	DataDir string
+	// Settings are extra server settings ("name=value"), applied last.
+	Settings []string
 }
 
 // A Cluster is a PostgreSQL server that a test owns: its data directory,
@@ -192,6 +199,9 @@ func startCluster(opts ClusterOptions) (_ *Cluster, err error) {
 		}
 	}()
 	c.data = filepath.Join(c.root, "data")
+	if opts.DataDir != "" {
+		c.data = opts.DataDir
+	}
 	c.logPath = filepath.Join(c.root, "server.log")
 	if c.asUser != nil {
 		uid, _ := strconv.Atoi(c.asUser.Uid)
@@ -270,6 +280,7 @@ func (c *Cluster) startLocked() error {
 	if !c.opts.Durable {
 		settings = append(settings, "fsync=off", "synchronous_commit=off", "full_page_writes=off")
 	}
+	settings = append(settings, c.opts.Settings...)
 	args := []string{"-D", c.data, "-p", strconv.Itoa(c.port)}
 	for _, s := range settings {
 		args = append(args, "-c", s)
@@ -404,7 +415,7 @@ func (c *Cluster) logTail() string {
 }
 
 // readyPID reads postmaster.pid and reports the postmaster's PID once it
-// says the server accepts connections.
+// says the server accepts connections (as a primary or a hot standby).
 func readyPID(data string) (int, bool) {
 	b, err := os.ReadFile(filepath.Join(data, "postmaster.pid"))
 	if err != nil {
@@ -412,7 +423,8 @@ func readyPID(data string) (int, bool) {
 	}
 	// Line 1 is the PID, line 8 the status (PostgreSQL 10 and later).
 	lines := strings.Split(string(b), "\n")
-	if len(lines) < 8 || strings.TrimSpace(lines[7]) != "ready" {
+	// A hot standby that accepts read-only connections says "standby".
+	if len(lines) < 8 || (strings.TrimSpace(lines[7]) != "ready" && strings.TrimSpace(lines[7]) != "standby") {
 		return 0, false
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(lines[0]))

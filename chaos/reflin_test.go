@@ -1,0 +1,767 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// refConfig is the coordinator's policy in TestLinearizableReference; the
+// model's policies (refPolicies) say the same. failure_ttl and the
+// reaper's retention are short, so records expire and expired rows are
+// deleted during the run: the "hold" keys cycle instead of answering
+// KEY_EXPIRED for the rest of the run.
+const refConfig = `
+defaults: { failure_ttl: 3s }
+reaper: { interval: 0s, expired_retention: 2s }
+scopes:
+  - { match: "hold", on_unknown: hold, max_attempts: 3, on_expired: reject, failure_ttl: 1s }
+  - { match: "cap", max_attempts: 2 }
+`
+
+const refRetention = 2 * time.Second
+
+var refPolicies = map[string]refPolicy{
+	"free": {failureTTL: 3 * time.Second},
+	"hold": {hold: true, maxAttempts: 3, reject: true, failureTTL: time.Second},
+	"cap":  {maxAttempts: 2, failureTTL: 3 * time.Second},
+}
+
+var refKeys = [][2]string{{"free", "a"}, {"free", "b"}, {"hold", "a"}, {"hold", "b"}, {"cap", "a"}}
+
+// refMinLostReplies is the least number of calls per run that must be shown
+// to have taken effect although their caller got no answer (the commit
+// done, reply lost window); fewer means the faults missed the commits.
+const refMinLostReplies = 10
+
+// TestLinearizableReference records per-key histories of every call of the
+// API — Begin with and without wait and with repeated attempt_ids,
+// Complete, Fail of every kind, Heartbeat, Lookup, Admin Resolve and
+// Forget — and of reaper passes, from concurrent clients while a proxy cuts
+// the coordinator's database connections at random and PostgreSQL is killed
+// and restarted, and checks with porcupine that every key's history is
+// linearizable with respect to the reference model of refmodel_test.go,
+// which is written from DESIGN.md and shares no code with statemachine.
+//
+// The coordinator runs in-process on a fake clock that moves during the
+// rounds, so leases lapse and records expire while calls are in flight: a
+// call acted at one of the clock readings seen between its start and its
+// answer (or the end of its round, when unanswered), and the model tries
+// each. At the end every key is read back with faults off. The test fails
+// unless every row of the state table (refTableRows) was exercised and at
+// least refMinLostReplies unanswered calls are shown to have taken effect;
+// it logs the coverage of each row.
+func TestLinearizableReference(t *testing.T) {
+	s := seed(t)
+	rng := rand.New(rand.NewPCG(s, 5))
+	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
+	dbURL := cluster.URL("postgres")
+	if err := ledger.Migrate(context.Background(), dbURL); err != nil {
+		t.Fatal(err)
+	}
+	proxy, proxiedURL := newDatabaseProxy(t, dbURL, s)
+	c := coordtest.Start(t, coordtest.Options{DatabaseURL: proxiedURL, FakeClock: true, Config: refConfig,
+		ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
+	conn := dial(t, c.Addr)
+	h := &refHistory{start: time.Now(), clock: c.Clock, nows: []time.Time{c.Clock.Now()}}
+	clients := make([]*refClient, 4)
+	for i := range clients {
+		clients[i] = &refClient{id: i, h: h, client: idempotencyv1.NewCoordinatorClient(conn), admin: idempotencyv1.NewAdminClient(conn),
+			rng: rand.New(rand.NewPCG(s, uint64(20+i))), tokens: map[string][]string{}, attempts: map[string]refAttempt{},
+			lastEnd: map[string]refCall{}}
+	}
+
+	// The run goes on until every row of the table was exercised and the
+	// lost-reply window was hit often enough (checked every 50 rounds from
+	// minRounds on), or maxRounds, when it fails.
+	minRounds, maxRounds := byMode(150, 1500), byMode(800, 3000)
+	killRounds := map[int]bool{minRounds / 3: true, 2 * minRounds / 3: true}
+	if long() {
+		for r := 10; r < maxRounds; r += 50 {
+			killRounds[r] = true
+		}
+	}
+	proxy.SetCutChance(0.03)
+	pgKills, reaps := 0, 0
+	var (
+		ops        []porcupine.Operation
+		res        porcupine.CheckResult
+		info       porcupine.LinearizationInfo
+		rows       map[string]int
+		lost       int
+		missing    []string
+		checkTime  time.Duration
+		roundsDone int
+	)
+	check := func() bool {
+		ops = h.operations()
+		startCheck := time.Now()
+		res, info = porcupine.CheckOperationsVerbose(refModel(), ops, 3*time.Minute)
+		checkTime += time.Since(startCheck)
+		if res != porcupine.Ok {
+			return true
+		}
+		var lins [][]porcupine.Operation
+		for _, p := range info.PartialLinearizationsOperations() {
+			if len(p) > 0 {
+				lins = append(lins, p[0])
+			}
+		}
+		rows, lost, _ = refCoverage(lins)
+		missing = missing[:0]
+		for _, r := range refTableRows {
+			if rows[r] == 0 {
+				missing = append(missing, r)
+			}
+		}
+		return len(missing) == 0 && lost >= refMinLostReplies
+	}
+	for round := range maxRounds {
+		var wg sync.WaitGroup
+		for _, cl := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range 5 {
+					cl.step()
+				}
+			}()
+		}
+		done := make(chan struct{})
+		go func() { wg.Wait(); close(done) }()
+		// The clock moves and the reaper runs while the calls are in
+		// flight.
+	moving:
+		for {
+			select {
+			case <-done:
+				break moving
+			case <-time.After(time.Duration(rng.IntN(8)) * time.Millisecond):
+			}
+			if rng.IntN(4) == 0 {
+				h.reap(c.Server, refRetention)
+				reaps++
+			} else {
+				h.advance(time.Duration(1+rng.IntN(250_000)) * time.Microsecond)
+			}
+		}
+		if round%7 == 3 {
+			proxy.CutAll()
+		}
+		if killRounds[round] {
+			if err := cluster.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			pgKills++
+			if err := cluster.Start(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		waitNoOpenTransactions(t, dbURL)
+		waitCutBackendsGone(t, dbURL, proxy)
+		h.endRound()
+		if rng.IntN(15) == 0 {
+			// Now and then a long pause: every lease of the round lapses
+			// while its holder still holds it.
+			h.advance(3*time.Second + time.Duration(rng.IntN(1000_000))*time.Microsecond)
+		} else {
+			h.advance(time.Duration(rng.IntN(300_000)) * time.Microsecond)
+		}
+		roundsDone = round + 1
+		if roundsDone >= minRounds && roundsDone%50 == 0 {
+			if check() {
+				break
+			}
+			t.Logf("chaos: reference: after %d rounds: %d rows not yet exercised (%s), %d lost replies shown", roundsDone, len(missing), strings.Join(missing, "; "), lost)
+		}
+	}
+	proxy.SetCutChance(0)
+	for _, cl := range clients[:1] {
+		cl.readBack()
+	}
+	h.endRound()
+	check()
+
+	st := h.stats()
+	t.Logf("chaos: reference linearizability: rounds=%d ops=%d faults=%d (connection cuts %d, postgres kills %d) reaper passes=%d unanswered=%d keys=%d result=%s check_time=%v",
+		roundsDone, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
+	t.Logf("chaos: reference linearizability: by call %v", st.byOp)
+	for _, v := range st.violations {
+		t.Errorf("violation: %s", v)
+	}
+	if res != porcupine.Ok {
+		path := writeRefVisualization(t, info)
+		logRefViolation(t, ops, info)
+		t.Fatalf("histories are not linearizable against the reference model (result %s); porcupine's visualization: %s", res, path)
+	}
+	var hit, extra []string
+	for _, r := range refTableRows {
+		if rows[r] > 0 {
+			hit = append(hit, fmt.Sprintf("%s=%d", r, rows[r]))
+		}
+	}
+	for r, n := range rows {
+		if !contains(refTableRows, r) {
+			extra = append(extra, fmt.Sprintf("%s=%d", r, n))
+		}
+	}
+	sort.Strings(extra)
+	t.Logf("chaos: reference coverage: %d/%d table rows exercised: %s", len(refTableRows)-len(missing), len(refTableRows), strings.Join(hit, ", "))
+	t.Logf("chaos: reference coverage: other rows: %s", strings.Join(extra, ", "))
+	t.Logf("chaos: reference: unanswered calls shown to have taken effect (commit done, reply lost): %d (minimum %d)", lost, refMinLostReplies)
+	if len(missing) > 0 {
+		t.Errorf("rows of the state table never exercised in %d rounds: %s", roundsDone, strings.Join(missing, "; "))
+	}
+	if lost < refMinLostReplies {
+		t.Errorf("only %d unanswered calls were shown to have taken effect, want at least %d: the faults missed the commits", lost, refMinLostReplies)
+	}
+}
+
+// waitCutBackendsGone waits until PostgreSQL runs no more backends for the
+// coordinator than the proxy has connections open. A backend whose
+// connection was cut may still hold a statement the coordinator sent just
+// before the cut, unread in its socket buffer while pg_stat_activity shows
+// it idle; it runs that statement, if at all, before it exits, so only
+// then has every unanswered call of the round taken effect or not.
+func waitCutBackendsGone(t *testing.T, dbURL string, proxy *Proxy) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		n, err := coordinatorBackends(dbURL)
+		if err == nil && n <= proxy.Links() {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("PostgreSQL still runs %d backends for the coordinator, %d connections through the proxy, after 30s (%v)", n, proxy.Links(), err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func coordinatorBackends(dbURL string) (int, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return -1, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemcoord'`).Scan(&n)
+	return n, err
+}
+
+func contains(xs []string, x string) bool {
+	for _, y := range xs {
+		if y == x {
+			return true
+		}
+	}
+	return false
+}
+
+func writeRefVisualization(t *testing.T, info porcupine.LinearizationInfo) string {
+	dir, err := os.MkdirTemp("", "idemcoord-reference-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "history.html")
+	if err := porcupine.VisualizePath(refModel(), info, path); err != nil {
+		t.Fatalf("write visualization: %v", err)
+	}
+	return path
+}
+
+// refHistory collects the calls of every client and the clock readings.
+type refHistory struct {
+	start time.Time
+	clock *coordtest.Clock
+
+	mu         sync.Mutex
+	nows       []time.Time // every reading the clock has had, in order
+	ops        []porcupine.Operation
+	pending    []refPending
+	nextID     atomic.Int64
+	byOp       map[string]int
+	unknown    int
+	violations []string
+}
+
+type refPending struct{ op, firstNow int }
+
+func (h *refHistory) since() int64 { return int64(time.Since(h.start)) }
+
+// advance moves the coordinator's clock and notes the new reading.
+func (h *refHistory) advance(d time.Duration) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.clock.Advance(d)
+	h.nows = append(h.nows, h.clock.Now())
+}
+
+// mark returns the index of the current clock reading.
+func (h *refHistory) mark() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.nows) - 1
+}
+
+// reap runs one reaper pass at the current reading (the clock does not
+// move during it) and records it as one call per key.
+func (h *refHistory) reap(srv *server.Server, retention time.Duration) {
+	i := h.mark()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	call := h.since()
+	err := srv.ReapOnce(ctx)
+	ret := h.since()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, k := range refKeys {
+		in := refCall{id: int(h.nextID.Add(1)), client: -1, kind: rkReap, scope: k[0], key: k[1],
+			nows: []time.Time{h.nows[i]}, retention: retention}
+		h.addLocked(in, refAnswer{unknown: err != nil}, call, ret, -1)
+	}
+}
+
+func (h *refHistory) add(in refCall, out refAnswer, call, ret int64, firstNow int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.addLocked(in, out, call, ret, firstNow)
+}
+
+func (h *refHistory) addLocked(in refCall, out refAnswer, call, ret int64, firstNow int) {
+	if h.byOp == nil {
+		h.byOp = map[string]int{}
+	}
+	h.byOp[rkNames[in.kind]]++
+	if out.unknown {
+		if in.kind != rkReap {
+			h.unknown++
+		}
+		if in.kind == rkLookup {
+			return // an unanswered read constrains nothing
+		}
+		// firstNow < 0 (the reaper): its reading stays its reading.
+		h.pending = append(h.pending, refPending{op: len(h.ops), firstNow: firstNow})
+	}
+	in.start, in.end = call, ret
+	h.ops = append(h.ops, porcupine.Operation{ClientId: in.client + 1, Input: in, Call: call, Output: out, Return: ret})
+}
+
+// endRound closes the round: its unanswered calls took effect, if at all,
+// by now, at any clock reading since they started.
+func (h *refHistory) endRound() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := h.since()
+	for _, p := range h.pending {
+		op := &h.ops[p.op]
+		op.Return = now
+		in := op.Input.(refCall)
+		in.end = now
+		if p.firstNow >= 0 {
+			in.nows = append([]time.Time(nil), h.nows[p.firstNow:]...)
+		}
+		op.Input = in
+	}
+	h.pending = h.pending[:0]
+}
+
+func (h *refHistory) operations() []porcupine.Operation {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]porcupine.Operation(nil), h.ops...)
+}
+
+func (h *refHistory) stats() linStats {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	keys := map[string]bool{}
+	for _, op := range h.ops {
+		in := op.Input.(refCall)
+		keys[in.scope+"/"+in.key] = true
+	}
+	return linStats{unknown: h.unknown, violations: h.violations, keys: len(keys), byOp: h.byOp}
+}
+
+// refAttempt is a logical attempt of a client on a key: a Begin retried
+// with its attempt_id repeats the same request.
+type refAttempt struct {
+	id         string
+	fp         string
+	ttl, lease time.Duration
+}
+
+// refClient is one caller: it remembers the tokens, attempts and ending
+// calls it made per key, and makes random calls, mostly sensible ones.
+type refClient struct {
+	id       int
+	h        *refHistory
+	client   idempotencyv1.CoordinatorClient
+	admin    idempotencyv1.AdminClient
+	rng      *rand.Rand
+	tokens   map[string][]string
+	attempts map[string]refAttempt
+	lastEnd  map[string]refCall // the latest Complete or Fail sent per key
+	held     string             // the key this client acquired last
+	retry    *refCall           // an unanswered Begin to retry next
+	abandon  string             // a key to Fail ABANDONED next
+	seq      int
+}
+
+func (cl *refClient) pick(xs ...string) string { return xs[cl.rng.IntN(len(xs))] }
+
+func (cl *refClient) token(id string) string {
+	ts := cl.tokens[id]
+	switch n := cl.rng.IntN(12); {
+	case len(ts) == 0 || n == 0:
+		return "lt1.bogus"
+	case n == 1:
+		return ts[cl.rng.IntN(len(ts))]
+	}
+	return ts[len(ts)-1]
+}
+
+// response returns a random response, or none.
+func (cl *refClient) response(none bool) *idempotencyv1.StoredResponse {
+	if none && cl.rng.IntN(4) == 0 {
+		return nil
+	}
+	return &idempotencyv1.StoredResponse{SchemaVersion: cl.pick("v1", "v2"), Body: []byte(cl.pick("x", "y", "")),
+		StatusCode: int32(cl.rng.IntN(3)), Metadata: map[string]string{"m": cl.pick("1", "2")}}
+}
+
+func canonicalOf(r *idempotencyv1.StoredResponse) string {
+	if r == nil {
+		return ""
+	}
+	return canonicalResponse(r.GetSchemaVersion(), r.GetContentType(), string(r.GetBody()), r.GetStatusCode(), r.GetMetadata())
+}
+
+func setResponse(in *refCall, r *idempotencyv1.StoredResponse) {
+	in.resp, in.hasResp, in.msg = canonicalOf(r), r != nil, r
+}
+
+// step makes one random call and records it.
+func (cl *refClient) step() {
+	k := refKeys[cl.rng.IntN(len(refKeys))]
+	if cl.held != "" && cl.rng.IntN(3) > 0 {
+		// Mostly sensible: go on with the key this client acquired last.
+		k = [2]string(strings.SplitN(cl.held, "/", 2))
+	}
+	scope, key, id := k[0], k[1], k[0]+"/"+k[1]
+	in := refCall{id: int(cl.h.nextID.Add(1)), client: cl.id, scope: scope, key: key, pol: refPolicies[scope]}
+	n := cl.rng.IntN(100)
+	switch {
+	case cl.retry != nil:
+		// A Begin that went unanswered is retried with its attempt_id,
+		// as the Go client does.
+		in.kind, in.scope, in.key, in.pol = rkBegin, cl.retry.scope, cl.retry.key, cl.retry.pol
+		in.attemptID, in.fp, in.ttl, in.lease, in.wait, in.accept = cl.retry.attemptID, cl.retry.fp, cl.retry.ttl, cl.retry.lease, cl.retry.wait, cl.retry.accept
+		cl.retry = nil
+		cl.call(in)
+		return
+	case cl.abandon != "":
+		// The attempt after a retryable failure gives up at once (a
+		// request the caller finds invalid): Fail ABANDONED.
+		k := strings.SplitN(cl.abandon, "/", 2)
+		in.scope, in.key, in.pol = k[0], k[1], refPolicies[k[0]]
+		in.kind, in.failKind, in.token = rkFail, rfAbandoned, cl.tokens[cl.abandon][len(cl.tokens[cl.abandon])-1]
+		cl.abandon = ""
+		cl.call(in)
+		return
+	}
+	if n >= 64 && n < 72 {
+		if last, ok := cl.lastEnd[id]; ok {
+			// Repeat the latest ending call, as a client retrying it.
+			in.kind, in.token, in.failKind, in.resp, in.hasResp, in.msg, in.reason = last.kind, last.token, last.failKind, last.resp, last.hasResp, last.msg, last.reason
+			cl.call(in)
+			return
+		}
+		n = 50
+	}
+	switch {
+	case n < 32:
+		in.kind = rkBegin
+		a, ok := cl.attempts[id]
+		if !ok || cl.rng.IntN(2) > 0 {
+			cl.seq++
+			a = refAttempt{id: fmt.Sprintf("c%d-%d", cl.id, cl.seq), fp: cl.pick("", "f1", "f1", "f1", "f2"),
+				ttl: time.Duration(2+cl.rng.IntN(7)) * time.Second, lease: time.Duration(1+cl.rng.IntN(3)) * time.Second}
+			if cl.rng.IntN(6) == 0 {
+				a.id = ""
+			}
+			cl.attempts[id] = a
+		}
+		in.attemptID, in.fp, in.ttl, in.lease = a.id, a.fp, a.ttl, a.lease
+		if cl.rng.IntN(5) == 0 {
+			in.wait = time.Duration(50+cl.rng.IntN(200)) * time.Millisecond
+		}
+		if cl.rng.IntN(6) == 0 {
+			in.accept = []string{cl.pick("v1", "v2")}
+		}
+	case n < 44:
+		in.kind = rkComplete
+		in.token = cl.token(id)
+		setResponse(&in, cl.response(true))
+	case n < 64:
+		in.kind = rkFail
+		in.token = cl.token(id)
+		in.failKind = 1 + cl.rng.IntN(4)
+		in.reason = cl.pick("", "boom")
+		if in.failKind == rfReplayable {
+			setResponse(&in, cl.response(false))
+		}
+	case n < 80:
+		in.kind = rkHeartbeat
+		in.token = cl.token(id)
+		in.lease = time.Duration(1+cl.rng.IntN(3)) * time.Second
+	case n < 86:
+		in.kind = rkLookup
+	case n < 96:
+		in.kind = rkResolve
+		in.resolveAs = 1 + cl.rng.IntN(2)
+		if in.resolveAs == rrCompleted {
+			setResponse(&in, cl.response(true))
+		}
+	default:
+		in.kind = rkForget
+	}
+	cl.call(in)
+}
+
+// call sends in, records it with its answer, and remembers what the
+// client learnt.
+func (cl *refClient) call(in refCall) {
+	id := in.scope + "/" + in.key
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	first := cl.h.mark()
+	call := cl.h.since()
+	var (
+		out refAnswer
+		err error
+		rec *idempotencyv1.Record
+	)
+	resp := func() *idempotencyv1.StoredResponse { return in.msg }
+	switch in.kind {
+	case rkBegin:
+		req := &idempotencyv1.BeginRequest{Scope: in.scope, Key: in.key, Fingerprint: []byte(in.fp), AttemptId: in.attemptID,
+			Ttl: durationpb.New(in.ttl), Lease: durationpb.New(in.lease), AcceptSchemaVersions: in.accept}
+		if in.wait > 0 {
+			req.Wait = durationpb.New(in.wait)
+		}
+		var r *idempotencyv1.BeginResponse
+		r, err = cl.client.Begin(ctx, req)
+		rec = r.GetRecord()
+		out.outcome, out.token, out.prev = int(r.GetOutcome()), r.GetLeaseToken(), int(r.GetPreviousState())
+		if err == nil && out.outcome == roAcquired {
+			if ts := cl.tokens[id]; len(ts) == 0 || ts[len(ts)-1] != out.token {
+				cl.tokens[id] = append(ts, out.token)
+			}
+			cl.held = id
+			if out.prev == rsFailedRetryable && cl.rng.IntN(2) == 0 {
+				cl.abandon = id
+			}
+		}
+	case rkComplete:
+		var r *idempotencyv1.CompleteResponse
+		r, err = cl.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: in.scope, Key: in.key, LeaseToken: in.token, Response: resp()})
+		rec = r.GetRecord()
+		cl.lastEnd[id] = in
+	case rkFail:
+		var r *idempotencyv1.FailResponse
+		r, err = cl.client.Fail(ctx, &idempotencyv1.FailRequest{Scope: in.scope, Key: in.key, LeaseToken: in.token,
+			Kind: idempotencyv1.FailureKind(in.failKind), Response: resp(), Reason: in.reason})
+		rec = r.GetRecord()
+		cl.lastEnd[id] = in
+	case rkHeartbeat:
+		var r *idempotencyv1.HeartbeatResponse
+		r, err = cl.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: in.scope, Key: in.key, LeaseToken: in.token,
+			Lease: durationpb.New(in.lease)})
+		rec = r.GetRecord()
+	case rkLookup:
+		var r *idempotencyv1.LookupResponse
+		r, err = cl.client.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: in.scope, Key: in.key})
+		rec = r.GetRecord()
+	case rkResolve:
+		var r *idempotencyv1.ResolveResponse
+		r, err = cl.admin.Resolve(ctx, &idempotencyv1.ResolveRequest{Scope: in.scope, Key: in.key,
+			Resolution: idempotencyv1.Resolution(in.resolveAs), Response: resp()})
+		rec = r.GetRecord()
+	case rkForget:
+		var r *idempotencyv1.ForgetResponse
+		r, err = cl.admin.Forget(ctx, &idempotencyv1.ForgetRequest{Scope: in.scope, Key: in.key})
+		rec = r.GetRecord()
+	}
+	ret := cl.h.since()
+	last := cl.h.mark()
+	in.nows = append([]time.Time(nil), cl.h.readings(first, last)...)
+	switch c := status.Code(err); c {
+	case codes.OK:
+		out.rec = refViewFromProto(rec)
+	case codes.Unavailable, codes.DeadlineExceeded:
+		out = refAnswer{unknown: true}
+		if in.kind == rkBegin && in.attemptID != "" && cl.rng.IntN(2) == 0 {
+			cl.retry = &in
+		}
+	case codes.NotFound:
+		out = refAnswer{err: "NOT_FOUND"}
+	case codes.FailedPrecondition:
+		out = refAnswer{err: reasonOf(err)}
+	default:
+		cl.h.mu.Lock()
+		cl.h.violations = append(cl.h.violations, fmt.Sprintf("%s answered %v", describeRefCall(in, refAnswer{unknown: true}), err))
+		cl.h.mu.Unlock()
+		out = refAnswer{unknown: true}
+	}
+	cl.h.add(in, out, call, ret, first)
+}
+
+func (h *refHistory) readings(first, last int) []time.Time {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.nows[first : last+1]
+}
+
+// readBack looks every key up once the faults stopped, retrying until it
+// gets an answer, so the history ends with what the database holds.
+func (cl *refClient) readBack() {
+	for _, k := range refKeys {
+		for range 100 {
+			in := refCall{id: int(cl.h.nextID.Add(1)), client: cl.id, kind: rkLookup, scope: k[0], key: k[1], pol: refPolicies[k[0]]}
+			before := cl.h.unknownCount()
+			cl.call(in)
+			if cl.h.unknownCount() == before {
+				break
+			}
+			time.Sleep(50 * time.Millisecond) // retry pacing after an outage, not a synchronization
+		}
+	}
+}
+
+func (h *refHistory) unknownCount() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.unknown
+}
+
+// refViewFromProto is what the model compares of an answered record.
+// Record.uncertain is read by name, so the test runs against an API
+// without it (before issue 10) and checks it once it exists.
+func refViewFromProto(r *idempotencyv1.Record) *refView {
+	if r == nil {
+		return nil
+	}
+	us := func(t *timestamppb.Timestamp) int64 {
+		if t == nil {
+			return 0
+		}
+		return t.AsTime().UnixMicro()
+	}
+	v := &refView{state: int(r.GetState()), fp: string(r.GetFingerprint()), attempt: r.GetAttempt(), gen: r.GetGeneration(),
+		reason: r.GetFailureReason(), lease: us(r.GetLeaseExpiresAt()), expires: us(r.GetExpiresAt())}
+	if resp := r.GetResponse(); resp != nil {
+		v.resp, v.hasResp = canonicalOf(resp), true
+	}
+	m := r.ProtoReflect()
+	if f := m.Descriptor().Fields().ByName(protoreflect.Name("uncertain")); f != nil {
+		v.hasUncertain, v.uncertain = true, m.Get(f).Bool()
+	}
+	return v
+}
+
+// logRefViolation logs, for each key whose history has no linearization,
+// the end of the longest partial linearization with the model's states, and
+// the calls that could not follow it.
+func logRefViolation(t *testing.T, ops []porcupine.Operation, info porcupine.LinearizationInfo) {
+	byKey := map[string][]porcupine.Operation{}
+	for _, op := range ops {
+		in := op.Input.(refCall)
+		byKey[in.scope+"/"+in.key] = append(byKey[in.scope+"/"+in.key], op)
+	}
+	for _, lins := range info.PartialLinearizationsOperations() {
+		var longest []porcupine.Operation
+		for _, l := range lins {
+			if len(l) > len(longest) {
+				longest = l
+			}
+		}
+		if len(longest) == 0 {
+			continue
+		}
+		in := longest[0].Input.(refCall)
+		all := byKey[in.scope+"/"+in.key]
+		if len(longest) == len(all) {
+			continue
+		}
+		var b strings.Builder
+		fmt.Fprintf(&b, "key %s/%s: %d of %d calls linearized; the last ones, with the states after them:\n", in.scope, in.key, len(longest), len(all))
+		states := []refKey{{}}
+		for i, op := range longest {
+			var next []refKey
+			for _, k := range states {
+				for _, n := range refStep(k, op.Input.(refCall), op.Output.(refAnswer)) {
+					if !slicesContains(next, n.k) {
+						next = append(next, n.k)
+					}
+				}
+			}
+			states = next
+			if i >= len(longest)-12 {
+				fmt.Fprintf(&b, "  [%d-%d] %s\n", op.Call, op.Return, describeRefCall(op.Input.(refCall), op.Output.(refAnswer)))
+				for _, k := range states {
+					fmt.Fprintf(&b, "      -> %s\n", k)
+				}
+			}
+		}
+		done := map[int]bool{}
+		for _, op := range longest {
+			done[op.Input.(refCall).id] = true
+		}
+		var rest []porcupine.Operation
+		for _, op := range all {
+			if !done[op.Input.(refCall).id] {
+				rest = append(rest, op)
+			}
+		}
+		sort.Slice(rest, func(i, j int) bool { return rest[i].Return < rest[j].Return })
+		b.WriteString("  calls that could not follow (earliest answers first):\n")
+		for _, op := range rest[:min(6, len(rest))] {
+			fmt.Fprintf(&b, "  [%d-%d] %s\n", op.Call, op.Return, describeRefCall(op.Input.(refCall), op.Output.(refAnswer)))
+		}
+		t.Log(b.String())
+	}
+}
+
+func slicesContains(xs []refKey, x refKey) bool {
+	for _, y := range xs {
+		if y == x {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,64 @@
+package clients_test
+
+import (
+	"fmt"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+// TestInterceptorErrorClasses checks every row of the handler error table
+// of the README (DESIGN "Go client and interceptor"), one handler error
+// code at a time: the caller gets the handler's code, and the record is
+// left as the class says (ABANDONED: no record; RETRYABLE:
+// FAILED_RETRYABLE; UNKNOWN: UNKNOWN; REPLAYABLE: FAILED_REPLAYABLE, and a
+// retry replays the stored status without running the handler).
+func TestInterceptorErrorClasses(t *testing.T) {
+	t.Parallel()
+	const none = idempotencyv1.State_STATE_UNSPECIFIED
+	for _, tc := range []struct {
+		code codes.Code
+		want idempotencyv1.State
+	}{
+		{codes.InvalidArgument, none},
+		{codes.Unauthenticated, none},
+		{codes.PermissionDenied, none},
+		{codes.ResourceExhausted, none},
+		{codes.Unimplemented, none},
+		{codes.Unavailable, idempotencyv1.State_STATE_FAILED_RETRYABLE},
+		{codes.Aborted, idempotencyv1.State_STATE_FAILED_RETRYABLE},
+		{codes.DeadlineExceeded, idempotencyv1.State_STATE_UNKNOWN},
+		{codes.Canceled, idempotencyv1.State_STATE_UNKNOWN},
+		{codes.Internal, idempotencyv1.State_STATE_UNKNOWN},
+		{codes.Unknown, idempotencyv1.State_STATE_UNKNOWN},
+		{codes.DataLoss, idempotencyv1.State_STATE_UNKNOWN},
+		{codes.FailedPrecondition, idempotencyv1.State_STATE_FAILED_REPLAYABLE},
+		{codes.NotFound, idempotencyv1.State_STATE_FAILED_REPLAYABLE},
+		{codes.AlreadyExists, idempotencyv1.State_STATE_FAILED_REPLAYABLE},
+		{codes.OutOfRange, idempotencyv1.State_STATE_FAILED_REPLAYABLE},
+	} {
+		t.Run(tc.code.String(), func(t *testing.T) {
+			t.Parallel()
+			var seen attemptSeen
+			f := start(t, setup{charge: failFirst(&seen, status.Error(tc.code, "handler says "+tc.code.String()))})
+			key := fmt.Sprintf("class-%d", tc.code)
+			wantCode(t, f.charge(t, key, chargeReq(100)).err, tc.code)
+			if tc.want == none {
+				if _, err := f.lookup(t, key); status.Code(err) != codes.NotFound {
+					t.Fatalf("Lookup after %v: %v, want NOT_FOUND (abandoned, no record)", tc.code, err)
+				}
+				return
+			}
+			f.mustState(t, key, tc.want)
+			if tc.want == idempotencyv1.State_STATE_FAILED_REPLAYABLE {
+				wantCode(t, f.charge(t, key, chargeReq(100)).err, tc.code)
+				if n := f.svc.chargeCalls.Load(); n != 1 {
+					t.Fatalf("the handler ran %d times, want 1 (the stored %v is replayed)", n, tc.code)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,670 @@
+package clients
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+// HTTP names on the wire.
+const (
+	// HTTPKeyHeader is the request header HTTPMiddleware reads the
+	// idempotency key from, and the response header it echoes it in.
+	HTTPKeyHeader = "Idempotency-Key"
+	// HTTPResultHeader is the response header HTTPMiddleware sets:
+	// "created" when this request ran the handler and its response is
+	// stored, "replayed" when the response is a stored one.
+	HTTPResultHeader = "Idempotency-Result"
+	// HTTPSchemaVersion is the schema version of the responses
+	// HTTPMiddleware stores: StoredResponse.status_code is the HTTP status,
+	// content_type the Content-Type, metadata the other stored headers
+	// (several values of one header joined by "\n") and body the body.
+	// Begin accepts only this version for a replay: an operator who resolves
+	// a record of the middleware as completed stores it under this version.
+	HTTPSchemaVersion = "idemcoord.http/1"
+	// DefaultHTTPScope is the scope of the middleware's records unless
+	// WithHTTPScope says otherwise.
+	DefaultHTTPScope = "http"
+)
+
+// Problem types (RFC 9457) of the application/problem+json answers that
+// HTTPMiddleware writes itself.
+const (
+	// ProblemKeyMissing (400): WithHTTPRequireKey is set and the request
+	// has no Idempotency-Key.
+	ProblemKeyMissing = "urn:idemcoord:problem:idempotency-key-missing"
+	// ProblemKeyInvalid (400): the Idempotency-Key is not 1-255 printable
+	// bytes, bare or as a structured-field string, or appears twice.
+	ProblemKeyInvalid = "urn:idemcoord:problem:idempotency-key-invalid"
+	// ProblemKeyReused (422): the key was first used with another request
+	// (method, path or body; see WithHTTPFingerprintFunc).
+	ProblemKeyReused = "urn:idemcoord:problem:idempotency-key-reused"
+	// ProblemKeyExpired (422): the key's stored result has expired and the
+	// coordinator's policy (on_expired: reject) refuses to run it again.
+	ProblemKeyExpired = "urn:idemcoord:problem:idempotency-key-expired"
+	// ProblemAttemptsExhausted (422): the key failed as many times as the
+	// coordinator's policy (max_attempts) allows.
+	ProblemAttemptsExhausted = "urn:idemcoord:problem:idempotency-attempts-exhausted"
+	// ProblemInProgress (409, with Retry-After): another request with the
+	// key is still running; retry after the given seconds.
+	ProblemInProgress = "urn:idemcoord:problem:idempotency-request-in-progress"
+	// ProblemOutcomeUnknown (409): an earlier request with the key may or
+	// may not have taken effect, and the key is held for an operator
+	// (policy on_unknown: hold). Retrying does not help.
+	ProblemOutcomeUnknown = "urn:idemcoord:problem:idempotency-outcome-unknown"
+	// ProblemBodyTooLarge (413): the request body exceeds
+	// WithHTTPMaxBodyBytes.
+	ProblemBodyTooLarge = "urn:idemcoord:problem:request-body-too-large"
+	// ProblemUnavailable (503, with Retry-After): the idempotency
+	// coordinator cannot be reached; the handler did not run.
+	ProblemUnavailable = "urn:idemcoord:problem:idempotency-coordinator-unavailable"
+	// ProblemInternal (500): the coordinator refused the service's call
+	// (bad credentials, say): the service's problem, not the client's.
+	ProblemInternal = "urn:idemcoord:problem:idempotency-coordinator-refused"
+)
+
+const (
+	defaultHTTPWait         = 5 * time.Second
+	defaultHTTPMaxBodyBytes = 10 << 20
+	// maxCapturedBody bounds the response body the middleware keeps for
+	// storage (the coordinator's largest message); a larger response is
+	// answered but recorded UNKNOWN.
+	maxCapturedBody = 4 << 20
+)
+
+// HTTPOption configures HTTPMiddleware.
+type HTTPOption func(*httpOptions)
+
+// HTTPPrincipalFunc returns the end user a request acts for.
+type HTTPPrincipalFunc func(r *http.Request) (string, error)
+
+// HTTPFingerprintFunc returns the fingerprint of a request (at most 64
+// bytes; empty skips the check) from the request and its whole body.
+type HTTPFingerprintFunc func(r *http.Request, body []byte) ([]byte, error)
+
+type httpOptions struct {
+	wait          time.Duration
+	requireKey    bool
+	failOpen      bool
+	principal     HTTPPrincipalFunc
+	methods       map[string]bool
+	fingerprint   HTTPFingerprintFunc
+	replayHeaders []string // canonical names, Content-Type handled apart
+	replayable    map[int]bool
+	scope         string
+	maxBody       int64
+}
+
+func defaultHTTPOptions() httpOptions {
+	return httpOptions{
+		wait:          defaultHTTPWait,
+		methods:       map[string]bool{http.MethodPost: true, http.MethodPatch: true},
+		fingerprint:   func(r *http.Request, body []byte) ([]byte, error) { return HTTPFingerprint(r, body), nil },
+		replayHeaders: []string{"Location"},
+		replayable:    map[int]bool{http.StatusNotFound: true, http.StatusConflict: true, http.StatusUnprocessableEntity: true},
+		scope:         DefaultHTTPScope,
+		maxBody:       defaultHTTPMaxBodyBytes,
+	}
+}
+
+// WithHTTPWait sets how long a request whose key another request holds
+// waits for that request's result before it answers 409 with Retry-After
+// (default 5 s; 0 answers at once). It holds no lock while it waits.
+func WithHTTPWait(d time.Duration) HTTPOption {
+	return func(o *httpOptions) { o.wait = max(d, 0) }
+}
+
+// WithHTTPRequireKey makes a guarded request without an Idempotency-Key
+// fail with 400 (ProblemKeyMissing). By default it runs the handler
+// unprotected.
+func WithHTTPRequireKey() HTTPOption {
+	return func(o *httpOptions) { o.requireKey = true }
+}
+
+// WithHTTPFailOpen runs the handler unprotected when the coordinator
+// cannot be reached at the start of a request (Begin still answers
+// UNAVAILABLE or DEADLINE_EXCEEDED after the Client's retries). Only such
+// transport failures open: a refusal by the coordinator, its rate limit
+// included, never does. AttemptFrom then reports ok = false. By default the request fails closed with 503
+// (ProblemUnavailable) and the handler does not run.
+func WithHTTPFailOpen() HTTPOption {
+	return func(o *httpOptions) { o.failOpen = true }
+}
+
+// WithHTTPPrincipal folds the principal that f returns (the end user's id,
+// for instance) into every key with FoldPrincipal, so two end users who
+// send the same key never share a record. Install the middleware after the
+// authentication that f relies on. An error from f answers 400. The folded
+// key must stay within 255 bytes, so keys are then at most 211 bytes.
+func WithHTTPPrincipal(f HTTPPrincipalFunc) HTTPOption {
+	return func(o *httpOptions) { o.principal = f }
+}
+
+// WithHTTPMethods sets the HTTP methods the middleware guards (default
+// POST and PATCH); requests with other methods pass through untouched.
+func WithHTTPMethods(methods ...string) HTTPOption {
+	return func(o *httpOptions) {
+		o.methods = make(map[string]bool, len(methods))
+		for _, m := range methods {
+			o.methods[strings.ToUpper(m)] = true
+		}
+	}
+}
+
+// WithHTTPFingerprintFunc sets how a request is fingerprinted (default
+// HTTPFingerprint: method, path with query, and body), for requests with
+// parts that vary between retries (a timestamp in the body, say). A key
+// reused with a request of another fingerprint answers 422
+// (ProblemKeyReused). An error from f answers 400.
+func WithHTTPFingerprintFunc(f HTTPFingerprintFunc) HTTPOption {
+	return func(o *httpOptions) { o.fingerprint = f }
+}
+
+// WithHTTPReplayHeaders adds response headers that are stored and replayed,
+// besides Content-Type and Location. Other headers the handler sets reach
+// the first response only.
+func WithHTTPReplayHeaders(names ...string) HTTPOption {
+	return func(o *httpOptions) {
+		for _, n := range names {
+			if c := http.CanonicalHeaderKey(n); c != "Content-Type" {
+				o.replayHeaders = append(o.replayHeaders, c)
+			}
+		}
+	}
+}
+
+// WithHTTPReplayableStatuses sets the 4xx statuses that are business
+// answers to store and replay like a success (default 404, 409 and 422;
+// see HTTPMiddleware for the others).
+func WithHTTPReplayableStatuses(statuses ...int) HTTPOption {
+	return func(o *httpOptions) {
+		o.replayable = make(map[int]bool, len(statuses))
+		for _, s := range statuses {
+			o.replayable[s] = true
+		}
+	}
+}
+
+// WithHTTPScope sets the scope of the middleware's records (default
+// DefaultHTTPScope, "http"). With auth on, the service's tenant must be
+// allowed it.
+func WithHTTPScope(scope string) HTTPOption {
+	return func(o *httpOptions) { o.scope = scope }
+}
+
+// WithHTTPMaxBodyBytes bounds the body of a request with a key, which the
+// middleware reads whole to fingerprint it (default 10 MiB); a larger one
+// answers 413 (ProblemBodyTooLarge) without running the handler.
+func WithHTTPMaxBodyBytes(n int64) HTTPOption {
+	return func(o *httpOptions) { o.maxBody = n }
+}
+
+// HTTPFingerprint is the middleware's default request fingerprint: the
+// SHA-256 of the method, a newline, the request URI (path and query, as
+// sent), a newline, and the body.
+func HTTPFingerprint(r *http.Request, body []byte) []byte {
+	h := sha256.New()
+	h.Write([]byte(r.Method))
+	h.Write([]byte{'\n'})
+	h.Write([]byte(r.URL.RequestURI()))
+	h.Write([]byte{'\n'})
+	h.Write(body)
+	return h.Sum(nil)
+}
+
+// HTTPMiddleware makes the handlers of a net/http service idempotent
+// through the coordinator that c calls, following the IETF
+// Idempotency-Key draft. It works with any router that takes standard
+// middleware.
+//
+// A guarded request (POST or PATCH unless WithHTTPMethods) with an
+// Idempotency-Key header (1-255 printable bytes, bare or as a
+// structured-field string such as "\"8e03978e\"") calls Begin on the scope
+// "http" (WithHTTPScope) with the key (folded with WithHTTPPrincipal) and
+// the request's fingerprint (method, path with query, body; see
+// WithHTTPFingerprintFunc), and then:
+//
+//   - acquired: runs the handler (which can read AttemptFrom and LeaseFrom
+//     from r.Context(), and calls MarkSideEffect before its first
+//     irreversible step), heartbeating while it runs, and passes its
+//     response through to the client as it is written, keeping a copy. The
+//     handler's context is cancelled (cause ErrLeaseUnconfirmed) when no
+//     heartbeat can confirm the lease before it would run out by the local
+//     clock, and when the lease cannot be confirmed before the handler
+//     starts (after a long wait), the handler does not run and the answer
+//     is 503. The response is recorded by its status:
+//     2xx and 3xx are stored (status, Content-Type, Location and the headers of
+//     WithHTTPReplayHeaders, and the body) and answered with
+//     "Idempotency-Result: created"; 404, 409 and 422 (see
+//     WithHTTPReplayableStatuses) are stored FAILED_REPLAYABLE and
+//     answered the same way; other 4xx (400, 401, 403, 429, …) leave no
+//     record, so the client may fix the request and retry with the key;
+//     503 is RETRYABLE (nothing happened: the next request runs the
+//     handler); other 5xx are UNKNOWN (the side effect may have happened:
+//     the next request runs the handler with AttemptFrom's previous state
+//     STATE_UNKNOWN, or gets 409 under on_unknown: hold). After
+//     MarkSideEffect, every response that is not stored is recorded
+//     UNKNOWN; the stored ones (2xx and 3xx and the replayable statuses, which
+//     are the handler's definitive answers) are stored as before. A
+//     panicking handler is recorded UNKNOWN and the panic goes on. If Complete or
+//     Fail cannot reach the coordinator it is retried in the background
+//     for up to one lease (see Client.Shutdown);
+//   - replay: answers the stored status, headers and body byte for byte,
+//     with "Idempotency-Result: replayed", without calling the handler;
+//   - another request holds the key: waits for its result up to 5 s
+//     (WithHTTPWait), then answers 409 with Retry-After
+//     (ProblemInProgress); a key held UNKNOWN for an operator answers 409
+//     (ProblemOutcomeUnknown);
+//   - the key was first used with another request: 422 (ProblemKeyReused);
+//     the coordinator's other refusals: 422 ProblemKeyExpired or
+//     ProblemAttemptsExhausted, 400 for a key it finds invalid;
+//   - the coordinator cannot be reached (after c's retries): 503 with
+//     Retry-After (ProblemUnavailable) and the handler does not run,
+//     unless WithHTTPFailOpen.
+//
+// Every answer to a request with a key echoes it in the Idempotency-Key
+// response header. Answers the middleware writes itself are
+// application/problem+json (RFC 9457). A guarded request without a key runs
+// the handler unprotected, or answers 400 with WithHTTPRequireKey; other
+// methods pass through.
+func HTTPMiddleware(c *Client, opts ...HTTPOption) func(http.Handler) http.Handler {
+	o := defaultHTTPOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return func(next http.Handler) http.Handler {
+		return &httpMiddleware{c: c, o: o, next: next}
+	}
+}
+
+type httpMiddleware struct {
+	c    *Client
+	o    httpOptions
+	next http.Handler
+}
+
+func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !m.o.methods[r.Method] {
+		m.next.ServeHTTP(w, r)
+		return
+	}
+	raw := r.Header.Values(HTTPKeyHeader)
+	if len(raw) == 0 {
+		if m.o.requireKey {
+			writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "Idempotency-Key is missing",
+				"this request requires an Idempotency-Key header")
+			return
+		}
+		m.next.ServeHTTP(w, r)
+		return
+	}
+	if len(raw) > 1 {
+		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
+			"send one Idempotency-Key header")
+		return
+	}
+	key, err := ParseIdempotencyKey(raw[0])
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid", err.Error())
+		return
+	}
+	w.Header().Set(HTTPKeyHeader, raw[0])
+	if m.o.principal != nil {
+		p, err := m.o.principal(r)
+		if err != nil {
+			writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "idempotency principal: "+err.Error())
+			return
+		}
+		key = FoldPrincipal(p, key)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.o.maxBody))
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
+				fmt.Sprintf("a request with an Idempotency-Key may have at most %d bytes of body", m.o.maxBody))
+			return
+		}
+		writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "reading the request body: "+err.Error())
+		return
+	}
+	_ = r.Body.Close()
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	fp, err := m.o.fingerprint(r, body)
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "idempotency fingerprint: "+err.Error())
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body)) // the function may have read it
+
+	ctx := r.Context()
+	breq := &idempotencyv1.BeginRequest{
+		Scope:                m.o.scope,
+		Key:                  key,
+		Fingerprint:          fp,
+		Lease:                m.c.leaseRequest(),
+		AcceptSchemaVersions: []string{HTTPSchemaVersion},
+		AttemptId:            newAttemptID(),
+	}
+	res, sent, err := m.c.beginWaiting(ctx, breq, time.Now().Add(m.o.wait))
+	if err != nil {
+		m.beginFailed(w, r, err)
+		return
+	}
+	switch res.GetOutcome() {
+	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
+		m.run(w, r, m.c.newLease(breq, res, sent))
+		return
+	case idempotencyv1.Outcome_OUTCOME_REPLAY:
+		replayHTTP(w, res.GetRecord().GetResponse())
+		return
+	}
+	if res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
+		writeProblem(w, http.StatusConflict, ProblemOutcomeUnknown, "Outcome of an earlier request unknown",
+			"an earlier request with this Idempotency-Key may or may not have taken effect; it is held for an operator, and retrying does not help")
+		return
+	}
+	retryAfter := res.GetRetryAfter().AsDuration()
+	w.Header().Set("Retry-After", retryAfterSeconds(retryAfter))
+	writeProblem(w, http.StatusConflict, ProblemInProgress, "Request in progress",
+		fmt.Sprintf("another request with this Idempotency-Key is in progress; retry after %v", retryAfter))
+}
+
+// beginFailed answers a Begin that failed.
+func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err error) {
+	ctx := r.Context()
+	if ctx.Err() != nil {
+		// The client has gone; what is written here reaches no one.
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Request cancelled", ctx.Err().Error())
+		return
+	}
+	st := status.Convert(err)
+	switch {
+	case transportFailure(err):
+		if m.o.failOpen {
+			m.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable; running the handler unprotected (fail open)", "err", err)
+			m.next.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
+			"the request was not processed; retry later with the same Idempotency-Key")
+		return
+	case st.Code() == codes.ResourceExhausted:
+		// The coordinator's rate limit: an answer, not an outage, so it
+		// never fails open.
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator busy",
+			"the request was not processed; retry later with the same Idempotency-Key")
+		return
+	case st.Code() == codes.FailedPrecondition:
+		switch errorReason(err) {
+		case "FINGERPRINT_MISMATCH", "SCHEMA_VERSION_NOT_ACCEPTED":
+			writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused, "Idempotency-Key reused",
+				"this Idempotency-Key was first used with another request")
+			return
+		case "KEY_EXPIRED":
+			writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyExpired, "Idempotency-Key expired",
+				"the result stored for this Idempotency-Key has expired and the key may not be used again")
+			return
+		case "ATTEMPTS_EXHAUSTED":
+			writeProblem(w, http.StatusUnprocessableEntity, ProblemAttemptsExhausted, "Idempotency-Key attempts exhausted",
+				"requests with this Idempotency-Key failed as many times as allowed")
+			return
+		}
+	case st.Code() == codes.InvalidArgument:
+		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid", st.Message())
+		return
+	}
+	m.c.logger.ErrorContext(ctx, "idempotency: coordinator refused Begin", "err", err)
+	writeProblem(w, http.StatusInternalServerError, ProblemInternal, "Internal Server Error",
+		"the idempotency coordinator refused the call")
+}
+
+// run runs the handler under the acquired lease and records its response.
+func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
+	ctx := r.Context()
+	rec := &httpRecorder{w: w, m: m}
+	switch l.run(ctx, func(ctx context.Context) { m.next.ServeHTTP(rec, r.WithContext(ctx)) }) {
+	case runNotStarted:
+		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
+			reason: "the lease could not be confirmed before the handler started"})
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
+			"the request was not processed; retry later with the same Idempotency-Key")
+		return
+	case runLost:
+		if !rec.wrote {
+			rec.WriteHeader(http.StatusOK)
+		}
+		m.c.logger.WarnContext(ctx, "idempotency: lease lost while the handler ran; its response is not stored",
+			"scope", l.scope, "key", l.key, "status", rec.status)
+		return
+	}
+	if !rec.wrote {
+		rec.WriteHeader(http.StatusOK)
+	}
+	_ = l.finish(ctx, m.ending(rec, l.marked()))
+}
+
+// ending is how a handler's response is recorded. After MarkSideEffect,
+// a response that is not stored (see stores) is recorded UNKNOWN.
+func (m *httpMiddleware) ending(rec *httpRecorder, marked bool) ending {
+	reason := fmt.Sprintf("HTTP %d %s", rec.status, http.StatusText(rec.status))
+	kind := m.kind(rec.status)
+	switch {
+	case rec.overflow && (kind == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED || kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE):
+		return ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN,
+			reason: reason + ": response body too large to store"}
+	case kind == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED:
+		return ending{complete: rec.stored()}
+	case kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE:
+		return ending{kind: kind, response: rec.stored(), reason: reason}
+	case marked:
+		return ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, reason: reason + " after MarkSideEffect"}
+	}
+	return ending{kind: kind, reason: reason}
+}
+
+// kind classifies a final status (2xx-5xx; the recorder passes 1xx through):
+// UNSPECIFIED means stored as a success.
+func (m *httpMiddleware) kind(status int) idempotencyv1.FailureKind {
+	switch {
+	case status < 400:
+		return idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED
+	case m.o.replayable[status]:
+		return idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE
+	case status < 500:
+		return idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED
+	case status == http.StatusServiceUnavailable:
+		return idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE
+	}
+	return idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN
+}
+
+// stores reports whether a response with status is stored (and so
+// answered "created").
+func (m *httpMiddleware) stores(status int) bool {
+	k := m.kind(status)
+	return k == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED || k == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE
+}
+
+// httpRecorder passes the handler's response through and keeps a copy of
+// what is stored: the status, the replayed headers as they were when the
+// status was written, and the body.
+type httpRecorder struct {
+	w        http.ResponseWriter
+	m        *httpMiddleware
+	wrote    bool
+	status   int
+	header   http.Header
+	body     bytes.Buffer
+	overflow bool
+}
+
+// Header returns the response's header map.
+func (rec *httpRecorder) Header() http.Header { return rec.w.Header() }
+
+// WriteHeader records and sends the status; informational (1xx) statuses
+// pass through unrecorded.
+func (rec *httpRecorder) WriteHeader(status int) {
+	if rec.wrote || status < 200 {
+		rec.w.WriteHeader(status)
+		return
+	}
+	rec.wrote, rec.status = true, status
+	h := rec.w.Header()
+	rec.header = http.Header{}
+	for _, name := range append([]string{"Content-Type"}, rec.m.o.replayHeaders...) {
+		if v := h.Values(name); len(v) > 0 {
+			rec.header[name] = append([]string(nil), v...)
+		}
+	}
+	if rec.m.stores(status) {
+		h.Set(HTTPResultHeader, resultCreated)
+	} else {
+		h.Del(HTTPResultHeader)
+	}
+	rec.w.WriteHeader(status)
+}
+
+// Write sends p and keeps a copy.
+func (rec *httpRecorder) Write(p []byte) (int, error) {
+	if !rec.wrote {
+		rec.WriteHeader(http.StatusOK)
+	}
+	if !rec.overflow {
+		if rec.body.Len()+len(p) > maxCapturedBody {
+			rec.overflow = true
+			rec.body = bytes.Buffer{}
+		} else {
+			rec.body.Write(p)
+		}
+	}
+	return rec.w.Write(p)
+}
+
+// Flush sends what is buffered, as http.Flusher.
+func (rec *httpRecorder) Flush() {
+	if !rec.wrote {
+		rec.WriteHeader(http.StatusOK)
+	}
+	_ = http.NewResponseController(rec.w).Flush()
+}
+
+// Unwrap returns the underlying writer, for http.ResponseController.
+func (rec *httpRecorder) Unwrap() http.ResponseWriter { return rec.w }
+
+// stored is the response to store.
+func (rec *httpRecorder) stored() *idempotencyv1.StoredResponse {
+	resp := &idempotencyv1.StoredResponse{SchemaVersion: HTTPSchemaVersion, StatusCode: int32(rec.status),
+		Body: bytes.Clone(rec.body.Bytes())}
+	for name, values := range rec.header {
+		if name == "Content-Type" {
+			resp.ContentType = strings.Join(values, ", ")
+			continue
+		}
+		if resp.Metadata == nil {
+			resp.Metadata = map[string]string{}
+		}
+		resp.Metadata[name] = strings.Join(values, "\n")
+	}
+	return resp
+}
+
+// replayHTTP answers a stored response.
+func replayHTTP(w http.ResponseWriter, resp *idempotencyv1.StoredResponse) {
+	h := w.Header()
+	if ct := resp.GetContentType(); ct != "" {
+		h.Set("Content-Type", ct)
+	}
+	for name, v := range resp.GetMetadata() {
+		h[http.CanonicalHeaderKey(name)] = strings.Split(v, "\n")
+	}
+	h.Set(HTTPResultHeader, resultReplayed)
+	h.Set("Content-Length", strconv.Itoa(len(resp.GetBody())))
+	code := int(resp.GetStatusCode())
+	if code < 200 || code > 999 {
+		code = http.StatusOK
+	}
+	w.WriteHeader(code)
+	_, _ = w.Write(resp.GetBody())
+}
+
+// ParseIdempotencyKey returns the key of an Idempotency-Key header value:
+// the value itself, or the content of a structured-field string (RFC 8941:
+// quoted, with \" and \\ escapes). The key must be 1-255 bytes of valid
+// UTF-8 without control characters.
+func ParseIdempotencyKey(value string) (string, error) {
+	v := strings.Trim(value, " \t")
+	if len(v) >= 2 && v[0] == '"' {
+		var b strings.Builder
+		i := 1
+		for ; i < len(v) && v[i] != '"'; i++ {
+			c := v[i]
+			if c == '\\' {
+				i++
+				if i >= len(v) || v[i] != '"' && v[i] != '\\' {
+					return "", errors.New(`Idempotency-Key: a structured-field string escapes only \" and \\`)
+				}
+				c = v[i]
+			} else if c < 0x20 || c > 0x7e {
+				return "", errors.New("Idempotency-Key: a structured-field string holds printable ASCII only")
+			}
+			b.WriteByte(c)
+		}
+		if i != len(v)-1 {
+			return "", errors.New("Idempotency-Key: unterminated structured-field string, or text after it")
+		}
+		v = b.String()
+	}
+	switch {
+	case v == "":
+		return "", errors.New("Idempotency-Key is empty")
+	case len(v) > 255:
+		return "", fmt.Errorf("Idempotency-Key is %d bytes long, more than 255", len(v))
+	case !utf8.ValidString(v):
+		return "", errors.New("Idempotency-Key is not valid UTF-8")
+	case strings.IndexFunc(v, unicode.IsControl) >= 0:
+		return "", errors.New("Idempotency-Key holds a control character")
+	}
+	return v, nil
+}
+
+// writeProblem answers an RFC 9457 problem.
+func writeProblem(w http.ResponseWriter, status int, typ, title, detail string) {
+	body, _ := json.Marshal(struct {
+		Type   string `json:"type"`
+		Title  string `json:"title"`
+		Status int    `json:"status"`
+		Detail string `json:"detail,omitempty"`
+	}{typ, title, status, detail})
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Length", strconv.Itoa(len(body)+1))
+	h.Del(HTTPResultHeader)
+	w.WriteHeader(status)
+	_, _ = w.Write(append(body, '\n'))
+}
+
+// retryAfterSeconds renders d as a Retry-After value: whole seconds, at
+// least 1.
+func retryAfterSeconds(d time.Duration) string {
+	return strconv.FormatInt(max(int64(math.Ceil(d.Seconds())), 1), 10)
+}

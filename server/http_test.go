@@ -1,0 +1,345 @@
+package server_test
+
+import (
+	"bytes"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// httpAPI is the coordinator's HTTP handler served on a loopback port.
+type httpAPI struct {
+	t      *testing.T
+	url    string
+	client *http.Client
+}
+
+func newHTTPAPI(t *testing.T, c *coordtest.Coordinator) *httpAPI {
+	t.Helper()
+	srv := httptest.NewServer(c.Server.HTTPHandler())
+	t.Cleanup(srv.Close)
+	return &httpAPI{t: t, url: srv.URL, client: srv.Client()}
+}
+
+// httpReply is what the HTTP API answered.
+type httpReply struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// json decodes the body into a map.
+func (r httpReply) json(t *testing.T) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.Unmarshal(r.body, &m); err != nil {
+		t.Fatalf("body %q: %v", r.body, err)
+	}
+	return m
+}
+
+// connectError is a Connect protocol error body.
+type connectError struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+	Details []struct {
+		Type  string `json:"type"`
+		Value string `json:"value"`
+		Debug struct {
+			Reason string `json:"reason"`
+			Domain string `json:"domain"`
+		} `json:"debug"`
+	} `json:"details"`
+}
+
+// wantError fails t unless r is a Connect error with the HTTP status, code
+// and (when not empty) ErrorInfo reason given.
+func (r httpReply) wantError(t *testing.T, status int, code, reason string) connectError {
+	t.Helper()
+	var e connectError
+	if err := json.Unmarshal(r.body, &e); err != nil {
+		t.Fatalf("error body %q: %v", r.body, err)
+	}
+	if r.status != status || e.Code != code {
+		t.Fatalf("got HTTP %d %q (%s), want HTTP %d code %q", r.status, e.Code, r.body, status, code)
+	}
+	if ct := r.header.Get("Content-Type"); ct != "application/json" {
+		t.Fatalf("error Content-Type = %q", ct)
+	}
+	if reason != "" {
+		got := ""
+		for _, d := range e.Details {
+			if d.Type == "google.rpc.ErrorInfo" {
+				if d.Debug.Domain != "idempotency.v1" {
+					t.Fatalf("ErrorInfo domain %q in %s", d.Debug.Domain, r.body)
+				}
+				got = d.Debug.Reason
+			}
+		}
+		if got != reason {
+			t.Fatalf("ErrorInfo reason %q, want %q (%s)", got, reason, r.body)
+		}
+	}
+	return e
+}
+
+// post sends body to /<method> with Content-Type application/json and the
+// given extra headers ("Name: value").
+func (a *httpAPI) post(method, body string, headers ...string) httpReply {
+	a.t.Helper()
+	req, err := http.NewRequest(http.MethodPost, a.url+"/"+method, strings.NewReader(body))
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for _, h := range headers {
+		name, value, _ := strings.Cut(h, ": ")
+		req.Header.Set(name, value)
+	}
+	return a.do(req)
+}
+
+func (a *httpAPI) do(req *http.Request) httpReply {
+	a.t.Helper()
+	resp, err := a.client.Do(req)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	return httpReply{status: resp.StatusCode, header: resp.Header, body: b}
+}
+
+const (
+	httpBegin    = "idempotency.v1.Coordinator/Begin"
+	httpComplete = "idempotency.v1.Coordinator/Complete"
+	httpLookup   = "idempotency.v1.Coordinator/Lookup"
+)
+
+// The curl form of the README works as written: Begin, Complete, and a
+// replay of the stored response, with no Connect header.
+func TestHTTPBeginCompleteReplay(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	api := newHTTPAPI(t, c)
+
+	r := api.post(httpBegin, `{"scope":"build","key":"k"}`)
+	if r.status != http.StatusOK {
+		t.Fatalf("Begin: HTTP %d %s", r.status, r.body)
+	}
+	if ct := r.header.Get("Content-Type"); ct != "application/json" {
+		t.Fatalf("Content-Type %q", ct)
+	}
+	m := r.json(t)
+	token, _ := m["leaseToken"].(string)
+	if m["outcome"] != "OUTCOME_ACQUIRED" || token == "" {
+		t.Fatalf("Begin: %s", r.body)
+	}
+	r = api.post(httpComplete, `{"scope":"build","key":"k","leaseToken":"`+token+
+		`","response":{"statusCode":201,"body":"aGVsbG8=","metadata":{"location":"/builds/7"}}}`)
+	if r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
+		t.Fatalf("Complete: HTTP %d %s", r.status, r.body)
+	}
+	r = api.post(httpBegin, `{"scope":"build","key":"k"}`)
+	m = r.json(t)
+	rec, _ := m["record"].(map[string]any)
+	resp, _ := rec["response"].(map[string]any)
+	if m["outcome"] != "OUTCOME_REPLAY" || resp["body"] != "aGVsbG8=" || resp["statusCode"] != float64(201) ||
+		resp["metadata"].(map[string]any)["location"] != "/builds/7" || m["leaseToken"] != "" {
+		t.Fatalf("replay: %s", r.body)
+	}
+	// The gRPC API sees the same record.
+	l, err := idempotencyv1.NewCoordinatorClient(c.Dial(t)).Lookup(ctx(t), &idempotencyv1.LookupRequest{Scope: "build", Key: "k"})
+	if err != nil || string(l.GetRecord().GetResponse().GetBody()) != "hello" {
+		t.Fatalf("gRPC Lookup: %v %v", l, err)
+	}
+	// The explicit Connect header, and snake_case field names, work too.
+	r = api.post(httpLookup, `{"scope":"build","key":"k"}`, "Connect-Protocol-Version: 1")
+	if r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
+		t.Fatalf("Lookup with the Connect header: HTTP %d %s", r.status, r.body)
+	}
+	// Lookup (no side effects) may be a Connect GET; Begin may not.
+	get := func(method string) httpReply {
+		req, err := http.NewRequest(http.MethodGet, api.url+"/"+method+"?connect=v1&encoding=json&message="+
+			url.QueryEscape(`{"scope":"build","key":"k"}`), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return api.do(req)
+	}
+	if r := get(httpLookup); r.status != http.StatusOK || r.json(t)["record"].(map[string]any)["state"] != "STATE_COMPLETED" {
+		t.Fatalf("GET Lookup: HTTP %d %s", r.status, r.body)
+	}
+	if r := get(httpBegin); r.status != http.StatusMethodNotAllowed {
+		t.Fatalf("GET Begin: HTTP %d %s", r.status, r.body)
+	}
+	// The Admin service is served too.
+	r = api.post("idempotency.v1.Admin/ListRecords", `{"scopeGlob":"build"}`)
+	if recs, _ := r.json(t)["records"].([]any); r.status != http.StatusOK || len(recs) != 1 {
+		t.Fatalf("Admin ListRecords: HTTP %d %s", r.status, r.body)
+	}
+	r = api.post(httpComplete, `{"scope":"build","key":"k","lease_token":"`+token+
+		`","response":{"status_code":201,"body":"aGVsbG8=","metadata":{"location":"/builds/7"}}}`)
+	if r.status != http.StatusOK {
+		t.Fatalf("repeated Complete, snake_case: HTTP %d %s", r.status, r.body)
+	}
+}
+
+// Client mistakes over HTTP are the client's: bad JSON, unknown fields,
+// wrong types and invalid fields answer invalid_argument (HTTP 400), never
+// internal, and write nothing; a domain refusal carries its ErrorInfo
+// reason.
+func TestHTTPErrors(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL}
+	api := newHTTPAPI(t, c)
+
+	for name, body := range map[string]string{
+		"not json":       `{"scope":`,
+		"not an object":  `[1,2]`,
+		"unknown field":  `{"scope":"build","key":"k","nope":1}`,
+		"wrong type":     `{"scope":7,"key":"k"}`,
+		"empty key":      `{"scope":"build","key":""}`,
+		"empty body":     ``,
+		"control char":   `{"scope":"build","key":"a\u0001b"}`,
+		"bad duration":   `{"scope":"build","key":"k","wait":"forever"}`,
+		"wait too long":  `{"scope":"build","key":"k","wait":"31s"}`,
+		"invalid base64": `{"scope":"build","key":"k","fingerprint":"***"}`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			sub := &httpAPI{t: t, url: api.url, client: api.client}
+			sub.post(httpBegin, body).wantError(t, http.StatusBadRequest, "invalid_argument", "")
+		})
+	}
+	if n := env.rowCount(); n != 0 {
+		t.Fatalf("%d rows written by refused calls", n)
+	}
+
+	b := api.post(httpBegin, `{"scope":"build","key":"fp","fingerprint":"YQ=="}`).json(t)
+	if b["outcome"] != "OUTCOME_ACQUIRED" {
+		t.Fatalf("Begin: %v", b)
+	}
+	api.post(httpBegin, `{"scope":"build","key":"fp","fingerprint":"Yg=="}`).
+		wantError(t, http.StatusBadRequest, "failed_precondition", "FINGERPRINT_MISMATCH")
+	api.post(httpComplete, `{"scope":"build","key":"fp","leaseToken":"not-the-token"}`).
+		wantError(t, http.StatusBadRequest, "failed_precondition", "LEASE_LOST")
+	api.post(httpLookup, `{"scope":"build","key":"absent"}`).wantError(t, http.StatusNotFound, "not_found", "")
+	// A body over the HTTP limit is refused before it is buffered whole.
+	big := `{"scope":"build","key":"k","fingerprint":"` + strings.Repeat("A", 17<<20) + `"}`
+	api.post(httpBegin, big).wantError(t, http.StatusTooManyRequests, "resource_exhausted", "")
+	// The calls went through the gRPC server's interceptors: its metrics
+	// counted them.
+	req, _ := http.NewRequest(http.MethodGet, api.url+"/metrics", nil)
+	metrics := string(api.do(req).body)
+	for _, want := range []string{
+		`grpc_server_handled_total{grpc_code="NotFound",grpc_method="Lookup",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
+		`grpc_server_handled_total{grpc_code="FailedPrecondition",grpc_method="Complete",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Fatalf("/metrics lacks %s", want)
+		}
+	}
+	// A POST of another content type (curl -d without -H) gets a hint.
+	req, _ = http.NewRequest(http.MethodPost, api.url+"/"+httpBegin, strings.NewReader(`{"scope":"build","key":"k"}`))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if r := api.do(req); r.status != http.StatusUnsupportedMediaType || !strings.Contains(string(r.body), "application/json") {
+		t.Fatalf("form-encoded POST: HTTP %d %s", r.status, r.body)
+	}
+	// Only the two API services are served: health stays gRPC only.
+	if r := api.post("grpc.health.v1.Health/Check", `{}`); r.status != http.StatusNotFound {
+		t.Fatalf("health over HTTP: %d %s", r.status, r.body)
+	}
+	// gRPC-Web works on the same path.
+	var frame bytes.Buffer
+	frame.Write([]byte{0, 0, 0, 0, 0})
+	req, _ = http.NewRequest(http.MethodPost, api.url+"/"+httpLookup, &frame)
+	req.Header.Set("Content-Type", "application/grpc-web+proto")
+	if r := api.do(req); r.status != http.StatusOK || r.header.Get("Grpc-Status") != "3" {
+		t.Fatalf("gRPC-Web Lookup with an empty request: HTTP %d grpc-status %q %s", r.status, r.header.Get("Grpc-Status"), r.body)
+	}
+}
+
+// Auth over HTTP is the gRPC API's: no or a bad token is unauthenticated
+// (HTTP 401), another tenant's record is not_found, a scope outside the
+// tenant's list is permission_denied, and none of them writes.
+func TestHTTPAuth(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig()})
+	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL}
+	api := newHTTPAPI(t, c)
+	pay, builds := "Authorization: Bearer pay-secret", "Authorization: Bearer build-secret"
+
+	api.post(httpBegin, `{"scope":"build","key":"k"}`).wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	api.post(httpBegin, `{"scope":"build","key":"k"}`, "Authorization: Bearer wrong").
+		wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	api.post("idempotency.v1.Admin/ListRecords", `{}`).wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	if n := env.rowCount(); n != 0 {
+		t.Fatalf("%d rows written without credentials", n)
+	}
+	m := api.post(httpBegin, `{"scope":"build","key":"k"}`, pay).json(t)
+	if m["outcome"] != "OUTCOME_ACQUIRED" {
+		t.Fatalf("payments Begin: %v", m)
+	}
+	api.post(httpLookup, `{"scope":"build","key":"k"}`, builds).wantError(t, http.StatusNotFound, "not_found", "")
+	api.post(httpComplete, `{"scope":"build","key":"k","leaseToken":"`+m["leaseToken"].(string)+`"}`, builds).
+		wantError(t, http.StatusNotFound, "not_found", "")
+	api.post("idempotency.v1.Admin/Forget", `{"scope":"build","key":"k"}`, builds).
+		wantError(t, http.StatusForbidden, "permission_denied", "")
+	api.post(httpBegin, `{"scope":"/payments.v1.Payments/Charge","key":"k"}`, builds).
+		wantError(t, http.StatusForbidden, "permission_denied", "")
+	if n := env.rowCount(); n != 1 {
+		t.Fatalf("%d rows, want 1", n)
+	}
+	if r := api.post(httpLookup, `{"scope":"build","key":"k"}`, pay); r.status != http.StatusOK {
+		t.Fatalf("payments Lookup: HTTP %d %s", r.status, r.body)
+	}
+}
+
+// With TLS on the HTTP listener, a client certificate names the tenant as
+// it does over gRPC.
+func TestHTTPClientCertificate(t *testing.T) {
+	t.Parallel()
+	p := newPKI(t)
+	pool := x509.NewCertPool()
+	pool.AddCert(p.ca)
+	serverTLS := &tls.Config{Certificates: []tls.Certificate{p.issue(t, "idemcoord", "", true)},
+		ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
+		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
+	srv := httptest.NewUnstartedServer(c.Server.HTTPHandler())
+	srv.TLS = serverTLS.Clone()
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	client := func(certs ...tls.Certificate) *httpAPI {
+		return &httpAPI{t: t, url: srv.URL, client: &http.Client{Transport: &http.Transport{
+			TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12}}}}
+	}
+	byCN := client(p.issue(t, "builds", "", false))
+	if r := byCN.post(httpBegin, `{"scope":"build","key":"k"}`); r.status != http.StatusOK || r.json(t)["outcome"] != "OUTCOME_ACQUIRED" {
+		t.Fatalf("certificate CN builds: HTTP %d %s", r.status, r.body)
+	}
+	byCN.post(httpBegin, `{"scope":"deploy","key":"k"}`).wantError(t, http.StatusForbidden, "permission_denied", "")
+	client(p.issue(t, "stranger", "", false)).post(httpBegin, `{"scope":"build","key":"k"}`).
+		wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	// The token of the same tenant sees the record the certificate made.
+	if r := client().post(httpBegin, `{"scope":"build","key":"k"}`, "Authorization: Bearer build-secret"); r.json(t)["outcome"] != "OUTCOME_IN_PROGRESS" {
+		t.Fatalf("token over TLS: HTTP %d %s", r.status, r.body)
+	}
+}
