@@ -106,6 +106,7 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 	<-timer.C
 	var last *ledger.Result
 	var poll time.Duration
+	var watched [2]int32 // generation and attempt last marked watched
 	for {
 		res, err := s.store.Begin(ctx, p)
 		fresh := err == nil
@@ -132,13 +133,18 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 			// Only changes someone waits for are notified: say so, then
 			// read again if the attempt ended meanwhile. (With the
 			// database unreachable, wait on the last read, as above.)
-			if fresh {
+			// Mark each attempt once: every re-read (a poll, a wake-up)
+			// would otherwise write the row again.
+			if attempt := [2]int32{rec.Generation, rec.Attempt}; fresh && attempt != watched {
 				held, err := s.store.Watch(ctx, p.ID)
 				if err != nil && !errors.Is(err, ledger.ErrUnavailable) {
 					return nil, err
 				}
 				if err == nil && !held {
 					continue
+				}
+				if err == nil {
+					watched = attempt
 				}
 			}
 		}
