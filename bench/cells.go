@@ -22,14 +22,19 @@ type cellKind string
 const (
 	kindPairs    cellKind = "pairs"    // Begin (new key) + Complete through gRPC
 	kindReplays  cellKind = "replays"  // Begin on a COMPLETED key through gRPC
-	kindBaseline cellKind = "baseline" // INSERT + UPDATE straight to PostgreSQL
+	kindBaseline cellKind = "baseline" // INSERT + UPDATE straight to PostgreSQL, on the coordinator's table
+	kindLean     cellKind = "lean"     // INSERT + UPDATE straight to PostgreSQL, on a hand-written table
 )
+
+// direct reports that the kind talks to PostgreSQL without the coordinator.
+func (k cellKind) direct() bool { return k == kindBaseline || k == kindLean }
 
 // The calls whose latency a cell records, by kind.
 var cellCalls = map[cellKind][]string{
 	kindPairs:    {"begin", "complete"},
 	kindReplays:  {"begin"},
 	kindBaseline: {"insert", "update"},
+	kindLean:     {"insert", "update"},
 }
 
 // benchScope is the scope of every record the bench writes.
@@ -82,6 +87,8 @@ func (e *environment) op(kind cellKind) op {
 		return e.pair
 	case kindReplays:
 		return e.replay
+	case kindLean:
+		return e.leanPair
 	default:
 		return e.baselinePair
 	}
@@ -213,7 +220,7 @@ type callerStats struct {
 // count. during, when set, runs alongside the whole cell; stop closes when
 // the cell ends, and the cell waits for during to return.
 func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency int, during func(ctx context.Context, stop <-chan struct{})) (Cell, error) {
-	if kind != kindBaseline {
+	if !kind.direct() {
 		if err := e.coordinatorAlive(); err != nil {
 			return Cell{}, err
 		}
@@ -264,7 +271,7 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	}
 
 	pid := 0
-	if kind != kindBaseline {
+	if !kind.direct() {
 		pid = e.coord.Process.Pid
 	}
 	sleep(ctx, e.s.Warmup)
@@ -314,7 +321,7 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	cell.OpsPerSec = float64(cell.Ops) / cell.Seconds
 	logf("%-8s %4d callers: %9.0f/s  %s%s%s", kind, concurrency, cell.OpsPerSec, latencySummary(cell, calls), errorSummary(cell), busySummary(cell))
 	if cell.Ops == 0 {
-		if kind != kindBaseline {
+		if !kind.direct() {
 			if err := e.coordinatorAlive(); err != nil {
 				return cell, err
 			}

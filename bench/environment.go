@@ -25,13 +25,8 @@ import (
 
 const benchDatabase = "idemcoord_bench"
 
-// coordinatorConfig is the coordinator's policy file during the run: the
-// built-in defaults, except that its reaper is off, so that the scale
-// check measures ledger.Store.Reap alone and at a known time.
-const coordinatorConfig = "reaper: { interval: 0s }\n"
-
 // environment is what the cells run against: the cluster, the coordinator
-// process, a gRPC client of it and the baseline's pool.
+// process, a gRPC client of it and the baselines' pools.
 type environment struct {
 	s       *settings
 	cluster *pgtest.Cluster
@@ -45,8 +40,13 @@ type environment struct {
 	coordDone chan struct{} // closed when the coordinator has exited
 	conns     []*grpc.ClientConn
 	clients   []idempotencyv1.CoordinatorClient
-	baseline  *pgxpool.Pool
-	payload   payload
+	// admin runs the bench's own statements (CHECKPOINT, the scale
+	// check's loads and counts); baseline and lean are the baselines'
+	// pools, open only during their cells.
+	admin    *pgxpool.Pool
+	baseline *pgxpool.Pool
+	lean     *pgxpool.Pool
+	payload  payload
 }
 
 // postgresInfo describes the server; the durability settings are checked.
@@ -90,18 +90,14 @@ func startEnvironment(ctx context.Context, s *settings) (_ *environment, err err
 		return nil, err
 	}
 
-	cfg, err := pgxpool.ParseConfig(e.dbURL)
-	if err != nil {
+	if e.admin, err = e.openPool(ctx, 4); err != nil {
 		return nil, err
 	}
-	cfg.MaxConns = int32(s.PoolConns)
-	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
-	cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord-bench"
-	if e.baseline, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+	if e.pgInfo, err = checkDurable(ctx, e.admin); err != nil {
 		return nil, err
 	}
-	if e.pgInfo, err = checkDurable(ctx, e.baseline); err != nil {
-		return nil, err
+	if err := e.exec(ctx, leanTableSQL); err != nil {
+		return nil, fmt.Errorf("create the lean baseline's table: %w", err)
 	}
 	return e, nil
 }
@@ -137,13 +133,11 @@ func checkDurable(ctx context.Context, pool *pgxpool.Pool) (postgresInfo, error)
 	return pi, nil
 }
 
-// startCoordinator starts the coordinator binary on free loopback ports,
+// startCoordinator starts the coordinator binary with its default settings
+// (no config file: the reaper runs every 10 s as in `make run`) on free
+// loopback ports,
 // waits until its gRPC health says SERVING and dials it.
 func (e *environment) startCoordinator(ctx context.Context) error {
-	cfgPath := filepath.Join(e.dir, "idemcoord.yaml")
-	if err := os.WriteFile(cfgPath, []byte(coordinatorConfig), 0o644); err != nil {
-		return err
-	}
 	grpcAddr, err := freeAddr()
 	if err != nil {
 		return err
@@ -162,7 +156,7 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 	// pool_max_conns in the URL would also reach the migration, whose
 	// driver passes it to the server, which refuses it.
 	args := append([]string{"--listen", grpcAddr, "--http-listen", httpAddr,
-		"--database-url", e.dbURL, "--config", cfgPath, "--log-level", e.s.CoordLogLevel},
+		"--database-url", e.dbURL, "--log-level", e.s.CoordLogLevel},
 		strings.Fields(e.s.CoordFlags)...)
 	cmd := exec.Command(e.s.coordinator, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
@@ -260,8 +254,10 @@ func (e *environment) close() {
 		_ = c.Close()
 	}
 	e.stopCoordinator()
-	if e.baseline != nil {
-		e.baseline.Close()
+	for _, p := range []*pgxpool.Pool{e.admin, e.baseline, e.lean} {
+		if p != nil {
+			p.Close()
+		}
 	}
 	if e.cluster != nil {
 		if err := e.cluster.Close(); err != nil {
@@ -275,7 +271,7 @@ func (e *environment) close() {
 
 // exec runs one statement on the bench database.
 func (e *environment) exec(ctx context.Context, sql string, args ...any) error {
-	_, err := e.baseline.Exec(ctx, sql, args...)
+	_, err := e.admin.Exec(ctx, sql, args...)
 	return err
 }
 

@@ -1,33 +1,44 @@
 // Command bench measures the idemcoord coordinator against the floor set by
-// PostgreSQL itself. `make bench` runs it; `go run ./bench -h` lists its
-// flags, each of which an environment variable (in brackets) can also set.
+// PostgreSQL itself. `make bench` runs it (`make bench-quick`, or
+// BENCH_QUICK=1, a shorter run); `go run ./bench -h` lists its flags, each
+// of which an environment variable (in brackets) can also set.
 //
 // It starts a durable PostgreSQL cluster (fsync, synchronous_commit and
 // full_page_writes on; it refuses to run otherwise) and the coordinator
-// binary as a separate process talking gRPC over loopback, and measures at
-// each concurrency:
+// binary with its default settings (as `make run` starts it: info logging,
+// the reaper every 10 s) as a separate process talking gRPC over loopback,
+// and measures at each concurrency:
 //
 //   - pairs/s: Begin on a new key then Complete, through gRPC;
 //   - replays/s: Begin on a COMPLETED key;
-//   - baseline pairs/s: the same two durable writes issued straight to
-//     PostgreSQL with pgx from this process (one INSERT … ON CONFLICT DO
-//     NOTHING RETURNING, one UPDATE, each its own autocommit statement) on
-//     the same migrated idempotency_records table and a pool of the same
-//     size as the coordinator's;
-//   - latency percentiles of every call, the coordinator's CPU seconds per
-//     1000 pairs (from /proc/<pid>/stat) and its peak RSS (VmHWM, reset
+//   - lean baseline pairs/s: the table a user would write by hand (primary
+//     key only, no trigger) and the two statements of issue 17 (INSERT …
+//     ON CONFLICT DO NOTHING RETURNING, UPDATE fenced by the lease token),
+//     each its own autocommit statement, from this process through one
+//     pgx pool of as many connections as callers. Its cells alternate with
+//     the pairs cells (lean, pairs, lean, pairs, … for -rounds rounds), so
+//     both see the same machine;
+//   - baseline pairs/s: the same two durable writes on the coordinator's
+//     own migrated table (its trigger and reaper indexes included) with a
+//     pool of the coordinator's size, measured before the coordinator
+//     starts (its LISTEN connection would otherwise receive every one of
+//     the trigger's notifications);
+//   - latency percentiles of every call, CPU seconds per 1000 pairs of the
+//     coordinator, of PostgreSQL and of this driver (the lean baseline's
+//     client), from /proc, and the coordinator's peak RSS (VmHWM, reset
 //     before each cell through /proc/<pid>/clear_refs).
 //
 // Then replays/s measured by ghz, a third-party load generator, and a scale
 // check: Begin latency and pairs/s on an empty table and after bulk-loading
-// millions of records, and the cost of ledger.Store.Reap deleting at that
-// size. It prints one table with the goals of issue 6 marked met or not,
-// and writes it as JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
+// millions of records, the cost of the idempotency_records gauge at that
+// size (and of the whole-table count it replaced), and the coordinator's
+// own reaper, at its default settings, working through a backlog of
+// records to expire and to delete while pairs run. It prints one table
+// with the goals of issues 6 and 17 marked met or not, and writes it as
+// JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
 //
 // Every cell runs for a fixed time after a warm-up and starts with a
-// CHECKPOINT. The baseline cells run first, before the coordinator starts
-// (so that its LISTEN connection does not receive their notifications);
-// then the coordinator's cells, concurrency by concurrency.
+// CHECKPOINT.
 package main
 
 import (
@@ -68,8 +79,13 @@ type settings struct {
 	GhzConcurrency   int           `json:"ghz_concurrency"`
 	ScaleRecords     int           `json:"scale_records"`
 	ScaleConcurrency int           `json:"scale_concurrency"`
-	CoordLogLevel    string        `json:"coordinator_log_level"`
-	CoordFlags       string        `json:"coordinator_flags,omitempty"`
+	// Rounds is how many lean, pairs cell pairs run at each concurrency.
+	Rounds int `json:"rounds"`
+	// Quick marks a short run (fewer cells, shorter ones): its figures are
+	// rougher and the 10M-record goals are not measured.
+	Quick         bool   `json:"quick,omitempty"`
+	CoordLogLevel string `json:"coordinator_log_level"`
+	CoordFlags    string `json:"coordinator_flags,omitempty"`
 	// Commit is the revision the coordinator was built from, "-dirty" when
 	// its tree had changes.
 	Commit string `json:"commit,omitempty"`
@@ -82,21 +98,34 @@ type settings struct {
 
 func parseFlags(args []string) (*settings, error) {
 	s := &settings{}
+	// A quick run changes the defaults; flags and variables still win.
+	s.Quick = os.Getenv("BENCH_QUICK") != "" && os.Getenv("BENCH_QUICK") != "0"
+	for _, a := range args {
+		if a == "-quick" || a == "--quick" || a == "-quick=true" || a == "--quick=true" {
+			s.Quick = true
+		}
+	}
+	defConc, defWarmup, defDuration, defScale, defGhz := "1,16,64,256", time.Second, 6*time.Second, 10_000_000, "bin/ghz"
+	if s.Quick {
+		defConc, defWarmup, defDuration, defScale, defGhz = "16,64,256", 500*time.Millisecond, 2*time.Second, 200_000, ""
+	}
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	conc := fs.String("concurrency", env("BENCH_CONCURRENCY", "1,16,64,256"), "comma-separated numbers of concurrent callers (BENCH_CONCURRENCY)")
-	fs.DurationVar(&s.Warmup, "warmup", envDuration("BENCH_WARMUP", time.Second), "warm-up before each measured cell (BENCH_WARMUP)")
-	fs.DurationVar(&s.Duration, "duration", envDuration("BENCH_DURATION", 6*time.Second), "measured time of each cell (BENCH_DURATION)")
-	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
+	fs.BoolVar(&s.Quick, "quick", s.Quick, "a run of a minute or two: callers 16,64,256, 0.5s+2s cells, 200k scale records, no ghz (BENCH_QUICK=1)")
+	conc := fs.String("concurrency", env("BENCH_CONCURRENCY", defConc), "comma-separated numbers of concurrent callers (BENCH_CONCURRENCY)")
+	fs.DurationVar(&s.Warmup, "warmup", envDuration("BENCH_WARMUP", defWarmup), "warm-up before each measured cell (BENCH_WARMUP)")
+	fs.DurationVar(&s.Duration, "duration", envDuration("BENCH_DURATION", defDuration), "measured time of each cell (BENCH_DURATION)")
+	fs.IntVar(&s.Rounds, "rounds", envInt("BENCH_ROUNDS", 2), "lean-baseline and pairs cells alternated at each concurrency, each this many times (BENCH_ROUNDS)")
+	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the coordinator's-table baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
 	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
-	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 100), "size of the stored response body (BENCH_BODY_BYTES)")
+	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
-	fs.IntVar(&s.ScaleRecords, "scale-records", envInt("BENCH_SCALE_RECORDS", 10_000_000), "records bulk-loaded for the scale check; 0 skips it (BENCH_SCALE_RECORDS)")
+	fs.IntVar(&s.ScaleRecords, "scale-records", envInt("BENCH_SCALE_RECORDS", defScale), "records bulk-loaded for the scale check; 0 skips it (BENCH_SCALE_RECORDS)")
 	fs.IntVar(&s.ScaleConcurrency, "scale-concurrency", envInt("BENCH_SCALE_CONCURRENCY", 16), "callers of the scale check's cells (BENCH_SCALE_CONCURRENCY)")
 	fs.StringVar(&s.CoordLogLevel, "coordinator-log-level", env("BENCH_COORDINATOR_LOG_LEVEL", "info"), "the coordinator's --log-level; info logs every call, as in production (BENCH_COORDINATOR_LOG_LEVEL)")
 	fs.StringVar(&s.CoordFlags, "coordinator-flags", env("BENCH_COORDINATOR_FLAGS", ""), "more flags for the coordinator, separated by spaces (BENCH_COORDINATOR_FLAGS)")
 	fs.StringVar(&s.coordinator, "coordinator", env("BENCH_COORDINATOR", "bin/idemcoord"), "coordinator binary built from ./cmd/idemcoord (BENCH_COORDINATOR)")
-	fs.StringVar(&s.ghz, "ghz", env("BENCH_GHZ", "bin/ghz"), "ghz binary; empty skips the ghz row (BENCH_GHZ)")
+	fs.StringVar(&s.ghz, "ghz", env("BENCH_GHZ", defGhz), "ghz binary; empty skips the ghz row (BENCH_GHZ)")
 	fs.StringVar(&s.Commit, "commit", env("BENCH_COMMIT", ""), "the commit the coordinator was built from (default: read from the binary's build info) (BENCH_COMMIT)")
 	fs.BoolVar(&s.hold, "hold", false, "after the report, keep PostgreSQL (with the scale check's records) running until interrupted, for EXPLAIN and psql")
 	fs.StringVar(&s.out, "out", env("BENCH_OUT", "bench/results"), "directory of the JSON reports (BENCH_OUT)")
@@ -116,8 +145,8 @@ func parseFlags(args []string) (*settings, error) {
 	switch {
 	case s.Duration <= 0 || s.Warmup < 0:
 		return nil, errors.New("-duration must be positive and -warmup not negative")
-	case s.PoolConns < 1 || s.GRPCConns < 1 || s.ReplayKeys < 1 || s.GhzConcurrency < 1 || s.ScaleConcurrency < 1:
-		return nil, errors.New("-pool, -grpc-conns, -replay-keys, -ghz-concurrency and -scale-concurrency must be positive")
+	case s.Rounds < 1 || s.PoolConns < 1 || s.GRPCConns < 1 || s.ReplayKeys < 1 || s.GhzConcurrency < 1 || s.ScaleConcurrency < 1:
+		return nil, errors.New("-rounds, -pool, -grpc-conns, -replay-keys, -ghz-concurrency and -scale-concurrency must be positive")
 	case s.BodyBytes < 0 || s.ScaleRecords < 0:
 		return nil, errors.New("-body-bytes and -scale-records must not be negative")
 	}
@@ -177,15 +206,20 @@ func run(ctx context.Context, args []string) error {
 	}
 	defer env.close()
 
-	rep := &report{Schema: reportSchema, Command: "make bench", StartedAt: started.UTC().Format(time.RFC3339),
+	command := "make bench"
+	if s.Quick {
+		command = "make bench-quick"
+	}
+	rep := &report{Schema: reportSchema, Command: command, StartedAt: started.UTC().Format(time.RFC3339),
 		Machine: describeMachine(), Postgres: env.pgInfo, Settings: s}
 
-	// The baseline runs before the coordinator starts: a running
-	// coordinator LISTENs for the records trigger's notifications, and
-	// receiving every one of the baseline's would load PostgreSQL (and the
-	// coordinator) with work that is the coordinator's, not the floor's.
+	// The baseline on the coordinator's table runs before the coordinator
+	// starts: a running coordinator LISTENs for the records trigger's
+	// notifications, and receiving every one of the baseline's would load
+	// PostgreSQL (and the coordinator) with work that is the coordinator's,
+	// not the floor's.
 	for _, c := range s.Concurrency {
-		cell, err := env.runCell(ctx, kindBaseline, c, nil)
+		cell, err := env.withPool(ctx, &env.baseline, s.PoolConns, kindBaseline, c)
 		if err != nil {
 			return err
 		}
@@ -197,14 +231,25 @@ func run(ctx context.Context, args []string) error {
 	if err := env.prepareReplayKeys(ctx); err != nil {
 		return err
 	}
+	// The lean baseline has no trigger: its cells alternate with the
+	// coordinator's, so that a machine whose speed drifts affects both.
 	for _, c := range s.Concurrency {
-		for _, kind := range []cellKind{kindPairs, kindReplays} {
-			cell, err := env.runCell(ctx, kind, c, nil)
+		for range s.Rounds {
+			cell, err := env.withPool(ctx, &env.lean, c, kindLean, c)
 			if err != nil {
 				return err
 			}
 			rep.Cells = append(rep.Cells, cell)
+			if cell, err = env.runCell(ctx, kindPairs, c, nil); err != nil {
+				return err
+			}
+			rep.Cells = append(rep.Cells, cell)
 		}
+		cell, err := env.runCell(ctx, kindReplays, c, nil)
+		if err != nil {
+			return err
+		}
+		rep.Cells = append(rep.Cells, cell)
 	}
 	if s.ghz != "" {
 		g, err := env.runGhz(ctx)

@@ -13,7 +13,7 @@ import (
 
 // reportSchema names the layout of the JSON report; change it when a field
 // changes meaning.
-const reportSchema = "idemcoord-bench/1"
+const reportSchema = "idemcoord-bench/2"
 
 // report is one run of the bench, as printed and as written to JSON.
 type report struct {
@@ -35,10 +35,18 @@ type report struct {
 	Cells []Cell `json:"cells"`
 }
 
-// Row is one concurrency's line of the table.
+// Row is one concurrency's line of the table. With several rounds, the
+// pairs and lean figures pool their rounds: ops over seconds, CPU over ops,
+// the mean p50 and the largest p99.
 type Row struct {
-	Concurrency       int     `json:"concurrency"`
-	PairsPerSec       float64 `json:"pairs_per_s"`
+	Concurrency int     `json:"concurrency"`
+	PairsPerSec float64 `json:"pairs_per_s"`
+	// LeanPerSec is the lean baseline (issue 17's hand-written table);
+	// LeanRatio is pairs / lean, and LeanRatios the ratio of each round.
+	LeanPerSec float64   `json:"lean_pairs_per_s"`
+	LeanRatio  float64   `json:"lean_ratio"`
+	LeanRatios []float64 `json:"lean_ratios"`
+	// BaselinePerSec is the baseline on the coordinator's own table.
 	BaselinePerSec    float64 `json:"baseline_pairs_per_s"`
 	Ratio             float64 `json:"ratio"` // pairs / baseline
 	ReplaysPerSec     float64 `json:"replays_per_s"`
@@ -49,16 +57,26 @@ type Row struct {
 	CompleteP99MS     float64 `json:"complete_p99_ms"`
 	ReplayP50MS       float64 `json:"replay_p50_ms"`
 	ReplayP99MS       float64 `json:"replay_p99_ms"`
+	LeanP50MS         float64 `json:"lean_pair_p50_ms"`     // insert p50 + update p50
 	BaselineP50MS     float64 `json:"baseline_pair_p50_ms"` // insert p50 + update p50
 	CoordCPUPer1000   float64 `json:"coordinator_cpu_s_per_1000_pairs"`
 	PGCPUPer1000      float64 `json:"postgres_cpu_s_per_1000_pairs"`
+	LeanPGPer1000     float64 `json:"lean_postgres_cpu_s_per_1000_pairs"`
+	LeanClientPer1000 float64 `json:"lean_client_cpu_s_per_1000_pairs"`
 	BaselinePGPer1000 float64 `json:"baseline_postgres_cpu_s_per_1000_pairs"`
-	CoordPeakRSSMB    float64 `json:"coordinator_peak_rss_mb"` // over the row's pairs and replays cells
-	Errors            int64   `json:"errors"`
+	// CPUPerPairRatio is (coordinator + PostgreSQL) over (PostgreSQL +
+	// client) of the lean baseline, CPU per pair.
+	CPUPerPairRatio float64 `json:"cpu_per_pair_vs_lean"`
+	CoordPeakRSSMB  float64 `json:"coordinator_peak_rss_mb"` // over the row's pairs and replays cells
+	// OthersCPUShare is the largest share of the CPUs other processes took
+	// during one of the row's cells.
+	OthersCPUShare float64 `json:"others_cpu_share"`
+	Errors         int64   `json:"errors"`
 }
 
-// Goal is one "done when" figure of issue 6.
+// Goal is one "done when" figure of an issue.
 type Goal struct {
+	Issue  int     `json:"issue"`
 	Name   string  `json:"name"`
 	Target string  `json:"target"`
 	Value  float64 `json:"value"`
@@ -67,14 +85,48 @@ type Goal struct {
 	Status string `json:"status"`
 }
 
-func (r *report) cell(kind cellKind, concurrency int) *Cell {
+// cells returns every cell of kind at concurrency, in run order.
+func (r *report) cells(kind cellKind, concurrency int) []*Cell {
+	var out []*Cell
 	for i := range r.Cells {
 		if c := &r.Cells[i]; c.Kind == kind && c.Concurrency == concurrency {
-			return c
+			out = append(out, c)
 		}
 	}
-	return nil
+	return out
 }
+
+// pooled is the cells of one kind at one concurrency taken together.
+type pooled struct {
+	ops, errs            int64
+	seconds              float64
+	coord, pg, driver    float64
+	p50, p99             map[string]float64
+	peakRSS, othersShare float64
+}
+
+func pool(cs []*Cell) pooled {
+	p := pooled{p50: map[string]float64{}, p99: map[string]float64{}}
+	for _, c := range cs {
+		p.ops += c.Ops
+		p.errs += c.Errors
+		p.seconds += c.Seconds
+		p.coord += c.CoordCPUSeconds
+		p.pg += c.PGCPUSeconds
+		p.driver += c.DriverCPUSeconds
+		for name, l := range c.LatencyMS {
+			p.p50[name] += l.P50 / float64(len(cs))
+			p.p99[name] = max(p.p99[name], l.P99)
+		}
+		p.peakRSS = max(p.peakRSS, c.CoordPeakRSSMB)
+		p.othersShare = max(p.othersShare, c.OthersCPUShare)
+	}
+	return p
+}
+
+func (p pooled) perSec() float64 { return ratio(float64(p.ops), p.seconds) }
+
+func (p pooled) per1000(cpu float64) float64 { return ratio(cpu, float64(p.ops)) * 1000 }
 
 func (r *report) row(concurrency int) *Row {
 	for i := range r.Rows {
@@ -89,38 +141,54 @@ func (r *report) row(concurrency int) *Row {
 func (r *report) finish() {
 	r.Rows = nil
 	for _, c := range r.Settings.Concurrency {
-		p, rp, b := r.cell(kindPairs, c), r.cell(kindReplays, c), r.cell(kindBaseline, c)
-		if p == nil || rp == nil || b == nil {
+		pc, rc, lc, bc := r.cells(kindPairs, c), r.cells(kindReplays, c), r.cells(kindLean, c), r.cells(kindBaseline, c)
+		if len(pc) == 0 || len(rc) == 0 {
 			continue
 		}
-		row := Row{Concurrency: c, PairsPerSec: p.OpsPerSec, BaselinePerSec: b.OpsPerSec, ReplaysPerSec: rp.OpsPerSec,
-			BeginP50MS: p.LatencyMS["begin"].P50, BeginP99MS: p.LatencyMS["begin"].P99,
-			CompleteP50MS: p.LatencyMS["complete"].P50, CompleteP99MS: p.LatencyMS["complete"].P99,
-			ReplayP50MS: rp.LatencyMS["begin"].P50, ReplayP99MS: rp.LatencyMS["begin"].P99,
-			BaselineP50MS:  b.LatencyMS["insert"].P50 + b.LatencyMS["update"].P50,
-			CoordPeakRSSMB: max(p.CoordPeakRSSMB, rp.CoordPeakRSSMB),
-			Errors:         p.Errors + rp.Errors + b.Errors,
+		p, rp, l, b := pool(pc), pool(rc), pool(lc), pool(bc)
+		row := Row{Concurrency: c, PairsPerSec: p.perSec(), LeanPerSec: l.perSec(), BaselinePerSec: b.perSec(),
+			ReplaysPerSec: rp.perSec(),
+			BeginP50MS:    p.p50["begin"], BeginP99MS: p.p99["begin"],
+			CompleteP50MS: p.p50["complete"], CompleteP99MS: p.p99["complete"],
+			ReplayP50MS: rp.p50["begin"], ReplayP99MS: rp.p99["begin"],
+			LeanP50MS:       l.p50["insert"] + l.p50["update"],
+			BaselineP50MS:   b.p50["insert"] + b.p50["update"],
+			CoordCPUPer1000: p.per1000(p.coord), PGCPUPer1000: p.per1000(p.pg),
+			LeanPGPer1000: l.per1000(l.pg), LeanClientPer1000: l.per1000(l.driver),
+			BaselinePGPer1000: b.per1000(b.pg),
+			CoordPeakRSSMB:    max(p.peakRSS, rp.peakRSS),
+			OthersCPUShare:    max(p.othersShare, rp.othersShare, l.othersShare, b.othersShare),
+			Errors:            p.errs + rp.errs + l.errs + b.errs,
 		}
 		row.Ratio = ratio(row.PairsPerSec, row.BaselinePerSec)
+		row.LeanRatio = ratio(row.PairsPerSec, row.LeanPerSec)
 		row.ReplayPairRatio = ratio(row.ReplaysPerSec, row.PairsPerSec)
-		if p.Ops > 0 {
-			row.CoordCPUPer1000 = p.CoordCPUSeconds / float64(p.Ops) * 1000
-			row.PGCPUPer1000 = p.PGCPUSeconds / float64(p.Ops) * 1000
-		}
-		if b.Ops > 0 {
-			row.BaselinePGPer1000 = b.PGCPUSeconds / float64(b.Ops) * 1000
+		row.CPUPerPairRatio = ratio(row.CoordCPUPer1000+row.PGCPUPer1000, row.LeanPGPer1000+row.LeanClientPer1000)
+		for i := range min(len(pc), len(lc)) {
+			row.LeanRatios = append(row.LeanRatios, ratio(pc[i].OpsPerSec, lc[i].OpsPerSec))
 		}
 		r.Rows = append(r.Rows, row)
 	}
 	if r.Ghz != nil {
-		if rp := r.cell(kindReplays, r.Ghz.Concurrency); rp != nil {
-			r.Ghz.OursPerSec, r.Ghz.OursP50MS, r.Ghz.OursP99MS = rp.OpsPerSec, rp.LatencyMS["begin"].P50, rp.LatencyMS["begin"].P99
-			if rp.Ops > 0 {
-				r.Ghz.OursGeneratorCPUPer1000 = rp.DriverCPUSeconds / float64(rp.Ops) * 1000
+		if rc := r.cells(kindReplays, r.Ghz.Concurrency); len(rc) > 0 {
+			rp := pool(rc)
+			r.Ghz.OursPerSec, r.Ghz.OursP50MS, r.Ghz.OursP99MS = rp.perSec(), rp.p50["begin"], rp.p99["begin"]
+			if rp.ops > 0 {
+				r.Ghz.OursGeneratorCPUPer1000 = rp.per1000(rp.driver)
 			}
 		}
 	}
 	r.Goals = r.goals()
+}
+
+// maxPairsPerSec is the highest pairs/s of the run's rows: the pair rate
+// the reaper must keep pace with.
+func (r *report) maxPairsPerSec() float64 {
+	var m float64
+	for _, row := range r.Rows {
+		m = max(m, row.PairsPerSec)
+	}
+	return m
 }
 
 func ratio(a, b float64) float64 {
@@ -132,8 +200,8 @@ func ratio(a, b float64) float64 {
 
 func (r *report) goals() []Goal {
 	var gs []Goal
-	add := func(name, target, unit string, value float64, measured, met bool) {
-		g := Goal{Name: name, Target: target, Value: value, Unit: unit, Status: "not measured"}
+	add := func(issue int, name, target, unit string, value float64, measured, met bool) {
+		g := Goal{Issue: issue, Name: name, Target: target, Value: value, Unit: unit, Status: "not measured"}
 		if measured {
 			g.Status = map[bool]string{true: "met", false: "not met"}[met]
 		}
@@ -146,25 +214,49 @@ func (r *report) goals() []Goal {
 		}
 		return f(row)
 	}
-	ratio64 := v(row64, func(x *Row) float64 { return x.Ratio })
-	add("pairs/s vs direct-SQL baseline at 64 callers", ">= 1.0x", "x", ratio64, row64 != nil, ratio64 >= 1.0)
+	has := func(row *Row) bool { return row != nil && row.LeanPerSec > 0 }
+
+	// Issue 17: faster than the table a user would write by hand.
+	lean64 := v(row64, func(x *Row) float64 { return x.LeanRatio })
+	add(17, "pairs/s vs lean baseline at 64 callers", ">= 1.0x", "x", lean64, has(row64), lean64 >= 1.0)
+	lean256 := v(row256, func(x *Row) float64 { return x.LeanRatio })
+	add(17, "pairs/s vs lean baseline at 256 callers", ">= 1.5x", "x", lean256, has(row256), lean256 >= 1.5)
 	rp64 := v(row64, func(x *Row) float64 { return x.ReplayPairRatio })
-	add("replays/s vs pairs/s at 64 callers", ">= 3.0x", "x", rp64, row64 != nil, rp64 >= 3.0)
+	add(17, "replays/s vs pairs/s at 64 callers", ">= 4.0x", "x", rp64, row64 != nil, rp64 >= 4.0)
 	p99 := v(row16, func(x *Row) float64 { return x.BeginP99MS })
-	add("Begin p99 at 16 callers", "<= 10 ms", "ms", p99, row16 != nil, p99 <= 10)
+	add(17, "Begin p99 at 16 callers", "<= 10 ms", "ms", p99, row16 != nil, p99 <= 10)
+	cpu := v(row64, func(x *Row) float64 { return x.CPUPerPairRatio })
+	add(17, "CPU/pair (coord+PG) vs lean (PG+client) at 64", "< 1.0x", "x", cpu, has(row64), cpu < 1.0)
+	var pace float64
+	paceMeasured := r.Scale != nil && r.Scale.Backlog.FirstPassSeconds > 0 && r.maxPairsPerSec() > 0
+	if paceMeasured {
+		b := r.Scale.Backlog
+		pace = min(b.ExpiredPerSec, b.DeletedPerSec) / r.maxPairsPerSec()
+	}
+	add(17, "reaper (defaults) rows/s vs the highest pairs/s", ">= 1.0x", "x", pace, paceMeasured, pace >= 1.0)
+	var gauge float64
+	gaugeMeasured := r.Scale != nil && r.Scale.Gauge.Error == "" && r.Scale.Gauge.Records > 0
+	name := "records gauge reading at 10M records"
+	if gaugeMeasured {
+		gauge = r.Scale.Gauge.MS
+		name = fmt.Sprintf("records gauge reading at %s records", count(r.Scale.Gauge.Records))
+	}
+	add(17, name, "<= 100 ms", "ms", gauge, gaugeMeasured && r.Scale.Gauge.Records >= 10_000_000, gauge <= 100)
+
+	// Issue 6, still held.
 	rss := v(row256, func(x *Row) float64 { return x.CoordPeakRSSMB })
-	add("coordinator peak RSS at 256 callers", "<= 200 MB", "MB", rss, row256 != nil, rss <= 200)
+	add(6, "coordinator peak RSS at 256 callers", "<= 200 MB", "MB", rss, row256 != nil, rss <= 200)
 	var scale float64
 	measured := r.Scale != nil && r.Scale.Empty.Ops > 0 && r.Scale.Loaded.Ops > 0
 	if measured {
 		scale = ratio(r.Scale.Loaded.LatencyMS["begin"].P50, r.Scale.Empty.LatencyMS["begin"].P50)
 	}
-	name := "Begin p50 with many records vs an empty table"
+	name = "Begin p50 with many records vs an empty table"
 	if r.Scale != nil {
 		name = fmt.Sprintf("Begin p50 with %s records vs an empty table", count(r.Scale.Records))
 	}
-	add(name, "<= 1.5x", "x", scale, measured && r.Scale.Records >= 10_000_000, scale <= 1.5)
-	add("make bench run time (driver)", "<= 600 s", "s", r.TotalSeconds, true, r.TotalSeconds <= 600)
+	add(6, name, "<= 1.5x", "x", scale, measured && r.Scale.Records >= 10_000_000, scale <= 1.5)
+	add(6, "make bench run time (driver)", "<= 600 s", "s", r.TotalSeconds, !r.Settings.Quick, r.TotalSeconds <= 600)
 	return gs
 }
 
@@ -188,15 +280,19 @@ func (r *report) print(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "\nidemcoord bench (%s) — %s, %s, %d CPUs, PostgreSQL %s durable (fsync, synchronous_commit, full_page_writes on)\n",
 		r.Command, commit, r.StartedAt, r.Machine.CPUs, r.Postgres.Version)
-	fmt.Fprintf(out, "%s warm-up + %s measured per cell; pool %d connections for the coordinator and the baseline; %d-byte responses; total %.0f s\n\n",
-		s.Warmup, s.Duration, s.PoolConns, s.BodyBytes, r.TotalSeconds)
+	fmt.Fprintf(out, "%s warm-up + %s measured per cell, %d rounds of lean/pairs; lean baseline: pool of as many connections as callers; "+
+		"baseline on the coordinator's table: pool %d; %d-byte responses; total %.0f s\n\n",
+		s.Warmup, s.Duration, s.Rounds, s.PoolConns, s.BodyBytes, r.TotalSeconds)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "callers\tpairs/s\tbaseline/s\tratio\treplays/s\treplay/pair\tBegin p50/p99 ms\tComplete p50/p99 ms\treplay p50/p99 ms\tcoord CPU s/1k pairs\tPG CPU s/1k (coord/base)\tcoord RSS MB\terrors\t")
+	fmt.Fprintln(tw, "callers\tpairs/s\tlean/s\tvs lean\tbaseline/s\tvs base\treplays/s\treplay/pair\tBegin p50/p99 ms\tComplete p50/p99 ms\treplay p50/p99 ms\tlean p50 ms\t"+
+		"CPU s/1k pairs coord+PG\tlean PG+client\tcoord RSS MB\tothers CPU\terrors\t")
 	for _, row := range r.Rows {
-		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.3f\t%.3f / %.3f\t%.0f\t%d\t\n",
-			row.Concurrency, row.PairsPerSec, row.BaselinePerSec, row.Ratio, row.ReplaysPerSec, row.ReplayPairRatio,
-			row.BeginP50MS, row.BeginP99MS, row.CompleteP50MS, row.CompleteP99MS, row.ReplayP50MS, row.ReplayP99MS,
-			row.CoordCPUPer1000, row.PGCPUPer1000, row.BaselinePGPer1000, row.CoordPeakRSSMB, row.Errors)
+		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f\t%.3f+%.3f\t%.3f+%.3f\t%.0f\t%.0f%%\t%d\t\n",
+			row.Concurrency, row.PairsPerSec, row.LeanPerSec, row.LeanRatio, row.BaselinePerSec, row.Ratio,
+			row.ReplaysPerSec, row.ReplayPairRatio,
+			row.BeginP50MS, row.BeginP99MS, row.CompleteP50MS, row.CompleteP99MS, row.ReplayP50MS, row.ReplayP99MS, row.LeanP50MS,
+			row.CoordCPUPer1000, row.PGCPUPer1000, row.LeanPGPer1000, row.LeanClientPer1000, row.CoordPeakRSSMB,
+			row.OthersCPUShare*100, row.Errors)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -219,12 +315,18 @@ func (r *report) print(out io.Writer) error {
 		if err := tw.Flush(); err != nil {
 			return err
 		}
-		fmt.Fprintf(out, "  reaper (ledger.Store.Reap, %s of the records deletable):\n    alone:      %s\n    under load: %s\n",
-			count(sc.DeletableRecords), sc.Reaper, sc.ReaperUnder)
+		g := sc.Gauge
+		fmt.Fprintf(out, "  idempotency_records gauge at %s records: %.1f ms a reading (estimated: %v); the whole-table count it replaced: %.0f ms\n",
+			count(g.Records), g.MS, g.Estimated, g.FullCountMS)
+		if g.Error != "" {
+			fmt.Fprintf(out, "    error: %s\n", g.Error)
+		}
+		fmt.Fprintf(out, "  the coordinator's reaper (default settings), backlog of %s to expire and %s to delete, pairs running: %s;"+
+			" highest pairs/s of the run: %.0f\n", count(sc.Backlog.DueToExpire), count(sc.Backlog.DueToDelete), sc.Backlog, r.maxPairsPerSec())
 	}
-	fmt.Fprintln(out, "\ngoals (issue 6):")
+	fmt.Fprintln(out, "\ngoals:")
 	for _, g := range r.Goals {
-		fmt.Fprintf(out, "  %-15s %-55s %8.2f %-2s (target %s)\n", "["+g.Status+"]", g.Name, g.Value, g.Unit, g.Target)
+		fmt.Fprintf(out, "  %-15s issue %-3d %-50s %8.2f %-2s (target %s)\n", "["+g.Status+"]", g.Issue, g.Name, g.Value, g.Unit, g.Target)
 	}
 	cells := append([]Cell(nil), r.Cells...)
 	if r.Scale != nil {

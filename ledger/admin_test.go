@@ -53,6 +53,10 @@ func subscribeListening(t *testing.T, s *ledger.Store, id ledger.Identity) <-cha
 	case <-time.After(10 * time.Second):
 		t.Fatal("the change listener did not connect")
 	}
+	// As a waiting Begin does: only waited-for records are notified.
+	if held, err := s.Watch(context.Background(), id); err != nil || !held {
+		t.Fatalf("Watch %v: held %v, %v", id, held, err)
+	}
 	return changed
 }
 

@@ -50,6 +50,9 @@ type ReapResult struct {
 	// ArchivedScopes lists the scope of each.
 	Archived       int
 	ArchivedScopes []string
+	// More reports that the pass stopped at MaxBatches with work left: a
+	// caller keeping pace with a backlog runs the next pass at once.
+	More bool
 }
 
 // The reaper's statements. Each takes $1 now (NULL: the database clock) and
@@ -125,6 +128,7 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 		}{{sql, args, &res.Archived, &res.ArchivedScopes}}, steps...)
 	}
 	for _, st := range steps {
+		full := 0
 		for range maxBatches {
 			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...), st.scopes)
 			*st.count += n
@@ -134,7 +138,9 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 			if n < batch {
 				break
 			}
+			full++
 		}
+		res.More = res.More || full == maxBatches
 	}
 	return res, nil
 }

@@ -184,3 +184,49 @@ func TestReapersSideBySide(t *testing.T) {
 	// doing them twice, is asserted deterministically by
 	// TestReaperSkipsLockedRows.
 }
+
+// TestReapReportsMore checks that a pass stopped by MaxBatches says work is
+// left, and that passes run back to back drain the backlog.
+func TestReapReportsMore(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	clock := coordtest.NewClock()
+	const n = 25
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.Exec(context.Background(), `INSERT INTO idempotency_records
+		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
+		 created_at, updated_at, expires_at)
+		SELECT 't', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
+		FROM generate_series(1, $2) AS i`, clock.Now(), n)
+	conn.Close(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(time.Second)
+	s := openStore(t, url, clock)
+	p := &ledger.ReapParams{BatchSize: 4, MaxBatches: 3, Retention: time.Hour}
+	total, passes := 0, 0
+	for {
+		res, err := s.Reap(context.Background(), p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		passes++
+		total += res.Expired
+		if want := total < n; res.More != want {
+			t.Fatalf("pass %d expired %d (total %d of %d): More = %v, want %v", passes, res.Expired, total, n, res.More, want)
+		}
+		if !res.More {
+			break
+		}
+		if res.Expired != 12 {
+			t.Fatalf("pass %d expired %d, want a full pass of 12", passes, res.Expired)
+		}
+	}
+	if total != n || passes != 3 {
+		t.Fatalf("expired %d records in %d passes, want %d in 3", total, passes, n)
+	}
+}

@@ -209,6 +209,13 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 			defer unsubscribe()
 			continue
 		}
+		// Only changes someone waits for are notified: say so, then read
+		// again if the attempt ended meanwhile.
+		if held, err := s.Watch(ctx, id); err != nil {
+			return nil, false, err
+		} else if !held {
+			continue
+		}
 		sleep := left
 		if out.leaseLeft > 0 {
 			sleep = min(sleep, out.leaseLeft+5*time.Millisecond)

@@ -25,6 +25,9 @@ type Store struct {
 	notifier *notifier
 	keyring  *Keyring
 
+	// exactCountBytes: below this table size StateCounts counts exactly.
+	exactCountBytes int64
+
 	// begins and completes coalesce concurrent calls into one statement
 	// (nil when batching is off).
 	begins    *coalescer[*beginReq]
@@ -152,7 +155,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring}
+	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring, exactCountBytes: exactCountBytes}
 	listenCfg := cfg.ConnConfig.Copy()
 	if o.notifyURL != "" {
 		ncfg, err := pgx.ParseConfig(o.notifyURL)
@@ -611,7 +614,8 @@ func hasParam(databaseURL, name string) bool {
 
 // CountByState counts records by the state in effect now: an IN_PROGRESS
 // record past its lease counts as UNKNOWN, a terminal record past
-// expires_at as EXPIRED. It scans the whole table; call it sparingly.
+// expires_at as EXPIRED. It scans the whole table; call it sparingly (see
+// StateCounts, which does not).
 func (s *Store) CountByState(ctx context.Context) (map[statemachine.State]int64, error) {
 	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT `+effectiveStateSQL+` AS effective, count(*)

@@ -69,7 +69,10 @@ type EncryptionKeyConfig struct {
 // leases UNKNOWN, expires terminal records past expires_at (dropping their
 // response) and deletes EXPIRED records after a retention period.
 type ReaperConfig struct {
-	// Interval between passes (default 10s); "0s" disables the reaper.
+	// Interval between passes (default 10s); "0s" disables the reaper. A
+	// pass that stops with work left (20 full batches of one kind) is
+	// followed at once by the next, so a backlog drains at the database's
+	// pace rather than 20 batches per interval.
 	Interval *Duration `yaml:"interval"`
 	// BatchSize is the most rows one statement changes (default 500).
 	BatchSize int `yaml:"batch_size"`

@@ -106,8 +106,10 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 	<-timer.C
 	var last *ledger.Result
 	var poll time.Duration
+	var watched [2]int32 // generation and attempt last marked watched
 	for {
 		res, err := s.store.Begin(ctx, p)
+		fresh := err == nil
 		left := time.Until(giveUp)
 		if err != nil {
 			// A re-read that finds the database unreachable (waiters poll
@@ -128,6 +130,23 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 		sleep := left
 		if rec := res.Record; rec.State == statemachine.StateInProgress {
 			sleep = min(sleep, rec.LeaseExpiresAt.Sub(res.Now)+leaseSlack)
+			// Only changes someone waits for are notified: say so, then
+			// read again if the attempt ended meanwhile. (With the
+			// database unreachable, wait on the last read, as above.)
+			// Mark each attempt once: every re-read (a poll, a wake-up)
+			// would otherwise write the row again.
+			if attempt := [2]int32{rec.Generation, rec.Attempt}; fresh && attempt != watched {
+				held, err := s.store.Watch(ctx, p.ID)
+				if err != nil && !errors.Is(err, ledger.ErrUnavailable) {
+					return nil, err
+				}
+				if err == nil && !held {
+					continue
+				}
+				if err == nil {
+					watched = attempt
+				}
+			}
 		}
 		if s.store.NotificationStats().Polling {
 			poll = nextPoll(poll)

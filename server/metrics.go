@@ -167,8 +167,10 @@ func (m *metrics) observeReap(res ledger.ReapResult) {
 }
 
 // recordsCollector reports idempotency_records{state}, the number of
-// records per state in effect now. The count scans the table, so it is
-// cached for recordsCacheFor between scrapes.
+// records per state in effect now, from ledger.Store.StateCounts: exact
+// for IN_PROGRESS and UNKNOWN, estimated for the other states once the
+// table is large, never a scan of the whole table. It is cached for
+// recordsCacheFor between scrapes.
 type recordsCollector struct {
 	store  *ledger.Store
 	logger *slog.Logger
@@ -183,7 +185,9 @@ const recordsCacheFor = 10 * time.Second
 
 func newRecordsCollector(store *ledger.Store, logger *slog.Logger) *recordsCollector {
 	return &recordsCollector{store: store, logger: logger, desc: prometheus.NewDesc("idempotency_records",
-		"Records per state in effect now (refreshed at most every 10s).", []string{"state"}, nil)}
+		"Records per state in effect now (refreshed at most every 10s). in_progress and unknown are exact; "+
+			"on a table over 64 MiB the other states are PostgreSQL's planner estimates of the stored states.",
+		[]string{"state"}, nil)}
 }
 
 func (c *recordsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
@@ -193,7 +197,7 @@ func (c *recordsCollector) Collect(ch chan<- prometheus.Metric) {
 	defer c.mu.Unlock()
 	if c.counts == nil || time.Since(c.at) >= recordsCacheFor {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		counts, err := c.store.CountByState(ctx)
+		sc, err := c.store.StateCounts(ctx)
 		cancel()
 		if err != nil {
 			c.logger.Warn("counting records per state failed", "err", err)
@@ -201,11 +205,15 @@ func (c *recordsCollector) Collect(ch chan<- prometheus.Metric) {
 				return
 			}
 		} else {
-			c.counts, c.at = counts, time.Now()
+			c.counts, c.at = sc.Counts, time.Now()
 		}
 	}
 	for st := statemachine.StateInProgress; st <= statemachine.StateUnknown; st++ {
-		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(c.counts[st]), stateLabel(st))
+		n, ok := c.counts[st]
+		if !ok {
+			continue // not estimated yet (a large table never analyzed)
+		}
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), stateLabel(st))
 	}
 }
 

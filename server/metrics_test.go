@@ -97,6 +97,53 @@ func TestMetricsCountScriptedCalls(t *testing.T) {
 	}
 }
 
+// TestReaperDrainsBacklogWithoutWaiting checks that the reaper loop runs
+// passes back to back while they leave work: with a one-hour interval and
+// 2-row batches (40 rows a pass), only that loop can expire 300 records
+// before the interval comes round.
+func TestReaperDrainsBacklogWithoutWaiting(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{config: "reaper: { interval: 1h, batch_size: 2 }\n"})
+	conn, err := pgxConnect(e.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	const n = 300
+	if _, err := conn.Exec(context.Background(), `INSERT INTO idempotency_records
+		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
+		 created_at, updated_at, expires_at)
+		SELECT 'default', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
+		FROM generate_series(1, $2) AS i`, e.clock.Now(), n); err != nil {
+		t.Fatal(err)
+	}
+	e.clock.Advance(time.Second)
+	rctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		e.coord.Server.RunReaper(rctx)
+	}()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		var expired int
+		if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM idempotency_records WHERE state = 5`).Scan(&expired); err != nil {
+			t.Fatal(err)
+		}
+		if expired == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 2 minutes the reaper had expired %d of %d records (one pass does 40; the next interval is an hour away)", expired, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // TestMetricsBehindToken: with a metrics token, /metrics answers 401 to a
 // scrape without it or with another one, and serves the one that sends it;
 // health endpoints stay open.

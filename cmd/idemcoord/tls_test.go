@@ -2,17 +2,9 @@ package main
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -32,84 +24,16 @@ import (
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 )
 
-// pemCA issues certificates into PEM files.
-type pemCA struct {
-	t    *testing.T
-	dir  string
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	n    int64
-}
-
-func newPemCA(t *testing.T) *pemCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	ca := &pemCA{t: t, dir: t.TempDir(), cert: cert, key: key, n: 1}
-	ca.write("ca.pem", "CERTIFICATE", der)
-	return ca
-}
-
-func (ca *pemCA) write(name, typ string, der []byte) string {
-	path := filepath.Join(ca.dir, name)
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-		ca.t.Fatal(err)
-	}
-	return path
-}
-
-// issue writes a certificate for cn (a server certificate for 127.0.0.1
-// when server) and its key, and returns the files and the pair.
-func (ca *pemCA) issue(name, cn string, server bool) (string, string, tls.Certificate) {
-	t := ca.t
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca.n++
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(ca.n), Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
-	if server {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	certFile, keyFile := ca.write(name+".pem", "CERTIFICATE", der), ca.write(name+"-key.pem", "EC PRIVATE KEY", kder)
-	pair, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return certFile, keyFile, pair
-}
-
 // TestTLSBinary runs the real binary with TLS, client certificates, tenants
 // and a metrics token: a client certificate named after the admin tenant
 // (which lists no certificate names) gets nothing; one its tenant lists
 // works; idemctl reaches it with --tls-ca and a token and says so when it
 // tries plaintext; /metrics wants the token.
 func TestTLSBinary(t *testing.T) {
-	ca := newPemCA(t)
-	serverCert, serverKey, _ := ca.issue("server", "idemcoord", true)
-	_, _, asAdmin := ca.issue("as-admin", "ops", false)
-	_, _, ciCert := ca.issue("ci", "ci-runner", false)
+	ca := coordtest.NewCA(t)
+	serverCert, serverKey, _ := ca.Issue("server", "idemcoord", "127.0.0.1")
+	_, _, asAdmin := ca.Issue("as-admin", "ops")
+	_, _, ciCert := ca.Issue("ci", "ci-runner")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "idemcoord.yaml")
 	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`tenants:
@@ -122,14 +46,13 @@ func TestTLSBinary(t *testing.T) {
 	if err := os.WriteFile(metricsToken, []byte("scrape-secret\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	pool := x509.NewCertPool()
-	pool.AddCert(ca.cert)
+	pool := ca.Pool()
 	creds := func(certs ...tls.Certificate) credentials.TransportCredentials {
 		return credentials.NewTLS(&tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12})
 	}
 	grpcAddr, httpAddr := coordtest.FreeAddr(t), coordtest.FreeAddr(t)
 	p := startBinaryWith(t, creds(), coordtest.BuildBinary(t), pgtest.NewDatabase(t), grpcAddr, httpAddr,
-		"--config", cfg, "--tls-cert", serverCert, "--tls-key", serverKey, "--tls-client-ca", filepath.Join(ca.dir, "ca.pem"),
+		"--config", cfg, "--tls-cert", serverCert, "--tls-key", serverKey, "--tls-client-ca", ca.File(),
 		"--metrics-token-file", metricsToken)
 	defer p.stop()
 	dial := func(c credentials.TransportCredentials) *grpc.ClientConn {
@@ -173,7 +96,7 @@ func TestTLSBinary(t *testing.T) {
 		out, _ := cmd.CombinedOutput()
 		return cmd.ProcessState.ExitCode(), string(out)
 	}
-	if code, out := runCtl("--tls-ca", filepath.Join(ca.dir, "ca.pem"), "lookup", "build", "never"); code != 1 || !strings.Contains(out, "NOT_FOUND") {
+	if code, out := runCtl("--tls-ca", ca.File(), "lookup", "build", "never"); code != 1 || !strings.Contains(out, "NOT_FOUND") {
 		t.Fatalf("idemctl over TLS: exit %d\n%s", code, out)
 	}
 	if code, out := runCtl("list"); code != 1 || !strings.Contains(out, "speaks TLS") {

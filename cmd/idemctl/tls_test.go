@@ -1,23 +1,13 @@
 package main
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	"net"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -26,80 +16,6 @@ import (
 	"github.com/idemcoord/idemcoord/server"
 )
 
-// testCA issues certificates into files of a temporary directory.
-type testCA struct {
-	t    *testing.T
-	dir  string
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	n    int64
-}
-
-func newTestCA(t *testing.T) *testCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "idemctl test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	ca := &testCA{t: t, dir: t.TempDir(), cert: cert, key: key, n: 1}
-	ca.write("ca.pem", "CERTIFICATE", der)
-	return ca
-}
-
-func (ca *testCA) write(name, typ string, der []byte) string {
-	path := filepath.Join(ca.dir, name)
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-		ca.t.Fatal(err)
-	}
-	return path
-}
-
-// issue writes a certificate and key named name; dnsOrIP are the server's
-// names (none: a client certificate with common name cn).
-func (ca *testCA) issue(name, cn string, dnsOrIP ...string) (certFile, keyFile string, pair tls.Certificate) {
-	t := ca.t
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca.n++
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(ca.n), Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
-	if len(dnsOrIP) > 0 {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		for _, n := range dnsOrIP {
-			if ip := net.ParseIP(n); ip != nil {
-				tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
-			} else {
-				tmpl.DNSNames = append(tmpl.DNSNames, n)
-			}
-		}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	certFile, keyFile = ca.write(name+".pem", "CERTIFICATE", der), ca.write(name+"-key.pem", "EC PRIVATE KEY", kder)
-	pair, err = tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return certFile, keyFile, pair
-}
-
 // TestTLSCoordinator runs idemctl against a coordinator that serves TLS
 // and verifies client certificates: with the CA (flag or environment) and
 // a token, with a client certificate its tenant lists, with a server name
@@ -107,13 +23,12 @@ func (ca *testCA) issue(name, cn string, dnsOrIP ...string) (certFile, keyFile s
 // to a plaintext one, a wrong CA, plaintext to a non-loopback address.
 func TestTLSCoordinator(t *testing.T) {
 	t.Parallel()
-	ca := newTestCA(t)
-	_, _, serverPair := ca.issue("server", "idemcoord", "127.0.0.1", "coord.internal")
-	_, _, namedOnly := ca.issue("named", "idemcoord", "coord.internal")
-	cliCert, cliKey, _ := ca.issue("client", "ops-cli")
-	strangerCert, strangerKey, _ := ca.issue("stranger", "ops")
-	pool := x509.NewCertPool()
-	pool.AddCert(ca.cert)
+	ca := coordtest.NewCA(t)
+	_, _, serverPair := ca.Issue("server", "idemcoord", "127.0.0.1", "coord.internal")
+	_, _, namedOnly := ca.Issue("named", "idemcoord", "coord.internal")
+	cliCert, cliKey, _ := ca.Issue("client", "ops-cli")
+	strangerCert, strangerKey, _ := ca.Issue("stranger", "ops")
+	pool := ca.Pool()
 	sum := sha256.Sum256([]byte("ops-secret"))
 	config := fmt.Sprintf("tenants:\n  - { name: ops, token_sha256: %s, client_cert_names: [ops-cli], scopes: [\"*\"], admin: true }\n",
 		hex.EncodeToString(sum[:]))
@@ -124,7 +39,7 @@ func TestTLSCoordinator(t *testing.T) {
 			ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(creds))}})
 	}
 	c := start(serverPair)
-	caFile := filepath.Join(ca.dir, "ca.pem")
+	caFile := ca.File()
 	want := func(what string, r result, code int, stderr string) {
 		t.Helper()
 		if r.code != code || !strings.Contains(r.stderr, stderr) {
