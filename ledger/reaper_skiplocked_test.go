@@ -26,13 +26,7 @@ func TestReaperSkipsLockedRows(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(context.Background(), `INSERT INTO idempotency_records
-		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
-		 created_at, updated_at, expires_at)
-		SELECT 't', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
-		FROM generate_series(1, $2) AS i`, clock.Now(), n); err != nil {
-		t.Fatal(err)
-	}
+	seedCompleted(t, url, clock.Now(), n)
 	clock.Advance(time.Second)
 	tx, err := conn.Begin(context.Background())
 	if err != nil {

@@ -141,19 +141,7 @@ func TestReapersSideBySide(t *testing.T) {
 	url := pgtest.NewDatabase(t)
 	clock := coordtest.NewClock()
 	const n = 3000
-	conn, err := pgx.Connect(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = conn.Exec(context.Background(), `INSERT INTO idempotency_records
-		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
-		 created_at, updated_at, expires_at)
-		SELECT 't', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
-		FROM generate_series(1, $2) AS i`, clock.Now(), n)
-	conn.Close(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	seedCompleted(t, url, clock.Now(), n)
 	clock.Advance(time.Second)
 	a, b := openStore(t, url, clock), openStore(t, url, clock)
 	var wg sync.WaitGroup
@@ -192,19 +180,7 @@ func TestReapReportsMore(t *testing.T) {
 	url := pgtest.NewDatabase(t)
 	clock := coordtest.NewClock()
 	const n = 25
-	conn, err := pgx.Connect(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = conn.Exec(context.Background(), `INSERT INTO idempotency_records
-		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
-		 created_at, updated_at, expires_at)
-		SELECT 't', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
-		FROM generate_series(1, $2) AS i`, clock.Now(), n)
-	conn.Close(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	seedCompleted(t, url, clock.Now(), n)
 	clock.Advance(time.Second)
 	s := openStore(t, url, clock)
 	p := &ledger.ReapParams{BatchSize: 4, MaxBatches: 3, Retention: time.Hour}
@@ -228,5 +204,23 @@ func TestReapReportsMore(t *testing.T) {
 	}
 	if total != n || passes != 3 {
 		t.Fatalf("expired %d records in %d passes, want %d in 3", total, passes, n)
+	}
+}
+
+// seedCompleted inserts n COMPLETED records k1…kn of tenant t, scope s,
+// that expire at at, with plain SQL (as a large backlog would stand).
+func seedCompleted(t *testing.T, url string, at time.Time, n int) {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(context.Background(), `INSERT INTO idempotency_records
+		(tenant, scope, key, state, attempt, generation, lease_token, has_response, body, ttl_us, failure_ttl_us,
+		 created_at, updated_at, expires_at)
+		SELECT 't', 's', 'k' || i, 2, 1, 1, 'tok', true, 'body', 1, 1, $1, $1, $1
+		FROM generate_series(1, $2) AS i`, at, n); err != nil {
+		t.Fatal(err)
 	}
 }
