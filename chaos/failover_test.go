@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/url"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,9 +25,11 @@ import (
 // (target_session_attrs=read-write) that are never restarted. Then:
 //   - every acknowledged Complete replays byte-for-byte, and the other
 //     promises of workload hold (see workload.verify);
-//   - the per-key histories of a second set of callers (Begin, Complete,
-//     Fail, Heartbeat, Lookup on a coordinator with a test clock) are
-//     linearizable (porcupine, the model of TestLinearizable);
+//   - the per-key histories of a second set of callers (every call of the
+//     API and reaper passes, on a coordinator whose test clock moves while
+//     the calls are in flight, as in TestLinearizableReference) are
+//     linearizable with respect to the reference model (refmodel_test.go),
+//     and every key read back after the failover agrees with them;
 //   - calls in the gap failed UNAVAILABLE only (never INTERNAL, never past
 //     their deadline);
 //   - the coordinator serves again after the promotion; the test logs how
@@ -36,8 +37,8 @@ import (
 //
 // TestFailoverAsyncStandbyIsCaught is its negative control.
 func TestFailoverSynchronousStandby(t *testing.T) {
-	f := startFailoverPair(t, true)
 	rng := rand.New(rand.NewPCG(seed(t), 14))
+	f := startFailoverPair(t, true, rng.Uint64())
 
 	// Coordinator W serves a Begin/Complete workload on the real clock.
 	cw := coordtest.Start(t, coordtest.Options{DatabaseURL: f.multiHostURL("idemcoord"),
@@ -68,7 +69,7 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 	}()
 
 	var killedAt, promotedAt time.Time
-	lin := f.runLinearizable(t, rng, byMode(30, 120), func(round int) {
+	f.runReference(t, byMode(30, 120), func(round int) {
 		if round != byMode(15, 60) {
 			return
 		}
@@ -114,34 +115,29 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 	if r.unavailable == 0 {
 		t.Errorf("no call failed UNAVAILABLE: the failover missed the load")
 	}
-	if lin.res != porcupine.Ok {
-		path := writeVisualization(t, lin.info)
-		t.Errorf("histories are not linearizable across the failover (result %s); porcupine's visualization: %s", lin.res, path)
-	}
-	for _, v := range lin.st.violations {
-		t.Errorf("violation: %s", v)
-	}
+	lin := f.checkReference(t)
 	t.Logf("chaos: failover: kill -9 of the primary, pg_ctl promote of the synchronous standby took %v; served again %v after the kill",
 		promotedAt.Sub(killedAt).Round(time.Millisecond), resumed.Round(time.Millisecond))
 	t.Logf("chaos: failover: workload ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d deadline_exceeded=%d internal=%d bad_rows=%d",
 		r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.deadline, r.internal, r.badRows)
-	t.Logf("chaos: failover: linearizability ops=%d unanswered=%d keys=%d result=%s", lin.ops, lin.st.unknown, lin.st.keys, lin.res)
+	t.Logf("chaos: failover: %s", lin)
 }
 
 // TestFailoverAsyncStandbyIsCaught is the negative control of
 // TestFailoverSynchronousStandby: with asynchronous replication and the
 // standby stalled (stopped) while the primary acknowledges writes, the
-// promoted standby lacks them, and the linearizability checker must say
-// so. It shows the failover test able to fail.
+// promoted standby lacks them, and the reference model's checker must say
+// so, for the history of the probe key alone too (a Begin acknowledged by
+// the primary, then looked up on the promoted standby). It shows the
+// failover test able to fail.
 func TestFailoverAsyncStandbyIsCaught(t *testing.T) {
-	f := startFailoverPair(t, false)
 	rng := rand.New(rand.NewPCG(seed(t), 15))
+	f := startFailoverPair(t, false, rng.Uint64())
 	probe := [2]string{"free", "probe"}
-	// The probe caller runs its calls itself, beside the random clients.
-	pc := &linClient{id: len(f.clients), h: f.h, client: f.clients[0].client, rng: rand.New(rand.NewPCG(rng.Uint64(), 99)),
-		tokens: map[string][]string{}, attempts: map[string]string{}}
-	var lost bool
-	lin := f.runLinearizable(t, rng, 12, func(round int) {
+	// The probe caller makes its calls itself, beside the random clients.
+	pc := f.run.newClient(len(f.run.clients), rand.New(rand.NewPCG(rng.Uint64(), 99)))
+	var acquired, notFound, lost bool
+	f.runReference(t, 12, func(round int) {
 		switch round {
 		case 4:
 			// Stall the standby: the primary goes on acknowledging.
@@ -150,8 +146,11 @@ func TestFailoverAsyncStandbyIsCaught(t *testing.T) {
 			}
 		case 8:
 			// A write acknowledged by the primary alone.
-			for try := 0; try < 100 && !f.answered(pc, probe, opBegin); try++ {
-				pc.do(f.coord.Clock.Now(), probe, 0)
+			for try := 0; try < 100 && !acquired; try++ {
+				in := pc.newCall(rkBegin, probe)
+				in.attemptID, in.ttl, in.lease = "probe", time.Hour, time.Hour
+				a := pc.call(in)
+				acquired = !a.unknown && a.err == "" && a.outcome == roAcquired
 			}
 			if err := f.primary.Kill(); err != nil {
 				t.Fatal(err)
@@ -165,36 +164,54 @@ func TestFailoverAsyncStandbyIsCaught(t *testing.T) {
 			f.current = f.standby.URL("postgres")
 		case 10:
 			lost = !f.hasRow(t, probe)
-			for try := 0; try < 100 && !f.answered(pc, probe, opLookup); try++ {
-				pc.do(f.coord.Clock.Now(), probe, 16)
+			for try := 0; try < 100; try++ {
+				if a := pc.call(pc.newCall(rkLookup, probe)); !a.unknown {
+					notFound = a.err == "NOT_FOUND"
+					break
+				}
 				time.Sleep(20 * time.Millisecond)
 			}
 		}
 	})
-	if !lost {
-		t.Fatalf("the promoted standby has the probe record: the standby was not behind, the control proves nothing")
+	if !acquired {
+		t.Fatalf("the probe Begin was never acknowledged as acquired")
 	}
-	if lin.res == porcupine.Ok {
-		t.Fatalf("the checker accepted a history in which an acknowledged write was lost by an asynchronous failover")
+	if !lost || !notFound {
+		t.Fatalf("the promoted standby has the probe record (row gone: %v, Lookup NOT_FOUND: %v): the standby was not behind, the control proves nothing", lost, notFound)
 	}
-	t.Logf("chaos: failover negative control: async standby stalled, acknowledged probe lost, checker result %s (ops=%d)", lin.res, lin.ops)
+	// Not the verbose check of the other tests: that one searches every
+	// key's history to the end, and refuting a long one takes minutes.
+	// This one stops at the first key whose history has no linearization.
+	ops := f.run.h.operations()
+	if res := porcupine.CheckOperationsTimeout(refModel(), ops, 3*time.Minute); res != porcupine.Illegal {
+		t.Fatalf("the checker answered %s for a history in which an acknowledged write was lost by an asynchronous failover; want Illegal", res)
+	}
+	var probeOps []porcupine.Operation
+	for _, op := range ops {
+		if in := op.Input.(refCall); in.scope == probe[0] && in.key == probe[1] {
+			probeOps = append(probeOps, op)
+		}
+	}
+	if res := porcupine.CheckOperationsTimeout(refModel(), probeOps, time.Minute); res != porcupine.Illegal {
+		t.Fatalf("the checker answered %s for the probe key's history (%d calls), in which its acknowledged Begin was lost; want Illegal", res, len(probeOps))
+	}
+	t.Logf("chaos: failover negative control: async standby stalled, acknowledged probe lost, checker result Illegal (ops=%d, probe key ops=%d)", len(ops), len(probeOps))
 }
 
 // failoverPair is a primary and its standby, and the coordinator of the
-// linearizability callers.
+// reference callers.
 type failoverPair struct {
 	primary, standby *pgtest.Cluster
 	// current is the URL of the primary in charge.
 	current string
 	coord   *coordtest.Coordinator
-	clients []*linClient
-	h       *linHistory
+	run     *refRunner
 }
 
 // startFailoverPair starts a primary and a streaming standby (synchronous
-// or not), migrated, and a coordinator with a test clock on the multi-host
-// URL of both.
-func startFailoverPair(t *testing.T, synchronous bool) *failoverPair {
+// or not), migrated, and the reference callers' coordinator, with a test
+// clock, on the multi-host URL of both; the callers draw from seed.
+func startFailoverPair(t *testing.T, synchronous bool, seed uint64) *failoverPair {
 	t.Helper()
 	f := &failoverPair{primary: pgtest.StartCluster(t, pgtest.ClusterOptions{})}
 	f.current = f.primary.URL("postgres")
@@ -221,23 +238,25 @@ func startFailoverPair(t *testing.T, synchronous bool) *failoverPair {
 			t.Fatalf("the standby does not stream (%s) after a minute: %v", want, err)
 		}
 	}
-	f.startLinCallers(t, f.multiHostURL("idemcoord-lin"))
+	f.startRefCallers(t, f.multiHostURL(refCallersApp), seed)
 	return f
 }
 
-// startLinCallers starts the coordinator of the linearizability callers,
-// with a test clock, on databaseURL, and the callers.
-func (f *failoverPair) startLinCallers(t *testing.T, databaseURL string) {
+// refCallersApp is the application_name of the reference callers'
+// coordinator, whose open transactions end a round.
+const refCallersApp = "idemcoord-lin"
+
+// startRefCallers starts the coordinator of the reference callers on
+// databaseURL, with a test clock and refConfig, and the callers, whose
+// random choices are drawn from seed. Its records' times are those of the
+// test clock (in January 2026), so its reaper passes leave alone the
+// records another coordinator on the same database writes on the real
+// clock (in the future for it), and no other coordinator runs a reaper.
+func (f *failoverPair) startRefCallers(t *testing.T, databaseURL string, seed uint64) {
 	t.Helper()
 	f.coord = coordtest.Start(t, coordtest.Options{DatabaseURL: databaseURL, FakeClock: true,
-		Config: linConfig, ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
-	client := idempotencyv1.NewCoordinatorClient(dial(t, f.coord.Addr))
-	f.h = &linHistory{start: time.Now()}
-	s := rand.Uint64()
-	for i := range 4 {
-		f.clients = append(f.clients, &linClient{id: i, h: f.h, client: client, rng: rand.New(rand.NewPCG(s, uint64(10+i))),
-			tokens: map[string][]string{}, attempts: map[string]string{}})
-	}
+		Config: refConfig, ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
+	f.run = newRefRunner(t, f.coord, seed)
 }
 
 // multiHostURL is the URL naming both servers, primary first, that only
@@ -263,50 +282,37 @@ func (f *failoverPair) failover(t *testing.T) {
 	f.current = f.standby.URL("postgres")
 }
 
-type linResult struct {
-	ops  int
-	res  porcupine.CheckResult
-	info porcupine.LinearizationInfo
-	st   linStats
-}
-
-// runLinearizable runs rounds of random calls from the linearizability
-// clients, as TestLinearizable does, calling fault(round) while a round's
-// calls are in flight, and checks the histories.
-func (f *failoverPair) runLinearizable(t *testing.T, rng *rand.Rand, rounds int, fault func(round int)) linResult {
+// runReference runs rounds of random calls from the reference callers, as
+// TestLinearizableReference does (refRunner.round: the clock moves and the
+// reaper runs while the calls are in flight), calling fault(round) beside
+// a round's calls; a round ends when the primary in charge shows no
+// transaction of the callers' coordinator open. Then every key is read
+// back. The history is f.run.h.
+func (f *failoverPair) runReference(t *testing.T, rounds int, fault func(round int)) {
 	t.Helper()
 	for round := range rounds {
-		now := f.coord.Clock.Now()
-		var wg sync.WaitGroup
-		for _, cl := range f.clients {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for range 5 {
-					cl.step(now)
-				}
-			}()
-		}
-		fault(round)
-		wg.Wait()
-		waitNoOpenTransactionsOf(t, f.current, "idemcoord-lin")
-		f.h.endRound()
-		f.coord.Clock.Advance(time.Duration(rng.IntN(1200)) * time.Millisecond)
+		f.run.round(func() { fault(round) }, func() { waitNoOpenTransactionsOf(t, f.current, refCallersApp) })
 	}
-	ops := f.h.operations()
-	res, info := porcupine.CheckOperationsVerbose(linModel(), ops, 2*time.Minute)
-	return linResult{ops: len(ops), res: res, info: info, st: f.h.stats()}
+	f.run.clients[0].readBack()
+	f.run.h.endRound()
 }
 
-// answered reports whether cl's history has an answered call op of k.
-func (f *failoverPair) answered(cl *linClient, k [2]string, op linOp) bool {
-	for _, o := range f.h.operations() {
-		in, out := o.Input.(linInput), o.Output.(linOutput)
-		if in.client == cl.id && in.op == op && in.scope == k[0] && in.key == k[1] && !out.unknown {
-			return true
-		}
+// checkReference checks the reference callers' history against the
+// reference model, fails the test when it is not linearizable, and
+// returns a line that sums it up.
+func (f *failoverPair) checkReference(t *testing.T) string {
+	t.Helper()
+	ops, res, info := f.run.h.check()
+	st := f.run.h.stats()
+	if res != porcupine.Ok {
+		path := writeRefVisualization(t, info)
+		logRefViolation(t, ops, info)
+		t.Errorf("the histories are not linearizable against the reference model (result %s); porcupine's visualization: %s", res, path)
 	}
-	return false
+	for _, v := range st.violations {
+		t.Errorf("violation: %s", v)
+	}
+	return fmt.Sprintf("reference linearizability ops=%d unanswered=%d keys=%d reaper passes=%d result=%s", len(ops), st.unknown, st.keys, f.run.reaps, res)
 }
 
 // hasRow reports whether the primary in charge stores record k.

@@ -15,8 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/anishathalye/porcupine"
-
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/ledger"
@@ -48,14 +46,14 @@ func TestFailoverPgAutoFailover(t *testing.T) {
 	w.start(8, rng.Uint64())
 
 	f := &failoverPair{current: ha.url}
-	f.startLinCallers(t, ha.url+"&application_name=idemcoord-lin")
+	f.startRefCallers(t, ha.url+"&application_name="+refCallersApp, rng.Uint64())
 	// Each failover runs while rounds of calls go on (a round waits for
 	// the database to show its transactions ended, so rounds slow down
 	// in the gap); the next one starts after it is done.
 	var failovers []time.Duration
 	var lastDone time.Time
 	var done chan error
-	lin := f.runLinearizable(t, rng, 160, func(round int) {
+	f.runReference(t, 160, func(round int) {
 		switch round % 40 {
 		case 10:
 			done = make(chan error, 1)
@@ -84,17 +82,11 @@ func TestFailoverPgAutoFailover(t *testing.T) {
 	if r.deadline > 0 {
 		t.Errorf("%d calls ran into their deadline instead of failing UNAVAILABLE", r.deadline)
 	}
-	if lin.res != porcupine.Ok {
-		path := writeVisualization(t, lin.info)
-		t.Errorf("histories are not linearizable across the failovers (result %s); porcupine's visualization: %s", lin.res, path)
-	}
-	for _, v := range lin.st.violations {
-		t.Errorf("violation: %s", v)
-	}
+	lin := f.checkReference(t)
 	t.Logf("chaos: pg_auto_failover: %d failovers (pg_autoctl perform failover took %v)", len(failovers), failovers)
 	t.Logf("chaos: pg_auto_failover: workload ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d deadline_exceeded=%d internal=%d bad_rows=%d",
 		r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.deadline, r.internal, r.badRows)
-	t.Logf("chaos: pg_auto_failover: linearizability ops=%d unanswered=%d keys=%d result=%s", lin.ops, lin.st.unknown, lin.st.keys, lin.res)
+	t.Logf("chaos: pg_auto_failover: %s", lin)
 }
 
 // haCluster is a pg_auto_failover formation run by scripts/run-ha.sh.

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -14,7 +15,7 @@ import (
 	"time"
 
 	"github.com/anishathalye/porcupine"
-	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -75,7 +76,6 @@ const refMinLostReplies = 10
 // it logs the coverage of each row.
 func TestLinearizableReference(t *testing.T) {
 	s := seed(t)
-	rng := rand.New(rand.NewPCG(s, 5))
 	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
 	dbURL := cluster.URL("postgres")
 	if err := ledger.Migrate(context.Background(), dbURL); err != nil {
@@ -84,14 +84,8 @@ func TestLinearizableReference(t *testing.T) {
 	proxy, proxiedURL := newDatabaseProxy(t, dbURL, s)
 	c := coordtest.Start(t, coordtest.Options{DatabaseURL: proxiedURL, FakeClock: true, Config: refConfig,
 		ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
-	conn := dial(t, c.Addr)
-	h := &refHistory{start: time.Now(), clock: c.Clock, nows: []time.Time{c.Clock.Now()}}
-	clients := make([]*refClient, 4)
-	for i := range clients {
-		clients[i] = &refClient{id: i, h: h, client: idempotencyv1.NewCoordinatorClient(conn), admin: idempotencyv1.NewAdminClient(conn),
-			rng: rand.New(rand.NewPCG(s, uint64(20+i))), tokens: map[string][]string{}, attempts: map[string]refAttempt{},
-			lastEnd: map[string]refCall{}}
-	}
+	run := newRefRunner(t, c, s)
+	h := run.h
 
 	// The run goes on until every row of the table was exercised and the
 	// lost-reply window was hit often enough (checked every 50 rounds from
@@ -104,7 +98,7 @@ func TestLinearizableReference(t *testing.T) {
 		}
 	}
 	proxy.SetCutChance(0.03)
-	pgKills, reaps := 0, 0
+	pgKills := 0
 	var (
 		ops        []porcupine.Operation
 		res        porcupine.CheckResult
@@ -116,9 +110,8 @@ func TestLinearizableReference(t *testing.T) {
 		roundsDone int
 	)
 	check := func() bool {
-		ops = h.operations()
 		startCheck := time.Now()
-		res, info = porcupine.CheckOperationsVerbose(refModel(), ops, 3*time.Minute)
+		ops, res, info = h.check()
 		checkTime += time.Since(startCheck)
 		if res != porcupine.Ok {
 			return true
@@ -139,56 +132,22 @@ func TestLinearizableReference(t *testing.T) {
 		return len(missing) == 0 && lost >= refMinLostReplies
 	}
 	for round := range maxRounds {
-		var wg sync.WaitGroup
-		for _, cl := range clients {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for range 5 {
-					cl.step()
+		run.round(nil, func() {
+			if round%7 == 3 {
+				proxy.CutAll()
+			}
+			if killRounds[round] {
+				if err := cluster.Kill(); err != nil {
+					t.Fatal(err)
 				}
-			}()
-		}
-		done := make(chan struct{})
-		go func() { wg.Wait(); close(done) }()
-		// The clock moves and the reaper runs while the calls are in
-		// flight.
-	moving:
-		for {
-			select {
-			case <-done:
-				break moving
-			case <-time.After(time.Duration(rng.IntN(8)) * time.Millisecond):
+				pgKills++
+				if err := cluster.Start(); err != nil {
+					t.Fatal(err)
+				}
 			}
-			if rng.IntN(4) == 0 {
-				h.reap(c.Server, refRetention)
-				reaps++
-			} else {
-				h.advance(time.Duration(1+rng.IntN(250_000)) * time.Microsecond)
-			}
-		}
-		if round%7 == 3 {
-			proxy.CutAll()
-		}
-		if killRounds[round] {
-			if err := cluster.Kill(); err != nil {
-				t.Fatal(err)
-			}
-			pgKills++
-			if err := cluster.Start(); err != nil {
-				t.Fatal(err)
-			}
-		}
-		waitNoOpenTransactions(t, dbURL)
-		waitCutBackendsGone(t, dbURL, proxy)
-		h.endRound()
-		if rng.IntN(15) == 0 {
-			// Now and then a long pause: every lease of the round lapses
-			// while its holder still holds it.
-			h.advance(3*time.Second + time.Duration(rng.IntN(1000_000))*time.Microsecond)
-		} else {
-			h.advance(time.Duration(rng.IntN(300_000)) * time.Microsecond)
-		}
+			waitNoOpenTransactions(t, dbURL)
+			waitCutBackendsGone(t, dbURL, proxy)
+		})
 		roundsDone = round + 1
 		if roundsDone >= minRounds && roundsDone%50 == 0 {
 			if check() {
@@ -198,15 +157,13 @@ func TestLinearizableReference(t *testing.T) {
 		}
 	}
 	proxy.SetCutChance(0)
-	for _, cl := range clients[:1] {
-		cl.readBack()
-	}
+	run.clients[0].readBack()
 	h.endRound()
 	check()
 
 	st := h.stats()
 	t.Logf("chaos: reference linearizability: rounds=%d ops=%d faults=%d (connection cuts %d, postgres kills %d) reaper passes=%d unanswered=%d keys=%d result=%s check_time=%v",
-		roundsDone, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
+		roundsDone, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, run.reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
 	t.Logf("chaos: reference linearizability: by call %v", st.byOp)
 	for _, v := range st.violations {
 		t.Errorf("violation: %s", v)
@@ -239,38 +196,94 @@ func TestLinearizableReference(t *testing.T) {
 	}
 }
 
-// waitCutBackendsGone waits until PostgreSQL runs no more backends for the
-// coordinator than the proxy has connections open. A backend whose
-// connection was cut may still hold a statement the coordinator sent just
-// before the cut, unread in its socket buffer while pg_stat_activity shows
-// it idle; it runs that statement, if at all, before it exits, so only
-// then has every unanswered call of the round taken effect or not.
-func waitCutBackendsGone(t *testing.T, dbURL string, proxy *Proxy) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		n, err := coordinatorBackends(dbURL)
-		if err == nil && n <= proxy.Links() {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("PostgreSQL still runs %d backends for the coordinator, %d connections through the proxy, after 30s (%v)", n, proxy.Links(), err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+// refRunner drives rounds of random calls from refClients at one
+// coordinator on a test clock, with the clock moving and the coordinator's
+// reaper making passes while the calls are in flight, and records them in
+// a refHistory. TestLinearizableReference and the failover tests use it.
+type refRunner struct {
+	h       *refHistory
+	c       *coordtest.Coordinator
+	conn    *grpc.ClientConn
+	clients []*refClient
+	rng     *rand.Rand // the clock's steps and the reaper's passes
+	reaps   int
 }
 
-func coordinatorBackends(dbURL string) (int, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		return -1, err
+// newRefRunner returns a runner of four clients of c, which must run with
+// FakeClock and refConfig; its random choices are drawn from seed.
+func newRefRunner(t *testing.T, c *coordtest.Coordinator, seed uint64) *refRunner {
+	t.Helper()
+	r := &refRunner{c: c, conn: dial(t, c.Addr), rng: rand.New(rand.NewPCG(seed, 5)),
+		h: &refHistory{start: time.Now(), clock: c.Clock, nows: []time.Time{c.Clock.Now()}}}
+	for i := range 4 {
+		r.clients = append(r.clients, r.newClient(i, rand.New(rand.NewPCG(seed, uint64(20+i)))))
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	var n int
-	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemcoord'`).Scan(&n)
-	return n, err
+	return r
+}
+
+// newClient returns a client of the runner's coordinator that records its
+// calls in the runner's history; it makes no call unless told.
+func (r *refRunner) newClient(id int, rng *rand.Rand) *refClient {
+	return &refClient{id: id, h: r.h, client: idempotencyv1.NewCoordinatorClient(r.conn), admin: idempotencyv1.NewAdminClient(r.conn),
+		rng: rng, tokens: map[string][]string{}, attempts: map[string]refAttempt{}, lastEnd: map[string]refCall{}}
+}
+
+// round runs one round. Each client makes five random calls while the
+// clock moves in steps of up to 250 ms and, one step in four, the reaper
+// makes a pass instead; during, when not nil, runs beside the calls (a
+// fault, or calls of its own), and the clock goes on moving until it
+// returns too. Then settle runs: it may inject faults of its own and must
+// return once every unanswered call of the round took effect or never
+// will. The round is closed, and the clock moves on, by up to 300 ms, or
+// one round in fifteen by over 3 s, so that every lease of the round lapses
+// while its holder still holds it.
+func (r *refRunner) round(during, settle func()) {
+	var calls sync.WaitGroup
+	for _, cl := range r.clients {
+		calls.Add(1)
+		go func() {
+			defer calls.Done()
+			for range 5 {
+				cl.step()
+			}
+		}()
+	}
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Duration(r.rng.IntN(8)) * time.Millisecond):
+			}
+			if r.rng.IntN(4) == 0 {
+				r.h.reap(r.c.Server, refRetention)
+				r.reaps++
+			} else {
+				r.h.advance(time.Duration(1+r.rng.IntN(250_000)) * time.Microsecond)
+			}
+		}
+	}()
+	func() {
+		// Deferred, so that a t.Fatal in during still ends the round's
+		// goroutines.
+		defer func() {
+			calls.Wait()
+			close(stop)
+			<-stopped
+		}()
+		if during != nil {
+			during()
+		}
+	}()
+	settle()
+	r.h.endRound()
+	if r.rng.IntN(15) == 0 {
+		r.h.advance(3*time.Second + time.Duration(r.rng.IntN(1000_000))*time.Microsecond)
+	} else {
+		r.h.advance(time.Duration(r.rng.IntN(300_000)) * time.Microsecond)
+	}
 }
 
 func contains(xs []string, x string) bool {
@@ -301,6 +314,7 @@ type refHistory struct {
 
 	mu         sync.Mutex
 	nows       []time.Time // every reading the clock has had, in order
+	others     [][2]string // keys called that are not in refKeys
 	ops        []porcupine.Operation
 	pending    []refPending
 	nextID     atomic.Int64
@@ -329,7 +343,8 @@ func (h *refHistory) mark() int {
 }
 
 // reap runs one reaper pass at the current reading (the clock does not
-// move during it) and records it as one call per key.
+// move during it) and records it as one call per key: those of refKeys and
+// any other key called so far.
 func (h *refHistory) reap(srv *server.Server, retention time.Duration) {
 	i := h.mark()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -339,11 +354,22 @@ func (h *refHistory) reap(srv *server.Server, retention time.Duration) {
 	ret := h.since()
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for _, k := range refKeys {
+	for _, k := range h.keysLocked() {
 		in := refCall{id: int(h.nextID.Add(1)), client: -1, kind: rkReap, scope: k[0], key: k[1],
 			nows: []time.Time{h.nows[i]}, retention: retention}
 		h.addLocked(in, refAnswer{unknown: err != nil}, call, ret, -1)
 	}
+}
+
+// keys returns refKeys and every other key called so far.
+func (h *refHistory) keys() [][2]string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.keysLocked()
+}
+
+func (h *refHistory) keysLocked() [][2]string {
+	return append(append([][2]string(nil), refKeys...), h.others...)
 }
 
 func (h *refHistory) add(in refCall, out refAnswer, call, ret int64, firstNow int) {
@@ -357,6 +383,9 @@ func (h *refHistory) addLocked(in refCall, out refAnswer, call, ret int64, first
 		h.byOp = map[string]int{}
 	}
 	h.byOp[rkNames[in.kind]]++
+	if k := [2]string{in.scope, in.key}; !slices.Contains(refKeys, k) && !slices.Contains(h.others, k) {
+		h.others = append(h.others, k)
+	}
 	if out.unknown {
 		if in.kind != rkReap {
 			h.unknown++
@@ -396,7 +425,21 @@ func (h *refHistory) operations() []porcupine.Operation {
 	return append([]porcupine.Operation(nil), h.ops...)
 }
 
-func (h *refHistory) stats() linStats {
+// check checks the history recorded so far against refModel.
+func (h *refHistory) check() ([]porcupine.Operation, porcupine.CheckResult, porcupine.LinearizationInfo) {
+	ops := h.operations()
+	res, info := porcupine.CheckOperationsVerbose(refModel(), ops, 3*time.Minute)
+	return ops, res, info
+}
+
+// refStats sums up a history.
+type refStats struct {
+	unknown, keys int
+	violations    []string // calls answered what no caller may get (INTERNAL, …)
+	byOp          map[string]int
+}
+
+func (h *refHistory) stats() refStats {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	keys := map[string]bool{}
@@ -404,7 +447,7 @@ func (h *refHistory) stats() linStats {
 		in := op.Input.(refCall)
 		keys[in.scope+"/"+in.key] = true
 	}
-	return linStats{unknown: h.unknown, violations: h.violations, keys: len(keys), byOp: h.byOp}
+	return refStats{unknown: h.unknown, violations: h.violations, keys: len(keys), byOp: h.byOp}
 }
 
 // refAttempt is a logical attempt of a client on a key: a Begin retried
@@ -472,8 +515,8 @@ func (cl *refClient) step() {
 		// Mostly sensible: go on with the key this client acquired last.
 		k = [2]string(strings.SplitN(cl.held, "/", 2))
 	}
-	scope, key, id := k[0], k[1], k[0]+"/"+k[1]
-	in := refCall{id: int(cl.h.nextID.Add(1)), client: cl.id, scope: scope, key: key, pol: refPolicies[scope]}
+	id := k[0] + "/" + k[1]
+	in := cl.newCall(rkBegin, k) // the kind is chosen below
 	n := cl.rng.IntN(100)
 	switch {
 	case cl.retry != nil:
@@ -553,9 +596,15 @@ func (cl *refClient) step() {
 	cl.call(in)
 }
 
-// call sends in, records it with its answer, and remembers what the
-// client learnt.
-func (cl *refClient) call(in refCall) {
+// newCall returns a call of kind on key k = {scope, key}, for the caller
+// to fill in.
+func (cl *refClient) newCall(kind refKind, k [2]string) refCall {
+	return refCall{id: int(cl.h.nextID.Add(1)), client: cl.id, kind: kind, scope: k[0], key: k[1], pol: refPolicies[k[0]]}
+}
+
+// call sends in, records it with its answer, remembers what the client
+// learnt, and returns the answer.
+func (cl *refClient) call(in refCall) refAnswer {
 	id := in.scope + "/" + in.key
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -639,6 +688,7 @@ func (cl *refClient) call(in refCall) {
 		out = refAnswer{unknown: true}
 	}
 	cl.h.add(in, out, call, ret, first)
+	return out
 }
 
 func (h *refHistory) readings(first, last int) []time.Time {
@@ -647,26 +697,18 @@ func (h *refHistory) readings(first, last int) []time.Time {
 	return h.nows[first : last+1]
 }
 
-// readBack looks every key up once the faults stopped, retrying until it
-// gets an answer, so the history ends with what the database holds.
+// readBack looks every key of the history up once the faults stopped,
+// retrying until it gets an answer, so the history ends with what the
+// database holds.
 func (cl *refClient) readBack() {
-	for _, k := range refKeys {
+	for _, k := range cl.h.keys() {
 		for range 100 {
-			in := refCall{id: int(cl.h.nextID.Add(1)), client: cl.id, kind: rkLookup, scope: k[0], key: k[1], pol: refPolicies[k[0]]}
-			before := cl.h.unknownCount()
-			cl.call(in)
-			if cl.h.unknownCount() == before {
+			if !cl.call(cl.newCall(rkLookup, k)).unknown {
 				break
 			}
 			time.Sleep(50 * time.Millisecond) // retry pacing after an outage, not a synchronization
 		}
 	}
-}
-
-func (h *refHistory) unknownCount() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.unknown
 }
 
 // refViewFromProto is what the model compares of an answered record.

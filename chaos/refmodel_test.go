@@ -180,6 +180,13 @@ func microString(us int64) string {
 	return time.UnixMicro(us).UTC().Format("15:04:05.000")
 }
 
+// placeholder is the token of an acquisition by the call numbered id
+// while nobody knows it: the call went unanswered, and a Begin with the
+// same attempt_id reveals it.
+func placeholder(id int) string { return fmt.Sprintf("?%d", id) }
+
+func isPlaceholder(tok string) bool { return len(tok) > 0 && tok[0] == '?' }
+
 // refKey is the model's state of one key. Every field is comparable, so
 // states compare with ==.
 type refKey struct {
