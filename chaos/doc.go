@@ -3,9 +3,11 @@
 // what callers were promised while faults hit: the coordinator process
 // killed with SIGKILL under load, PostgreSQL stopped, killed and restarted
 // under load, connections between the coordinator and PostgreSQL cut in the
-// middle of transactions, and a linearizability check (porcupine, with a
-// model built on statemachine.Next) of per-key histories recorded under
-// those faults.
+// middle of transactions, the primary of a replicated pair killed and its
+// standby promoted, and a linearizability check (porcupine) of per-key
+// histories recorded under those faults against a reference model of the
+// state table written from DESIGN.md, which shares no code with
+// statemachine.
 //
 // The short versions run in `go test ./...`; IDEMCOORD_CHAOS=long (set by
 // `make chaos`) runs longer loads with more faults.

@@ -73,7 +73,9 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 		if round != byMode(15, 60) {
 			return
 		}
-		time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond)
+		// Once a few of the round's calls were answered, so that others
+		// are in flight.
+		f.run.h.waitRoundCalls(1 + rng.IntN(10))
 		killedAt = time.Now()
 		f.failover(t)
 		promotedAt = time.Now()

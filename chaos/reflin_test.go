@@ -231,12 +231,14 @@ func (r *refRunner) newClient(id int, rng *rand.Rand) *refClient {
 // round runs one round. Each client makes five random calls while the
 // clock moves in steps of up to 250 ms and, one step in four, the reaper
 // makes a pass instead; during, when not nil, runs beside the calls (a
-// fault, or calls of its own), and the clock goes on moving until it
-// returns too. Then settle runs: it may inject faults of its own and must
-// return once every unanswered call of the round took effect or never
-// will. The round is closed, and the clock moves on, by up to 300 ms, or
-// one round in fifteen by over 3 s, so that every lease of the round lapses
-// while its holder still holds it.
+// fault, or calls of its own), and the round waits for it too. The clock
+// stands still once the clients' calls are done, so that a call of during
+// that outlasts them, or one that went unanswered, is not tried by the
+// checker at every reading of a long fault. Then settle runs: it may
+// inject faults of its own and must return once every unanswered call of
+// the round took effect or never will. The round is closed, and the clock
+// moves on, by up to 300 ms, or one round in fifteen by over 3 s, so that
+// every lease of the round lapses while its holder still holds it.
 func (r *refRunner) round(during, settle func()) {
 	var calls sync.WaitGroup
 	for _, cl := range r.clients {
@@ -248,12 +250,13 @@ func (r *refRunner) round(during, settle func()) {
 			}
 		}()
 	}
-	stop, stopped := make(chan struct{}), make(chan struct{})
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() { calls.Wait(); close(done) }()
 	go func() {
 		defer close(stopped)
 		for {
 			select {
-			case <-stop:
+			case <-done:
 				return
 			case <-time.After(time.Duration(r.rng.IntN(8)) * time.Millisecond):
 			}
@@ -266,13 +269,9 @@ func (r *refRunner) round(during, settle func()) {
 		}
 	}()
 	func() {
-		// Deferred, so that a t.Fatal in during still ends the round's
-		// goroutines.
-		defer func() {
-			calls.Wait()
-			close(stop)
-			<-stopped
-		}()
+		// Deferred, so that a t.Fatal in during still waits for the
+		// round's calls.
+		defer func() { <-stopped }()
 		if during != nil {
 			during()
 		}
@@ -315,6 +314,7 @@ type refHistory struct {
 	mu         sync.Mutex
 	nows       []time.Time // every reading the clock has had, in order
 	others     [][2]string // keys called that are not in refKeys
+	roundCalls int         // calls recorded in the current round
 	ops        []porcupine.Operation
 	pending    []refPending
 	nextID     atomic.Int64
@@ -383,6 +383,9 @@ func (h *refHistory) addLocked(in refCall, out refAnswer, call, ret int64, first
 		h.byOp = map[string]int{}
 	}
 	h.byOp[rkNames[in.kind]]++
+	if in.kind != rkReap {
+		h.roundCalls++
+	}
 	if k := [2]string{in.scope, in.key}; !slices.Contains(refKeys, k) && !slices.Contains(h.others, k) {
 		h.others = append(h.others, k)
 	}
@@ -417,12 +420,27 @@ func (h *refHistory) endRound() {
 		op.Input = in
 	}
 	h.pending = h.pending[:0]
+	h.roundCalls = 0
 }
 
 func (h *refHistory) operations() []porcupine.Operation {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return append([]porcupine.Operation(nil), h.ops...)
+}
+
+// waitRoundCalls waits until n calls of the current round (reaper passes
+// aside) have been recorded; a round of refRunner has 20.
+func (h *refHistory) waitRoundCalls(n int) {
+	for {
+		h.mu.Lock()
+		got := h.roundCalls
+		h.mu.Unlock()
+		if got >= n {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // check checks the history recorded so far against refModel.
