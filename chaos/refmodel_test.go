@@ -311,6 +311,28 @@ func refStepAt(k refKey, c refCall, a refAnswer, now int64) []refNext {
 	if k.ghostUntil != 0 && c.start >= k.ghostUntil {
 		k.ghostUntil, k.ghostState, k.ghostFp, k.ghostResp, k.ghostAttempt, k.ghostGen, k.ghostExpires = 0, 0, "", "", 0, 0, 0
 	}
+	return keepGhost(k, refStepIn(k, c, a, now))
+}
+
+// keepGhost carries k's forgotten record into every next state that has
+// none of its own: DESIGN bounds a replay from the cache of a forgotten
+// record by the time since Forget returned (1 s), whatever the key has
+// become since (a new record, created and changed, included).
+func keepGhost(k refKey, nexts []refNext) []refNext {
+	if k.ghostUntil == 0 {
+		return nexts
+	}
+	for i := range nexts {
+		if n := &nexts[i].k; n.ghostUntil == 0 {
+			n.ghostUntil, n.ghostState, n.ghostFp, n.ghostResp = k.ghostUntil, k.ghostState, k.ghostFp, k.ghostResp
+			n.ghostAttempt, n.ghostGen, n.ghostExpires, n.ghostUCount = k.ghostAttempt, k.ghostGen, k.ghostExpires, k.ghostUCount
+		}
+	}
+	return nexts
+}
+
+// refStepIn is refStepAt once a ghost past its time is gone.
+func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 	e, lapsed, expired := refEffective(k, now)
 	var found []string
 	if k.exists {
