@@ -234,8 +234,11 @@ type Identity struct {
 	Key    string
 }
 
-// BeginParams are the inputs of Begin. Event.Kind and Event.NewToken are set
-// by Begin.
+// BeginParams are the inputs of Begin. Event.Kind is set by Begin, and
+// Event.NewToken too unless the caller set one (NewLeaseToken): a caller
+// that repeats a Begin after a lost answer passes the same token again, so
+// that the repeat finds the acquisition the lost one may have committed
+// and answers it, instead of acquiring a second time.
 type BeginParams struct {
 	ID     Identity
 	Event  statemachine.Event
@@ -266,6 +269,9 @@ func (s *Store) now() *time.Time {
 	return &t
 }
 
+// NewLeaseToken returns a fresh lease token for BeginParams.Event.NewToken.
+func NewLeaseToken() string { return newToken() }
+
 // newToken returns a fresh opaque lease token.
 func newToken() string {
 	var b [18]byte
@@ -283,7 +289,9 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
-	ev.NewToken = newToken()
+	if ev.NewToken == "" {
+		ev.NewToken = newToken()
+	}
 	return s.begin(ctx, p, ev)
 }
 
@@ -309,11 +317,19 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 	if s.clock == nil {
 		s.clockOffset.Store(int64(now.Sub(time.Now())))
 	}
-	if found && !inserted && rec.LeaseToken == ev.NewToken && rec.State == statemachine.StateInProgress {
-		// This Begin's own insert, committed by a batch statement that
-		// failed afterwards (tokens are unique): it is this caller's
-		// acquisition, not someone else's lease.
-		inserted = true
+	if found && !inserted && rec.LeaseToken == ev.NewToken {
+		// This Begin's own acquisition (tokens are unique), committed by a
+		// statement whose answer was lost: a batch statement that failed
+		// afterwards, or an earlier Begin of the same caller that passed
+		// this token too. It is answered as it was made, without a second
+		// write; once its lease has run out it can no longer be handed
+		// over, and the caller is told what it would have been told of the
+		// lost answer.
+		if eff := statemachine.Effective(rec, now); eff.State != statemachine.StateInProgress {
+			return nil, fmt.Errorf("%w: this call's own acquisition was committed but its answer was lost, and its lease has run out", ErrUnavailable)
+		}
+		return &Result{Decision: statemachine.Decision{Outcome: statemachine.OutcomeAcquired, Record: rec, Exists: true,
+			PreviousState: rec.AcquiredFrom}, Now: now}, nil
 	}
 	if inserted {
 		d := statemachine.Next(nil, insert, p.Policy, now)

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"crypto/rand"
 	"errors"
 	"time"
 
@@ -42,11 +41,6 @@ func nextPoll(prev time.Duration) time.Duration {
 	}
 	return min(2*prev, pollMax)
 }
-
-// waitAttemptID returns an attempt_id for one waiting Begin whose caller
-// gave none; a caller's attempt_id equals it only by guessing its 130
-// random bits.
-func waitAttemptID() string { return "idemcoord-wait." + rand.Text() }
 
 func identity(ctx context.Context, scope, key string) ledger.Identity {
 	return ledger.Identity{Tenant: tenantFrom(ctx), Scope: scope, Key: key}
@@ -91,16 +85,12 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	if wait <= 0 {
 		res, err = s.store.Begin(ctx, p)
 	} else {
-		if p.Event.AttemptID == "" {
-			// The re-reads of a waiting Begin are Begins: one whose answer
-			// is lost (the database unreachable after its commit) may have
-			// acquired the key, and the next must find that acquisition
-			// its own (the same-attempt_id row of the state table) instead
-			// of waiting for it to lapse and taking the key a second time.
-			// A caller that gave no attempt_id waits under one made up for
-			// this call.
-			p.Event.AttemptID = waitAttemptID()
-		}
+		// The re-reads of a waiting Begin are Begins: one whose answer is
+		// lost (the database unreachable after its commit) may have
+		// acquired the key. They all offer the same lease token, so the
+		// next finds that acquisition its own and answers it, instead of
+		// waiting for it to lapse and taking the key a second time.
+		p.Event.NewToken = ledger.NewLeaseToken()
 		res, err = s.beginWaiting(ctx, p, time.Now().Add(wait))
 	}
 	s.metrics.observeBegin(req.GetScope(), res, err)
