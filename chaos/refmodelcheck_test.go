@@ -120,6 +120,13 @@ func TestRefModel(t *testing.T) {
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
 			call{in: begin("b", at(2*time.Second)), out: takeover("T2", 2*time.Second)},
 		)},
+		{"a forgotten record replays from a cache within 1 s, after the key got a new record too", true, seq(
+			call{in: begin("a", at(0)), out: acquired("T1", 0)},
+			call{in: complete("T1", "x"), out: refAnswer{rec: done("x")}},
+			call{in: newCall(rkForget, at(0)), out: refAnswer{rec: done("x")}},
+			call{in: begin("b", at(0)), out: acquired("T2", 0)},
+			call{in: begin("c", at(0)), out: replayed("x")},
+		)},
 		{"two tokens at once", false, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
 			call{in: begin("b", at(0)), out: acquired("T2", 0)},
@@ -145,6 +152,13 @@ func TestRefModel(t *testing.T) {
 		{"retried begin with another token", false, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
 			call{in: begin("a", at(0)), out: acquired("T2", 0)},
+		)},
+		{"a forgotten record replays more than 1 s after Forget returned", false, seq(
+			call{in: begin("a", at(0)), out: acquired("T1", 0)},
+			call{in: complete("T1", "x"), out: refAnswer{rec: done("x")}},
+			call{in: newCall(rkForget, at(0)), out: refAnswer{rec: done("x")}, call: 21, ret: 22},
+			call{in: begin("b", at(0)), out: acquired("T2", 0), call: 31, ret: 32},
+			call{in: begin("c", at(0)), out: replayed("x"), call: 22 + int64(2*time.Second), ret: 23 + int64(2*time.Second)},
 		)},
 		{"the reaper deletes a record before it expired", false, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
