@@ -92,3 +92,15 @@ func sqlConn(t *testing.T, url string) *pgx.Conn {
 	t.Cleanup(func() { _ = conn.Close(context.Background()) })
 	return conn
 }
+
+// lastWords registers a cleanup that, when t has failed, logs what()
+// once more. Registered before a test starts its clusters, it runs after
+// their cleanups, which log the end of each server log: the end of the
+// output, all that an excerpt of a CI log shows, then says what failed.
+func lastWords(t *testing.T, what func() string) {
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("chaos: %s FAILED %s", t.Name(), what())
+		}
+	})
+}

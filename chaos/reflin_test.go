@@ -75,6 +75,13 @@ const refMinLostReplies = 10
 // least refMinLostReplies unanswered calls are shown to have taken effect;
 // it logs the coverage of each row.
 func TestLinearizableReference(t *testing.T) {
+	var (
+		verdict    []string // what failed, repeated at the very end
+		roundsDone int
+	)
+	lastWords(t, func() string {
+		return fmt.Sprintf("after %d rounds: %s", roundsDone, strings.Join(verdict, "; "))
+	})
 	s := seed(t)
 	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
 	dbURL := cluster.URL("postgres")
@@ -100,14 +107,13 @@ func TestLinearizableReference(t *testing.T) {
 	proxy.SetCutChance(0.03)
 	pgKills := 0
 	var (
-		ops        []porcupine.Operation
-		res        porcupine.CheckResult
-		info       porcupine.LinearizationInfo
-		rows       map[string]int
-		lost       int
-		missing    []string
-		checkTime  time.Duration
-		roundsDone int
+		ops       []porcupine.Operation
+		res       porcupine.CheckResult
+		info      porcupine.LinearizationInfo
+		rows      map[string]int
+		lost      int
+		missing   []string
+		checkTime time.Duration
 	)
 	check := func() bool {
 		startCheck := time.Now()
@@ -166,11 +172,13 @@ func TestLinearizableReference(t *testing.T) {
 		roundsDone, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, run.reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
 	t.Logf("chaos: reference linearizability: by call %v", st.byOp)
 	for _, v := range st.violations {
+		verdict = append(verdict, "violation: "+v)
 		t.Errorf("violation: %s", v)
 	}
 	if res != porcupine.Ok {
 		path := writeRefVisualization(t, info)
 		logRefViolation(t, ops, info)
+		verdict = append(verdict, fmt.Sprintf("histories are not linearizable against the reference model (result %s; details above)", res))
 		t.Fatalf("histories are not linearizable against the reference model (result %s); porcupine's visualization: %s", res, path)
 	}
 	var hit, extra []string
@@ -189,9 +197,11 @@ func TestLinearizableReference(t *testing.T) {
 	t.Logf("chaos: reference coverage: other rows: %s", strings.Join(extra, ", "))
 	t.Logf("chaos: reference: unanswered calls shown to have taken effect (commit done, reply lost): %d (minimum %d)", lost, refMinLostReplies)
 	if len(missing) > 0 {
+		verdict = append(verdict, "rows of the state table never exercised: "+strings.Join(missing, "; "))
 		t.Errorf("rows of the state table never exercised in %d rounds: %s", roundsDone, strings.Join(missing, "; "))
 	}
 	if lost < refMinLostReplies {
+		verdict = append(verdict, fmt.Sprintf("only %d lost replies shown, want %d", lost, refMinLostReplies))
 		t.Errorf("only %d unanswered calls were shown to have taken effect, want at least %d: the faults missed the commits", lost, refMinLostReplies)
 	}
 }
