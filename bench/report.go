@@ -63,6 +63,12 @@ type Row struct {
 	PGCPUPer1000      float64 `json:"postgres_cpu_s_per_1000_pairs"`
 	LeanPGPer1000     float64 `json:"lean_postgres_cpu_s_per_1000_pairs"`
 	LeanClientPer1000 float64 `json:"lean_client_cpu_s_per_1000_pairs"`
+	// CallersCPUPer1000 is the coordinator's callers' side (this driver's
+	// gRPC clients) during the pairs cells: not part of the issue-17 goal
+	// (coordinator + PostgreSQL), but on one machine it takes the same
+	// CPUs, so the whole machine's cost of a pair is callers + coordinator
+	// + PostgreSQL against the lean baseline's client + PostgreSQL.
+	CallersCPUPer1000 float64 `json:"callers_cpu_s_per_1000_pairs"`
 	BaselinePGPer1000 float64 `json:"baseline_postgres_cpu_s_per_1000_pairs"`
 	// CPUPerPairRatio is (coordinator + PostgreSQL) over (PostgreSQL +
 	// client) of the lean baseline, CPU per pair.
@@ -153,7 +159,7 @@ func (r *report) finish() {
 			ReplayP50MS: rp.p50["begin"], ReplayP99MS: rp.p99["begin"],
 			LeanP50MS:       l.p50["insert"] + l.p50["update"],
 			BaselineP50MS:   b.p50["insert"] + b.p50["update"],
-			CoordCPUPer1000: p.per1000(p.coord), PGCPUPer1000: p.per1000(p.pg),
+			CoordCPUPer1000: p.per1000(p.coord), PGCPUPer1000: p.per1000(p.pg), CallersCPUPer1000: p.per1000(p.driver),
 			LeanPGPer1000: l.per1000(l.pg), LeanClientPer1000: l.per1000(l.driver),
 			BaselinePGPer1000: b.per1000(b.pg),
 			CoordPeakRSSMB:    max(p.peakRSS, rp.peakRSS),
@@ -285,13 +291,13 @@ func (r *report) print(out io.Writer) error {
 		s.Warmup, s.Duration, s.Rounds, s.PoolConns, s.BodyBytes, r.TotalSeconds)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tpairs/s\tlean/s\tvs lean\tbaseline/s\tvs base\treplays/s\treplay/pair\tBegin p50/p99 ms\tComplete p50/p99 ms\treplay p50/p99 ms\tlean p50 ms\t"+
-		"CPU s/1k pairs coord+PG\tlean PG+client\tcoord RSS MB\tothers CPU\terrors\t")
+		"CPU s/1k pairs coord+PG\tlean PG+client\tgRPC callers\tcoord RSS MB\tothers CPU\terrors\t")
 	for _, row := range r.Rows {
-		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f\t%.3f+%.3f\t%.3f+%.3f\t%.0f\t%.0f%%\t%d\t\n",
+		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f\t%.3f+%.3f\t%.3f+%.3f\t%.3f\t%.0f\t%.0f%%\t%d\t\n",
 			row.Concurrency, row.PairsPerSec, row.LeanPerSec, row.LeanRatio, row.BaselinePerSec, row.Ratio,
 			row.ReplaysPerSec, row.ReplayPairRatio,
 			row.BeginP50MS, row.BeginP99MS, row.CompleteP50MS, row.CompleteP99MS, row.ReplayP50MS, row.ReplayP99MS, row.LeanP50MS,
-			row.CoordCPUPer1000, row.PGCPUPer1000, row.LeanPGPer1000, row.LeanClientPer1000, row.CoordPeakRSSMB,
+			row.CoordCPUPer1000, row.PGCPUPer1000, row.LeanPGPer1000, row.LeanClientPer1000, row.CallersCPUPer1000, row.CoordPeakRSSMB,
 			row.OthersCPUShare*100, row.Errors)
 	}
 	if err := tw.Flush(); err != nil {
