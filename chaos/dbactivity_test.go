@@ -34,6 +34,12 @@ func waitNoOpenTransactionsOf(t *testing.T, dbURL, app string) {
 }
 
 func openTransactions(dbURL, app string) (int, error) {
+	return countActivity(dbURL, `application_name = $1 AND state IS DISTINCT FROM 'idle'`, app)
+}
+
+// countActivity counts the rows of pg_stat_activity that match where, on a
+// connection of its own.
+func countActivity(dbURL, where string, args ...any) (int, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, dbURL)
@@ -42,8 +48,7 @@ func openTransactions(dbURL, app string) (int, error) {
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var n int
-	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-		WHERE application_name = $1 AND state IS DISTINCT FROM 'idle'`, app).Scan(&n)
+	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE `+where, args...).Scan(&n)
 	return n, err
 }
 
@@ -69,14 +74,5 @@ func waitCutBackendsGone(t *testing.T, dbURL string, proxy *Proxy) {
 }
 
 func coordinatorBackends(dbURL string) (int, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		return -1, err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	var n int
-	err = conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemcoord'`).Scan(&n)
-	return n, err
+	return countActivity(dbURL, `application_name = 'idemcoord'`)
 }
