@@ -65,8 +65,9 @@ func TestWaitingBeginLostReplyAcquiresOnce(t *testing.T) {
 		}
 	}
 
-	// A holds the key for 5 s; B waits for it without an attempt_id.
-	a, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(5 * time.Second)})
+	// A holds the key for 10 s (the time the test has to turn the
+	// standby wait on); B waits for it without an attempt_id.
+	a, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k", Lease: durationpb.New(10 * time.Second)})
 	if err != nil || a.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
 		t.Fatalf("A's Begin: %v, %v", a, err)
 	}
@@ -77,7 +78,7 @@ func TestWaitingBeginLostReplyAcquiresOnce(t *testing.T) {
 	done := make(chan answer, 1)
 	go func() {
 		r, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "s", Key: "k",
-			Lease: durationpb.New(2 * time.Second), Wait: durationpb.New(15 * time.Second)})
+			Lease: durationpb.New(2 * time.Second), Wait: durationpb.New(19 * time.Second)})
 		done <- answer{r, err}
 	}()
 	until("watched by the waiting Begin", `SELECT count(*) FROM idempotency_records WHERE key = 'k' AND watched`)
