@@ -15,6 +15,14 @@ import (
 // this way either committed entirely or not at all.
 var ErrUnavailable = errors.New("database unavailable")
 
+// ErrLostAcquisition is what a Begin that offers a lease token of its own
+// (BeginParams) answers when it finds the acquisition an earlier Begin
+// with that token committed, whose answer was lost, and that acquisition's
+// lease has run out: it can no longer be handed over. It wraps
+// ErrUnavailable (the caller is told what the lost answer would have
+// told it); a caller that waits stops there instead of re-reading.
+var ErrLostAcquisition = fmt.Errorf("%w: this call's own acquisition was committed but its answer was lost, and its lease has run out", ErrUnavailable)
+
 // ErrUnreadable wraps failures to decode or decrypt a stored row: a row
 // encrypted under a key no longer configured, a row whose sealed columns or
 // bound clear columns were altered in the table, or a row in clear where

@@ -326,7 +326,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		// over, and the caller is told what it would have been told of the
 		// lost answer.
 		if eff := statemachine.Effective(rec, now); eff.State != statemachine.StateInProgress {
-			return nil, fmt.Errorf("%w: this call's own acquisition was committed but its answer was lost, and its lease has run out", ErrUnavailable)
+			return nil, ErrLostAcquisition
 		}
 		return &Result{Decision: statemachine.Decision{Outcome: statemachine.OutcomeAcquired, Record: rec, Exists: true,
 			PreviousState: rec.AcquiredFrom}, Now: now}, nil

@@ -122,7 +122,9 @@ func (s *Server) beginWaiting(ctx context.Context, p *ledger.BeginParams, giveUp
 			// while change notifications cannot be trusted, an outage
 			// included) keeps waiting on what the last read found; the
 			// outage is the answer only if it outlasts the wait.
-			if last == nil || left <= 0 || !errors.Is(err, ledger.ErrUnavailable) {
+			// Its own lost acquisition, lapsed, ends the wait: waiting on
+			// could only take the key again.
+			if last == nil || left <= 0 || !errors.Is(err, ledger.ErrUnavailable) || errors.Is(err, ledger.ErrLostAcquisition) {
 				return nil, err
 			}
 			res = last
