@@ -2,13 +2,7 @@ package console_test
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
@@ -16,7 +10,6 @@ import (
 	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -402,11 +395,9 @@ func TestCookiesAndHeaders(t *testing.T) {
 // enough; one a non-admin tenant lists gets 403.
 func TestClientCertificateSignsIn(t *testing.T) {
 	t.Parallel()
-	ca, caKey := newCA(t)
-	pool := x509.NewCertPool()
-	pool.AddCert(ca)
+	ca := coordtest.NewCA(t)
 	e := newConsoleEnv(t, true)
-	e.http.TLS = &tls.Config{ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
+	e.http.TLS = &tls.Config{ClientCAs: ca.Pool(), ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
 	e.http.StartTLS()
 	e.unknownRecord(opsToken, "build", "by-cert")
 	for _, c := range []struct {
@@ -415,7 +406,8 @@ func TestClientCertificateSignsIn(t *testing.T) {
 	}{{"ops", http.StatusOK}, {"payments", http.StatusForbidden}, {"nobody", http.StatusSeeOther}} {
 		b := e.browser()
 		tr := b.c.Transport.(*http.Transport).Clone()
-		tr.TLSClientConfig.Certificates = []tls.Certificate{issue(t, ca, caKey, c.cn)}
+		_, _, pair := ca.Issue(c.cn, c.cn)
+		tr.TLSClientConfig.Certificates = []tls.Certificate{pair}
 		b.c.Transport = tr
 		r := b.get("/console/records?state=unknown")
 		if r.code != c.want {
@@ -428,41 +420,6 @@ func TestClientCertificateSignsIn(t *testing.T) {
 }
 
 var nextLink = regexp.MustCompile(`href="([^"]*)" id="next"`)
-
-func newCA(t *testing.T) (*x509.Certificate, *ecdsa.PrivateKey) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ca, key
-}
-
-func issue(t *testing.T, ca *x509.Certificate, caKey *ecdsa.PrivateKey, cn string) tls.Certificate {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	serial, _ := rand.Int(rand.Reader, big.NewInt(1<<62))
-	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
-}
 
 // TestHostileInput: markup in keys is escaped and still round-trips through
 // links; malformed parameters get 4xx, never a 5xx or a changed record.

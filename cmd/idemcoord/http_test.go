@@ -1,18 +1,9 @@
 package main
 
 import (
-	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -126,39 +117,17 @@ func TestCurlSession(t *testing.T) {
 // listener serves HTTPS with the same certificate, and a client
 // certificate names the tenant there as over gRPC.
 func TestHTTPSWithClientCertificate(t *testing.T) {
-	dir := t.TempDir()
-	ca, caKey := newCA(t)
-	writePEM := func(name string, der []byte, key *ecdsa.PrivateKey) string {
-		t.Helper()
-		path := filepath.Join(dir, name)
-		var b bytes.Buffer
-		_ = pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: der})
-		if key != nil {
-			kb, err := x509.MarshalECPrivateKey(key)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := os.WriteFile(path+".key", pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := os.WriteFile(path, b.Bytes(), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return path
-	}
-	caFile := writePEM("ca.pem", ca.Raw, nil)
-	serverDER, serverKey := issue(t, ca, caKey, "idemcoord", true)
-	serverFile := writePEM("server.pem", serverDER, serverKey)
-	clientDER, clientKey := issue(t, ca, caKey, "builds", false)
-	cfg := filepath.Join(dir, "idemcoord.yaml")
+	ca := coordtest.NewCA(t)
+	serverFile, serverKeyFile, _ := ca.Issue("server", "idemcoord", "127.0.0.1")
+	_, _, clientPair := ca.Issue("client", "builds")
+	cfg := filepath.Join(t.TempDir(), "idemcoord.yaml")
 	if err := os.WriteFile(cfg, []byte("tenants:\n  - { name: builds, client_cert_names: [builds], scopes: [\"build\"] }\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 
 	httpAddr := coordtest.FreeAddr(t)
 	cmd := exec.Command(coordtest.BuildBinary(t), "--listen", coordtest.FreeAddr(t), "--http-listen", httpAddr,
-		"--config", cfg, "--tls-cert", serverFile, "--tls-key", serverFile+".key", "--tls-client-ca", caFile)
+		"--config", cfg, "--tls-cert", serverFile, "--tls-key", serverKeyFile, "--tls-client-ca", ca.File())
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+pgtest.NewDatabase(t))
 	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
@@ -167,12 +136,10 @@ func TestHTTPSWithClientCertificate(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 
-	pool := x509.NewCertPool()
-	pool.AddCert(ca)
 	client := func(certs ...tls.Certificate) *http.Client {
-		return &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12}}}
+		return &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: ca.Pool(), Certificates: certs, MinVersion: tls.VersionTLS12}}}
 	}
-	withCert := client(tls.Certificate{Certificate: [][]byte{clientDER}, PrivateKey: clientKey})
+	withCert := client(clientPair)
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		resp, err := withCert.Get("https://" + httpAddr + "/readyz")
@@ -212,48 +179,4 @@ func TestHTTPSWithClientCertificate(t *testing.T) {
 		}
 	}
 	p.stop()
-}
-
-func newCA(t *testing.T) (*x509.Certificate, *ecdsa.PrivateKey) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ca, key
-}
-
-func issue(t *testing.T, ca *x509.Certificate, caKey *ecdsa.PrivateKey, cn string, server bool) ([]byte, *ecdsa.PrivateKey) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
-	if server {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return der, key
 }
