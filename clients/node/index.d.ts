@@ -150,7 +150,12 @@ export interface Result {
 }
 
 export interface OnceOptions {
-  /** Aborts fn (through its signal) and stops waiting for another holder. */
+  /**
+   * The caller giving up. Before fn starts (during Begin, or while waiting
+   * for another holder) once then rejects with signal.reason, fn does not
+   * run, and an acquisition the coordinator may already have made for this
+   * call is released first; once fn runs, fn's signal aborts with it.
+   */
   signal?: AbortSignal;
 }
 
@@ -166,6 +171,15 @@ export class Client {
    * outcome. A replayable failure rejects with StoredFailureError, a lost
    * lease with LeaseLostError, a key held UNKNOWN with UnknownHeldError;
    * other failures of fn reject with fn's error after it was recorded.
+   *
+   * When once will not run fn although it sent Begin (opts.signal aborted
+   * before fn started, or Begin failed without an answer: UNAVAILABLE after
+   * the retries, DEADLINE_EXCEEDED, CANCELLED), it first releases what that
+   * Begin may have acquired, within a few seconds of its own (Fail
+   * FAILURE_KIND_ABANDONED, reason 'caller gave up before the handler ran'),
+   * so the key is as if this call never was and a retry acquires at once.
+   * A release that fails is logged, not thrown; the key is then held until
+   * its lease runs out.
    */
   once(
     scope: string, key: string, fingerprint: Bytes | null | undefined,

@@ -16,6 +16,8 @@ const DEFAULT_LEASE_MS = 30000; // when a Begin answer does not tell the lease
 const MIN_HEARTBEAT_MS = 50;
 const FINISH_TIMEOUT_MS = 5000; // the Complete/Fail made before once returns
 const MAX_BEGIN_WAIT_MS = 30000; // the longest wait one Begin asks for
+const RELEASE_TIMEOUT_MS = 5000; // the release of an acquisition nobody will act on, all its calls together
+const RELEASE_REASON = 'caller gave up before the handler ran';
 const MAX_REASON_BYTES = 1024;
 
 /** The attempt a function run by once is in (see markSideEffect, currentLease). */
@@ -87,6 +89,15 @@ function sleep(ms, signal) {
 /** Whether err means the coordinator could not be reached or answer in time. */
 function unreachable(err) {
   return [S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.RESOURCE_EXHAUSTED, S.CANCELLED].includes(err?.code);
+}
+
+/**
+ * Whether a call that failed with err may have been carried out without its
+ * answer reaching us: cut off, timed out or cancelled (also while waiting
+ * to retry, when signal aborted).
+ */
+function answerLost(err, signal) {
+  return [S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.CANCELLED].includes(err?.code) || (signal?.aborted && err === signal.reason);
 }
 
 /** The lease a Begin or Heartbeat answer granted: updated_at to lease_expires_at (0 when not told). */
@@ -278,11 +289,23 @@ class Client {
    */
   async once(scope, key, fingerprint, fn, opts = {}) {
     const signal = opts.signal;
+    if (signal?.aborted) {
+      throw signal.reason; // nothing sent
+    }
     const breq = {
       scope, key, fingerprint: toBytes(fingerprint), attempt_id: newAttemptId(),
       lease: this._opts.leaseMs > 0 ? api.duration(this._opts.leaseMs) : null,
     };
-    const { res, sent } = await this._beginWaiting(breq, signal);
+    let res;
+    let sent;
+    try {
+      ({ res, sent } = await this._beginWaiting(breq, signal));
+    } catch (err) {
+      if (answerLost(err, signal)) {
+        await this._releaseAcquisition(breq);
+      }
+      throw signal?.aborted ? signal.reason : err;
+    }
     const rec = res.record ?? {};
     if (res.outcome === 'OUTCOME_REPLAY') {
       const result = { response: rec.response, replayed: true, state: rec.state, attempt: rec.attempt };
@@ -299,9 +322,13 @@ class Client {
     }
 
     const lease = new Lease(this, breq, res, sent);
-    const { value, error, failed, marked, notStarted } = await lease.run(fn, signal);
+    const { value, error, failed, marked, notStarted, gaveUp } = await lease.run(fn, signal);
     if (lease.lost) {
       throw new LeaseLostError();
+    }
+    if (gaveUp) {
+      await this._releaseAcquisition(breq, lease.token);
+      throw signal.reason;
     }
     if (notStarted) {
       // fn never ran: the key goes back to how it was.
@@ -335,7 +362,10 @@ class Client {
    * Begin's long poll until signal aborts. The first Begin asks for no
    * wait, so a key held UNKNOWN is answered at once. sent is when the last
    * Begin was sent: a lease it granted runs at least until sent plus the
-   * lease, by the local clock.
+   * lease, by the local clock. It answers the last answer it read (in
+   * progress when signal aborted between two Begins), and rejects when a
+   * Begin did (cancelled when signal aborted during one): that Begin may
+   * have acquired the key (see _releaseAcquisition).
    */
   async _beginWaiting(req, signal) {
     let sent = Date.now();
@@ -346,20 +376,42 @@ class Client {
       }
       const asked = MAX_BEGIN_WAIT_MS;
       const start = Date.now();
-      try {
-        sent = start;
-        res = await this.begin({ ...req, wait: asked }, { signal });
-      } catch (err) {
-        if (signal?.aborted) {
-          return { res, sent };
-        }
-        throw err;
-      }
+      sent = start;
+      res = await this.begin({ ...req, wait: asked }, { signal });
       if (res.outcome === 'OUTCOME_IN_PROGRESS' && Date.now() - start < asked / 2) {
         await sleep(Math.min(api.millis(res.retry_after) || 100, asked), signal).catch(() => {});
       }
     }
     return { res, sent };
+  }
+
+  /**
+   * Releases the acquisition that a Begin of req may have made when nobody
+   * will act on it: the caller gave up, or the Begin's answer was lost.
+   * Without token it re-sends Begin with req's attempt_id and no wait,
+   * which answers the acquisition again if there is one; it ends it with
+   * Fail ABANDONED, so the key is as if that attempt never was. It is bound
+   * to no caller's signal, takes at most RELEASE_TIMEOUT_MS, and never
+   * rejects: a failure is logged, and the key then stays held until its
+   * lease runs out.
+   */
+  async _releaseAcquisition(req, token = '') {
+    const opts = { signal: AbortSignal.timeout(RELEASE_TIMEOUT_MS), timeoutMs: RELEASE_TIMEOUT_MS };
+    try {
+      if (!token) {
+        const res = await this.begin({ ...req, wait: null }, opts);
+        if (res.outcome !== 'OUTCOME_ACQUIRED') {
+          return; // another attempt holds the key, or it has an outcome
+        }
+        token = res.lease_token;
+      }
+      await this.fail({
+        scope: req.scope, key: req.key, lease_token: token, kind: 'FAILURE_KIND_ABANDONED', reason: RELEASE_REASON,
+      }, opts);
+    } catch (err) {
+      this._log('warn', 'idemcoord: could not release an acquisition nobody will act on; the key stays held until its lease runs out',
+        { scope: req.scope, key: req.key, err: err?.message ?? String(err) });
+    }
   }
 
   /** Runs f in the background, where shutdown waits for it. */
@@ -446,9 +498,13 @@ class Lease {
    * stopped. When the Begin that granted the lease took long (a wait for
    * another attempt), it first confirms the lease with a heartbeat; if the
    * lease cannot be confirmed for long enough to start fn, fn does not run
-   * (notStarted).
+   * (notStarted). Nor does it when outer has aborted before fn would start
+   * (gaveUp).
    */
   async run(fn, outer) {
+    if (outer?.aborted) {
+      return { gaveUp: true };
+    }
     let confirmed = this.sentAt;
     if (Date.now() - confirmed > this.length / 3) {
       const sent = Date.now();
@@ -465,14 +521,14 @@ class Lease {
         }
       }
     }
+    if (outer?.aborted) {
+      return { gaveUp: true };
+    }
     if (Date.now() >= confirmed + this.length - this.margin) {
       return { notStarted: true };
     }
     const controller = new AbortController();
     const onOuterAbort = () => controller.abort(outer.reason);
-    if (outer?.aborted) {
-      controller.abort(outer.reason);
-    }
     outer?.addEventListener('abort', onOuterAbort, { once: true });
     let marked = false;
     const attempt = Object.freeze({

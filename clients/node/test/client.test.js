@@ -50,10 +50,16 @@ async function until(cond) {
  * and their statuses and can, per call, hand the call to the coordinator and
  * replace its answer with UNAVAILABLE (the reply was lost), or fail it with
  * UNAVAILABLE without sending it (the coordinator is cut off).
+ *
+ * With hold = { call, until, lose }, the call numbered call (1 for the
+ * first) reaches the coordinator, but its answer is held back (held is set
+ * when it arrives) until the promise until settles; it is then delivered,
+ * or with lose replaced by CANCELLED: the caller gave up before the answer
+ * reached it.
  */
 function fault(method) {
   const f = {
-    calls: 0, requests: [], statuses: [], loseReplies: 0, cutOff: false,
+    calls: 0, requests: [], statuses: [], loseReplies: 0, cutOff: false, hold: null, held: false,
     interceptor: (options, nextCall) => {
       if (!options.method_definition.path.endsWith(`/${method}`)) {
         return new grpc.InterceptingCall(nextCall(options));
@@ -75,6 +81,7 @@ function fault(method) {
       if (lose) {
         f.loseReplies--;
       }
+      const hold = f.hold?.call === f.calls ? f.hold : null;
       return new grpc.InterceptingCall(nextCall(options), {
         sendMessage(message, next) {
           f.requests.push(message);
@@ -86,6 +93,16 @@ function fault(method) {
             // status back until it is) but the status turns UNAVAILABLE,
             // so the caller gets an error and never the answer.
             onReceiveStatus(status, nextStatus) {
+              if (hold) {
+                f.held = true;
+                const inFlight = setInterval(() => {}, 1000); // as a call in flight would, keep the process up
+                hold.until.finally(() => {
+                  clearInterval(inFlight);
+                  f.statuses.push(hold.lose ? grpc.status.CANCELLED : status.code);
+                  nextStatus(hold.lose ? { code: grpc.status.CANCELLED, details: 'gave up before the answer arrived (test)', metadata: new grpc.Metadata() } : status);
+                });
+                return;
+              }
               f.statuses.push(lose ? grpc.status.UNAVAILABLE : status.code);
               nextStatus(lose ? { code: grpc.status.UNAVAILABLE, details: 'reply lost (test)', metadata: new grpc.Metadata() } : status);
             },
@@ -394,6 +411,130 @@ test('a holder whose key was taken over learns it from a heartbeat and records n
   assert.equal(rec.attempt, 2);
   await other.complete({ scope, key, lease_token: successor.lease_token, response: { body: Buffer.from('fresh') } });
   assert.equal((await other.lookup({ scope, key })).record.response.body.toString(), 'fresh');
+});
+
+/** A promise that resolves when signal aborts. */
+const aborted = (signal) => new Promise((resolve) => signal.addEventListener('abort', resolve, { once: true }));
+
+const GAVE_UP = 'caller gave up before the handler ran';
+
+/** Asserts that calls (a fault's requests of Fail) released one acquisition with Fail ABANDONED. */
+function assertReleased(fails) {
+  assert.equal(fails.requests.length, 1, 'one Fail');
+  assert.equal(fails.requests[0].kind, 'FAILURE_KIND_ABANDONED');
+  assert.equal(fails.requests[0].reason, GAVE_UP);
+}
+
+test('a signal that ends while the first Begin is in flight leaves no record', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  const fails = fault('Fail');
+  const c = newClient({ interceptors: [begins.interceptor, fails.interceptor] });
+  const scope = 'node.gaveup.first';
+  const key = uniqueKey('k');
+  // The coordinator acquires the key for once's Begin; its answer arrives
+  // only after the caller's deadline ended, as CANCELLED.
+  const signal = AbortSignal.timeout(200);
+  begins.hold = { call: 1, until: aborted(signal), lose: true };
+  let ran = false;
+  const err = await c.once(scope, key, null, () => {
+    ran = true;
+  }, { signal }).then(() => assert.fail('resolved'), (e) => e);
+  assert.equal(ran, false);
+  assert.ok(begins.held);
+  await assert.rejects(c.lookup({ scope, key }), (e) => e.code === grpc.status.NOT_FOUND, 'the key is held');
+  const next = await newClient().begin({ scope, key });
+  assert.equal(next.outcome, 'OUTCOME_ACQUIRED');
+  assert.equal(next.previous_state, 'STATE_UNSPECIFIED');
+  assertReleased(fails);
+  assert.equal(err, signal.reason);
+});
+
+test('a caller that aborts while waiting releases the key its wait acquired', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  const fails = fault('Fail');
+  const c = newClient({ interceptors: [begins.interceptor, fails.interceptor] });
+  const holder = newClient();
+  const scope = 'node.gaveup.wait';
+  const key = uniqueKey('k');
+  const first = await holder.begin({ scope, key, lease: 30000 });
+  const ac = new AbortController();
+  // The second Begin is the wait: when the holder lets go, the coordinator
+  // hands the key to it, but the caller aborts before the answer arrives.
+  begins.hold = { call: 2, until: aborted(ac.signal), lose: true };
+  let ran = false;
+  const p = c.once(scope, key, null, () => {
+    ran = true;
+  }, { signal: ac.signal }).then(() => assert.fail('resolved'), (e) => e);
+  await until(() => begins.calls >= 2);
+  await holder.fail({ scope, key, lease_token: first.lease_token, kind: 'FAILURE_KIND_RETRYABLE' });
+  await until(() => begins.held);
+  ac.abort();
+  const err = await p;
+  assert.equal(ran, false);
+  const next = await newClient().begin({ scope, key });
+  assert.equal(next.outcome, 'OUTCOME_ACQUIRED', 'the key is held');
+  assert.equal(next.previous_state, 'STATE_FAILED_RETRYABLE');
+  assertReleased(fails);
+  assert.equal(err, ac.signal.reason);
+});
+
+test('an acquisition answered after the caller aborted is released without running fn', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  const fails = fault('Fail');
+  const c = newClient({ interceptors: [begins.interceptor, fails.interceptor] });
+  const scope = 'node.gaveup.acquired';
+  const key = uniqueKey('k');
+  const ac = new AbortController();
+  begins.hold = { call: 1, until: aborted(ac.signal), lose: false };
+  let ran = false;
+  const p = c.once(scope, key, null, () => {
+    ran = true;
+  }, { signal: ac.signal }).then(() => assert.fail('resolved'), (e) => e);
+  await until(() => begins.held);
+  ac.abort();
+  const err = await p;
+  assert.equal(ran, false);
+  await assert.rejects(c.lookup({ scope, key }), (e) => e.code === grpc.status.NOT_FOUND, 'the key is held');
+  assert.equal((await newClient().begin({ scope, key })).outcome, 'OUTCOME_ACQUIRED');
+  assertReleased(fails);
+  assert.equal(begins.calls, 1, 'the token was known: no second Begin');
+  assert.equal(err, ac.signal.reason);
+});
+
+test('a Begin whose every answer was lost is released', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  const fails = fault('Fail');
+  const c = newClient({ interceptors: [begins.interceptor, fails.interceptor], maxAttempts: 3, backoffMs: 5 });
+  const scope = 'node.gaveup.lost';
+  const key = uniqueKey('k');
+  begins.loseReplies = 3; // the coordinator acquires the key; once hears UNAVAILABLE three times
+  let ran = false;
+  const err = await c.once(scope, key, null, () => {
+    ran = true;
+  }).then(() => assert.fail('resolved'), (e) => e);
+  assert.equal(ran, false);
+  assert.equal(err.code, grpc.status.UNAVAILABLE);
+  await assert.rejects(c.lookup({ scope, key }), (e) => e.code === grpc.status.NOT_FOUND, 'the key is held');
+  assert.equal(begins.calls, 4);
+  assert.ok(begins.requests.every((r) => r.attempt_id === begins.requests[0].attempt_id), 'not the same attempt');
+  assert.equal(begins.requests[3].wait, null);
+  assertReleased(fails);
+});
+
+test('a release that cannot reach the coordinator is logged, and once rejects with the error of its Begin', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  begins.cutOff = true;
+  const logged = [];
+  const logger = { warn: (msg, fields) => logged.push({ msg, fields }) };
+  const c = newClient({ interceptors: [begins.interceptor], maxAttempts: 2, backoffMs: 5, logger });
+  const key = uniqueKey('k');
+  const err = await c.once('node.gaveup.cutoff', key, null, () => assert.fail('ran')).then(() => assert.fail('resolved'), (e) => e);
+  assert.equal(err.code, grpc.status.UNAVAILABLE);
+  assert.equal(err.details, 'cut off (test)');
+  assert.equal(begins.calls, 4); // two tries, then two tries of the release
+  assert.equal(logged.length, 1);
+  assert.match(logged[0].msg, /could not release/);
+  assert.equal(logged[0].fields.key, key);
 });
 
 test('a wrong token is refused with UNAUTHENTICATED when auth is on', { ...TIMEOUT, skip: !coordinatorHasAuth() && 'the coordinator has auth off (IDEMCOORD_TOKEN unset)' }, async () => {

@@ -1,5 +1,6 @@
 """The Client: typed calls with retries, and once."""
 
+import concurrent.futures
 import contextvars
 import dataclasses
 import datetime
@@ -20,6 +21,9 @@ DEFAULT_LEASE = 30.0  # when a Begin answer does not tell the lease
 MIN_HEARTBEAT = 0.05
 FINISH_TIMEOUT = 5.0  # the Complete/Fail made before once returns
 MAX_BEGIN_WAIT = 30.0  # the longest wait one Begin asks for
+RELEASE_TIMEOUT = 5.0  # the release of an acquisition nobody will act on, all its calls together
+RELEASE_REASON = "caller gave up before the handler ran"
+CANCEL_POLL = 0.05  # how often a call made for once looks at the caller's cancel_event
 MAX_REASON_BYTES = 1024
 
 _C = grpc.StatusCode
@@ -150,6 +154,16 @@ def _unreachable(err):
     return _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.RESOURCE_EXHAUSTED, _C.CANCELLED)
 
 
+def _answer_lost(err):
+    """Whether a call that raised err may have been carried out without its answer reaching us."""
+    return isinstance(err, concurrent.futures.CancelledError) or _code(err) in (
+        _C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.CANCELLED)
+
+
+def _cancelled():
+    return concurrent.futures.CancelledError("idemcoord: cancelled by the caller before the function started")
+
+
 def _lease_gone(err):
     return _code(err) in (_C.FAILED_PRECONDITION, _C.NOT_FOUND)
 
@@ -248,7 +262,14 @@ class Client:
     def __exit__(self, *exc):
         self.shutdown()
 
-    def _call(self, method, request, fields, timeout, extra=0.0):
+    def _call(self, method, request, fields, timeout, extra=0.0, *, deadline=None, cancel_event=None):
+        """One call of method, retried on UNAVAILABLE with backoff.
+
+        Each try is bounded by timeout (+ extra) and, with deadline (a
+        time.monotonic() value), by deadline, past which it is not retried;
+        with cancel_event, setting it cancels the call and raises
+        concurrent.futures.CancelledError.
+        """
         cls = _api.REQUESTS[method]
         if request is None:
             request = cls(**fields)
@@ -264,14 +285,37 @@ class Client:
         attempt = 1
         while True:
             try:
-                return self._stubs[method](request, timeout=timeout, metadata=self._metadata)
+                return self._invoke(method, request, timeout, deadline, cancel_event)
             except grpc.RpcError as err:
-                if _code(err) != _C.UNAVAILABLE or attempt >= self._max_attempts:
+                pause = delay / 2 + random.random() * delay / 2
+                if (_code(err) != _C.UNAVAILABLE or attempt >= self._max_attempts
+                        or (deadline is not None and time.monotonic() + pause >= deadline)):
                     raise
                 self._log.debug("idemcoord: retrying %s (attempt %d): %s", method, attempt, err)
-                time.sleep(delay / 2 + random.random() * delay / 2)
+                if cancel_event is None:
+                    time.sleep(pause)
+                elif cancel_event.wait(pause):
+                    raise _cancelled() from err
                 delay = min(delay * 2, self._max_backoff)
                 attempt += 1
+
+    def _invoke(self, method, request, timeout, deadline, cancel_event):
+        """One try of _call."""
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), 0.001))
+        stub = self._stubs[method]
+        if cancel_event is None:
+            return stub(request, timeout=timeout, metadata=self._metadata)
+        if cancel_event.is_set():
+            raise _cancelled()
+        call = stub.future(request, timeout=timeout, metadata=self._metadata)
+        while True:
+            try:
+                return call.result(CANCEL_POLL)
+            except grpc.FutureTimeoutError:
+                if cancel_event.is_set():
+                    call.cancel()
+                    raise _cancelled() from None
 
     def begin(self, request=None, *, timeout=None, **fields):
         """Claims a key (idempotency.v1.Coordinator.Begin).
@@ -335,15 +379,39 @@ class Client:
         raised again. A replayable failure raises StoredFailure (now and on
         every replay). When the key already has an outcome, once returns it
         without running fn (replayed=True); while another attempt holds the
-        key it waits for its outcome, up to timeout seconds (None: no limit);
-        a key held UNKNOWN raises UnknownHeld. If a heartbeat learns that the
-        lease was lost, once raises LeaseLost and records nothing.
+        key it waits for its outcome; a key held UNKNOWN raises UnknownHeld.
+        If a heartbeat learns that the lease was lost, once raises LeaseLost
+        and records nothing.
+
+        The caller may give up before fn starts: timeout (seconds, None for
+        no limit) bounds the Begin calls and the wait together, and setting
+        cancel_event (a threading.Event) cancels them. When the time runs
+        out, once raises the DEADLINE_EXCEEDED of Begin, or TimeoutError
+        while another attempt still holds the key; when cancel_event is set,
+        concurrent.futures.CancelledError, and fn does not run. Once fn runs,
+        cancel_event cancels its attempt (see Attempt). When once will not
+        run fn although it sent Begin (the caller gave up, or Begin got no
+        answer: UNAVAILABLE after the retries, DEADLINE_EXCEEDED, CANCELLED),
+        it first releases what that Begin may have acquired, within a few
+        seconds of its own (Fail FAILURE_KIND_ABANDONED, reason "caller gave
+        up before the handler ran"), so the key is as if this call never was
+        and a retry acquires it at once. A release that fails is logged, not
+        raised; the key is then held until its lease runs out.
         """
+        if cancel_event is not None and cancel_event.is_set():
+            raise _cancelled()  # nothing sent
         breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
         if self._lease is not None:
             breq["lease"] = self._lease
-        start = time.monotonic()
-        res, sent = self._begin_waiting(breq, None if timeout is None else start + timeout, cancel_event)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            res, sent = self._begin_waiting(breq, deadline, cancel_event)
+        except (grpc.RpcError, concurrent.futures.CancelledError) as err:
+            if _answer_lost(err):
+                self._release(breq)
+            if isinstance(err, grpc.RpcError) and cancel_event is not None and cancel_event.is_set():
+                raise _cancelled() from err
+            raise
         rec = res.record
         if res.outcome == _api.Outcome.OUTCOME_REPLAY:
             result = Result(rec.response, True, rec.state, rec.attempt)
@@ -353,6 +421,8 @@ class Client:
         if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
             if rec.state == _api.State.STATE_UNKNOWN:
                 raise UnknownHeld()
+            if cancel_event is not None and cancel_event.is_set():
+                raise _cancelled()
             raise TimeoutError("idemcoord: another attempt with this idempotency key is still in progress")
 
         lease = _Holder(self, breq, res, sent)
@@ -360,6 +430,9 @@ class Client:
         value, error, marked, started = lease.run(fn, attempt)
         if lease.lost:
             raise LeaseLost()
+        if lease.gave_up:
+            self._release(breq, lease.token)
+            raise _cancelled()
         if not started:  # fn never ran: the key goes back to how it was
             finish_err = lease.finish(kind="FAILURE_KIND_ABANDONED",
                                       reason="the lease could not be confirmed before the attempt started")
@@ -395,19 +468,25 @@ class Client:
         raise failure from error
 
     def _begin_waiting(self, req, give_up, cancel_event):
-        """Begin, then, while another attempt holds the key, Begin's long poll until give_up.
+        """Begin, then, while another attempt holds the key, Begin's long poll until give_up or cancel_event.
 
         Returns the last answer and when its Begin was sent: a lease it
         granted runs at least until then plus the lease, by the local clock.
+        It returns the last answer it read (in progress when the time ran
+        out or cancel_event was set between two Begins), and raises what a
+        Begin raised (concurrent.futures.CancelledError when cancel_event
+        was set during one): that Begin may have acquired the key (see
+        _release).
         """
         sent = time.monotonic()
-        res = self.begin(**req)
+        res = self._call("Begin", None, req, None, deadline=give_up, cancel_event=cancel_event)
         while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
             left = MAX_BEGIN_WAIT if give_up is None else min(MAX_BEGIN_WAIT, give_up - time.monotonic())
             if left <= 0 or (cancel_event is not None and cancel_event.is_set()):
                 return res, sent
             start = sent = time.monotonic()
-            res = self.begin(**req, wait=left)
+            res = self._call("Begin", None, dict(req, wait=_duration(left)), None, left, deadline=give_up,
+                             cancel_event=cancel_event)
             if res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and time.monotonic() - start < left / 2:
                 pause = min(_seconds(res.retry_after) or 0.1, left)
                 if cancel_event is not None:
@@ -415,6 +494,34 @@ class Client:
                 else:
                     time.sleep(pause)
         return res, sent
+
+    def _release(self, req, token=None):
+        """Releases the acquisition a Begin of req may have made when nobody will act on it.
+
+        That is when the caller gave up or the Begin's answer was lost.
+        Without token it re-sends Begin with req's attempt_id and no wait,
+        which answers the acquisition again if there is one; it ends it with
+        Fail ABANDONED, so the key is as if that attempt never was. It is
+        bound to no caller's timeout or cancellation, takes at most
+        RELEASE_TIMEOUT seconds, and never raises: a failure is logged, and
+        the key then stays held until its lease runs out.
+        """
+        deadline = time.monotonic() + RELEASE_TIMEOUT
+        try:
+            if not token:
+                res = self._call("Begin", None, {k: v for k, v in req.items() if k != "wait"}, RELEASE_TIMEOUT,
+                                 deadline=deadline)
+                if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+                    return  # another attempt holds the key, or it has an outcome
+                token = res.lease_token
+            self._call("Fail", None, dict(scope=req["scope"], key=req["key"], lease_token=token,
+                                          kind="FAILURE_KIND_ABANDONED", reason=RELEASE_REASON),
+                       RELEASE_TIMEOUT, deadline=deadline)
+        except Exception as err:  # logged: the caller gets its own error
+            if token and _code(err) == _C.NOT_FOUND:
+                return  # the abandoned record is deleted already
+            self._log.warning("idemcoord: could not release an acquisition nobody will act on of %s/%s; the key "
+                              "stays held until its lease runs out: %s", req["scope"], req["key"], err)
 
     def _run_in_background(self, f):
         t = threading.Thread(target=self._background_main, args=(f,), daemon=True)
@@ -478,6 +585,7 @@ class _Holder:
                           bool(getattr(rec, "uncertain", False)))
         self.sent = sent
         self.lost = False
+        self.gave_up = False
 
     @property
     def margin(self):
@@ -490,7 +598,11 @@ class _Holder:
         When the Begin that granted the lease took long (a wait for another
         attempt), it first confirms the lease with a heartbeat; if the lease
         cannot be confirmed for long enough to start fn, fn does not run.
+        Nor does it when the caller's cancel_event is set before fn would
+        start (gave_up).
         """
+        if self._caller_gone(attempt):
+            return None, None, False, False
         confirmed = self.sent
         if time.monotonic() - confirmed > self.length / 3:
             sent = time.monotonic()
@@ -503,6 +615,8 @@ class _Holder:
                 if _lease_gone(err):
                     self.lost = True
                     return None, None, False, False
+        if self._caller_gone(attempt):
+            return None, None, False, False
         if time.monotonic() >= confirmed + self.length - self.margin:
             return None, None, False, False
         self.until = confirmed + self.length - self.margin
@@ -521,6 +635,10 @@ class _Holder:
             stop.set()
             beats.join()
         return value, error, attempt._marked, True
+
+    def _caller_gone(self, attempt):
+        self.gave_up = attempt._outer is not None and attempt._outer.is_set()
+        return self.gave_up
 
     def _keep_alive(self, attempt, stop):
         """Heartbeats a third of the lease after the last confirmation, more often while unreachable.

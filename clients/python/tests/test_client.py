@@ -1,6 +1,8 @@
 """The Python client against a real coordinator (see coordinator.py)."""
 
+import concurrent.futures
 import hashlib
+import logging
 import os
 import threading
 import unittest
@@ -105,6 +107,52 @@ class Fault(grpc.UnaryUnaryClientInterceptor):
     def count(self, code):
         with self.lock:
             return self.codes.count(code)
+
+
+class Sent(grpc.UnaryUnaryClientInterceptor):
+    """Counts the calls of one method, and lets them go on as they are (Fault waits for their answers)."""
+
+    def __init__(self, method):
+        self.method, self.calls = method, 0
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/" + self.method):
+            self.calls += 1
+        return continuation(details, request)
+
+
+class HoldReply(grpc.UnaryUnaryClientInterceptor):
+    """Holds back the answer of one call of a method: the coordinator has answered, the caller has not heard.
+
+    The call numbered call (1 for the first) of method reaches the
+    coordinator; its answer is held (held is set when it arrives) until
+    release is set, then delivered, or with lose replaced by CANCELLED (the
+    caller gave up before it arrived). If the call's own deadline passes
+    first, it fails DEADLINE_EXCEEDED.
+    """
+
+    def __init__(self, method, call, release, lose=True):
+        self.method, self.call, self.release, self.lose = method, call, release, lose
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.held = threading.Event()
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if not details.method.endswith("/" + self.method):
+            return continuation(details, request)
+        with self.lock:
+            self.calls += 1
+            hold = self.calls == self.call
+        out = continuation(details, request)
+        if not hold:
+            return out
+        out.code()  # the answer arrived
+        self.held.set()
+        if not self.release.wait(details.timeout):
+            raise GrpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "the answer came after the deadline (test)")
+        if self.lose:
+            raise GrpcError(grpc.StatusCode.CANCELLED, "gave up before the answer arrived (test)")
+        return out
 
 
 def stored():
@@ -412,6 +460,163 @@ class ClientTest(unittest.TestCase):
         other.complete(scope=scope, key=key, lease_token=successor[0].lease_token,
                        response=idemcoord.StoredResponse(body=b"fresh"))
         self.assertEqual(other.lookup(scope=scope, key=key).record.response.body, b"fresh")
+
+    def assertAbsent(self, c, scope, key):
+        try:
+            rec = c.lookup(scope=scope, key=key).record
+        except grpc.RpcError as err:
+            self.assertEqual(err.code(), grpc.StatusCode.NOT_FOUND)
+            return
+        self.fail("the key is held: %s" % State.Name(rec.state))
+
+    def assertReleased(self, fails):
+        """fails (a Fault of Fail) saw one Fail ABANDONED with the reason of a caller that gave up."""
+        self.assertEqual(len(fails.requests), 1)
+        self.assertEqual(fails.requests[0].kind, idemcoord.FailureKind.FAILURE_KIND_ABANDONED)
+        self.assertEqual(fails.requests[0].reason, "caller gave up before the handler ran")
+
+    def test_timeout_during_the_first_begin_leaves_no_record(self):
+        # The coordinator acquires the key for once's Begin; its answer
+        # arrives only after the caller's timeout ended.
+        begins = HoldReply("Begin", 1, threading.Event())
+        fails = Fault("Fail")
+        c = new_client(interceptors=[begins, fails], timeout=2)
+        scope, key = "python.gaveup.first", unique_key()
+        runs = []
+        with self.assertRaises(grpc.RpcError) as cm:
+            c.once(scope, key, None, runs.append, timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(runs, [])
+        self.assertTrue(begins.held.is_set())
+        self.assertAbsent(c, scope, key)
+        nxt = new_client().begin(scope=scope, key=key)
+        self.assertEqual(nxt.outcome, idemcoord.Outcome.OUTCOME_ACQUIRED)
+        self.assertEqual(nxt.previous_state, State.STATE_UNSPECIFIED)
+        self.assertReleased(fails)
+
+    def test_cancel_while_waiting_releases_what_the_wait_acquired(self):
+        cancel = threading.Event()
+        # The second Begin is the wait: when the holder lets go, the
+        # coordinator hands the key to it, but the caller cancels before the
+        # answer arrives.
+        begins = HoldReply("Begin", 2, cancel)
+        fails = Fault("Fail")
+        c = new_client(interceptors=[begins, fails])
+        holder = new_client()
+        scope, key = "python.gaveup.wait", unique_key()
+        first = holder.begin(scope=scope, key=key, lease=30)
+        runs, errors = [], []
+
+        def call():
+            try:
+                c.once(scope, key, None, runs.append, cancel_event=cancel)
+            except Exception as err:  # checked below
+                errors.append(err)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_until(lambda: begins.calls >= 2, "the wait")
+        holder.fail(scope=scope, key=key, lease_token=first.lease_token, kind="FAILURE_KIND_RETRYABLE")
+        wait_until(begins.held.is_set, "the wait's answer")
+        cancel.set()
+        t.join()
+        self.assertEqual(runs, [])
+        nxt = new_client().begin(scope=scope, key=key)
+        self.assertEqual(nxt.outcome, idemcoord.Outcome.OUTCOME_ACQUIRED, "the key is held")
+        self.assertEqual(nxt.previous_state, State.STATE_FAILED_RETRYABLE)
+        self.assertReleased(fails)
+        self.assertEqual(len(errors), 1)
+        self.assertIsInstance(errors[0], concurrent.futures.CancelledError)
+
+    def test_acquisition_answered_after_cancel_is_released_without_running_fn(self):
+        cancel = threading.Event()
+        begins = HoldReply("Begin", 1, cancel, lose=False)
+        fails = Fault("Fail")
+        c = new_client(interceptors=[begins, fails])
+        scope, key = "python.gaveup.acquired", unique_key()
+        runs, errors = [], []
+
+        def call():
+            try:
+                c.once(scope, key, None, runs.append, cancel_event=cancel)
+            except Exception as err:  # checked below
+                errors.append(err)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_until(begins.held.is_set, "the answer")
+        cancel.set()
+        t.join()
+        self.assertEqual(runs, [])
+        self.assertAbsent(c, scope, key)
+        self.assertEqual(new_client().begin(scope=scope, key=key).outcome, idemcoord.Outcome.OUTCOME_ACQUIRED)
+        self.assertReleased(fails)
+        self.assertEqual(begins.calls, 1, "the token was known: no second Begin")
+        self.assertEqual(len(errors), 1)
+        self.assertIsInstance(errors[0], concurrent.futures.CancelledError)
+
+    def test_cancel_stops_a_wait_at_once(self):
+        cancel = threading.Event()
+        begins = Sent("Begin")
+        c = new_client(interceptors=[begins])
+        holder = new_client()
+        scope, key = "python.gaveup.stop", unique_key()
+        first = holder.begin(scope=scope, key=key, lease=30)
+        errors = []
+
+        def call():
+            try:
+                c.once(scope, key, None, lambda a: self.fail("ran"), cancel_event=cancel)
+            except Exception as err:  # checked below
+                errors.append(err)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_until(lambda: begins.calls >= 2, "the wait")
+        cancel.set()
+        t.join(10)  # the wait itself asks for 30 s
+        self.assertFalse(t.is_alive(), "once still waits after cancel_event was set")
+        self.assertEqual(len(errors), 1)
+        self.assertIsInstance(errors[0], concurrent.futures.CancelledError)
+        holder.fail(scope=scope, key=key, lease_token=first.lease_token, kind="FAILURE_KIND_RETRYABLE")
+        self.assertEqual(new_client().begin(scope=scope, key=key).outcome, idemcoord.Outcome.OUTCOME_ACQUIRED)
+
+    def test_begin_whose_every_answer_was_lost_is_released(self):
+        begins, fails = Fault("Begin"), Fault("Fail")
+        c = new_client(interceptors=[begins, fails], max_attempts=3, backoff=0.005)
+        scope, key = "python.gaveup.lost", unique_key()
+        begins.lose_replies = 3  # the coordinator acquires the key; once hears UNAVAILABLE three times
+        runs = []
+        with self.assertRaises(grpc.RpcError) as cm:
+            c.once(scope, key, None, runs.append)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(runs, [])
+        self.assertAbsent(c, scope, key)
+        self.assertEqual(begins.calls, 4)
+        self.assertEqual({r.attempt_id for r in begins.requests}, {begins.requests[0].attempt_id})
+        self.assertFalse(begins.requests[3].HasField("wait"))
+        self.assertReleased(fails)
+
+    def test_release_that_cannot_reach_the_coordinator_is_logged(self):
+        begins = Fault("Begin")
+        begins.cut_off = True
+        logger = logging.getLogger("idemcoord.test.%s" % uuid.uuid4())
+        logger.propagate = False
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        c = new_client(interceptors=[begins], max_attempts=2, backoff=0.005, logger=logger)
+        key = unique_key()
+        with self.assertRaises(grpc.RpcError) as cm:
+            c.once("python.gaveup.cutoff", key, None, lambda a: self.fail("ran"))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(cm.exception.details(), "cut off (test)")
+        self.assertEqual(begins.calls, 4)  # two tries, then two tries of the release
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        self.assertEqual(len(warnings), 1, warnings)
+        self.assertIn("could not release", warnings[0])
+        self.assertIn(key, warnings[0])
 
     def test_wrong_token_is_unauthenticated(self):
         if not COORD.auth:

@@ -12,7 +12,7 @@ async function charge(client: Client, user: string, name: string): Promise<Buffe
       markSideEffect();
       const lease = currentLease();
       return { body: Buffer.from(`created by ${lease?.token}`), metadata: { 'x-id': '1' }, status_code: 201 };
-    });
+    }, { signal: AbortSignal.timeout(5000) });
     return Buffer.from(res.response.body ?? []);
   } catch (err) {
     if (err instanceof StoredFailureError) {
