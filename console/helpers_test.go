@@ -84,7 +84,14 @@ type consoleEnv struct {
 
 func newConsoleEnv(t *testing.T, tlsServer bool) *consoleEnv {
 	t.Helper()
-	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig()})
+	return newConsoleEnvOn(t, tlsServer, "")
+}
+
+// newConsoleEnvOn is newConsoleEnv over the database at databaseURL (a
+// fresh one when empty): two of them on one database are two replicas.
+func newConsoleEnvOn(t *testing.T, tlsServer bool, databaseURL string) *consoleEnv {
+	t.Helper()
+	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig(), DatabaseURL: databaseURL})
 	e := &consoleEnv{t: t, coord: c, client: idempotencyv1.NewCoordinatorClient(c.Dial(t)), log: &syncBuffer{}}
 	logger := slog.New(slog.NewTextHandler(e.log, nil))
 	e.console = console.New(c.Server.AdminConn(), console.WithLogger(logger), console.WithCounters(func() console.Counters {
@@ -132,10 +139,10 @@ func (e *consoleEnv) browser() *browser {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	c := e.http.Client()
+	c := *e.http.Client() // a copy: httptest shares one client, and each browser has its own cookies
 	c.Jar = jar
 	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-	return &browser{t: e.t, c: c, url: e.http.URL}
+	return &browser{t: e.t, c: &c, url: e.http.URL}
 }
 
 // response is what a request got.
