@@ -154,7 +154,14 @@ func (c *Console) withSession(next http.Handler) http.Handler {
 		s, err := c.opts.sessions.UseSession(r.Context(), hashID(id))
 		var token string
 		if err == nil {
-			token, err = openToken(id, s.Credential)
+			if token, err = openToken(id, s.Credential); err != nil {
+				// Only a changed row does this: no session, and none to keep.
+				c.opts.logger.Warn("console: a session's stored credential does not open; ending the session", "err", err)
+				if err := c.opts.sessions.DeleteSession(r.Context(), hashID(id)); err != nil {
+					c.opts.logger.Warn("console: ending the session failed", "err", err)
+				}
+				err = ErrNoSession
+			}
 		}
 		switch {
 		case errors.Is(err, ErrNoSession):

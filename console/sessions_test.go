@@ -1,6 +1,7 @@
 package console_test
 
 import (
+	"context"
 	"encoding/base64"
 	"net/http"
 	"net/url"
@@ -9,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 const sessionCookieName = "idemcoord_console_session"
@@ -200,5 +203,29 @@ func TestCrossOriginPostsRefused(t *testing.T) {
 	}
 	if r := b.get("/console/records"); r.code != 200 {
 		t.Fatalf("a cross-origin post ended the session: %d %s %s", r.code, r.location, r.body)
+	}
+}
+
+// TestChangedSessionRowEnds: a session whose stored credential was changed
+// in the database (it no longer opens with the cookie's id) is no session,
+// and not an error page either.
+func TestChangedSessionRowEnds(t *testing.T) {
+	t.Parallel()
+	e := newConsoleEnv(t, false)
+	b := e.browser()
+	b.login(opsToken)
+	conn, err := pgx.Connect(context.Background(), e.coord.DatabaseURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if tag, err := conn.Exec(context.Background(), `UPDATE idempotency_console_sessions SET credential = '\x00'`); err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("changing the row: %v %v", tag, err)
+	}
+	if b.signedIn() {
+		t.Fatal("a session with a changed credential works")
+	}
+	if !strings.Contains(e.log.String(), "does not open") {
+		t.Errorf("not logged:\n%s", e.log.String())
 	}
 }
