@@ -216,8 +216,11 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 	}
 	if err := c.startSession(w, r, tenantOf(md), token); err != nil {
 		c.opts.logger.Error("console: cannot start a session", "tenant", tenantOf(md), "remote", r.RemoteAddr, "err", err)
-		c.render(w, r, http.StatusServiceUnavailable, "login", view{Title: "Sign in", Page: loginPage{Next: next,
-			Error: "The token is valid, but the console cannot start a session now; try again shortly."}})
+		msg := "The token is valid, but the console cannot start a session now; try again shortly."
+		if c.opts.sessions == nil {
+			msg = "This console keeps no sessions, so it cannot sign in with a token; use a client certificate."
+		}
+		c.render(w, r, http.StatusServiceUnavailable, "login", view{Title: "Sign in", Page: loginPage{Next: next, Error: msg}})
 		return
 	}
 	c.opts.logger.Info("console: signed in", "tenant", tenantOf(md), "remote", r.RemoteAddr)
