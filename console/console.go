@@ -31,8 +31,8 @@ import (
 const Prefix = "/console/"
 
 const (
-	// sessionCookie holds the operator's bearer token (base64url), set by
-	// the login form.
+	// sessionCookie holds the random id of the operator's session
+	// (base64url), set by the login form; never the token.
 	sessionCookie = "idemcoord_console_session"
 	// csrfCookie holds the random token that every form must echo.
 	csrfCookie = "idemcoord_console_csrf"
@@ -65,6 +65,8 @@ type options struct {
 	logger      *slog.Logger
 	counters    func() Counters
 	sampleEvery time.Duration
+	sessions    SessionStore
+	sessionIdle time.Duration
 	sessionTTL  time.Duration
 }
 
@@ -80,8 +82,18 @@ func WithCounters(f func() Counters) Option { return func(o *options) { o.counte
 // minute); the chart shows the last 60 intervals.
 func WithSampleInterval(d time.Duration) Option { return func(o *options) { o.sampleEvery = d } }
 
-// WithSessionTTL sets how long a login lasts (default 12 hours).
+// WithSessions sets where the console keeps the sessions of operators who
+// sign in with a bearer token. Without it, signing in with a token is
+// refused (a client certificate, or auth disabled, needs no session).
+func WithSessions(s SessionStore) Option { return func(o *options) { o.sessions = s } }
+
+// WithSessionTTL sets how long a session lasts after sign-in, used or not
+// (default 12 hours).
 func WithSessionTTL(d time.Duration) Option { return func(o *options) { o.sessionTTL = d } }
+
+// WithSessionIdleTimeout sets how long a session lasts without use
+// (default 30 minutes).
+func WithSessionIdleTimeout(d time.Duration) Option { return func(o *options) { o.sessionIdle = d } }
 
 // Console is the operator console: an http.Handler for the paths under
 // Prefix.
@@ -96,7 +108,7 @@ type Console struct {
 // New returns a console that calls the Admin service over conn, as each
 // request's operator.
 func New(conn grpc.ClientConnInterface, opts ...Option) *Console {
-	o := options{logger: slog.New(slog.DiscardHandler), sampleEvery: time.Minute, sessionTTL: 12 * time.Hour}
+	o := options{logger: slog.New(slog.DiscardHandler), sampleEvery: time.Minute, sessionIdle: 30 * time.Minute, sessionTTL: 12 * time.Hour}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -121,7 +133,8 @@ func New(conn grpc.ClientConnInterface, opts ...Option) *Console {
 		c.opts.logger.Warn("console: cross-origin request refused", "method", r.Method, "path", r.URL.Path, "remote", r.RemoteAddr)
 		c.renderError(w, r, http.StatusForbidden, "Cross-origin request refused.")
 	}))
-	c.handler = cop.Handler(mux)
+	// Cross-origin posts are refused before the session is even looked up.
+	c.handler = cop.Handler(c.withSession(mux))
 	return c
 }
 
@@ -162,12 +175,12 @@ func (c *Console) Run(ctx context.Context) {
 }
 
 // callContext returns r's context carrying the operator's credentials for
-// Admin calls: the session's bearer token and, over TLS, the client
-// certificate the listener verified.
+// Admin calls: the bearer token of the request's session and, over TLS,
+// the client certificate the listener verified.
 func callContext(r *http.Request) context.Context {
 	ctx := r.Context()
-	if tok, ok := sessionToken(r); ok {
-		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+	if s, ok := sessionOf(r); ok {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+s.token)
 	}
 	if r.TLS != nil && len(r.TLS.VerifiedChains) > 0 {
 		addr, _ := net.ResolveTCPAddr("tcp", r.RemoteAddr)
@@ -178,19 +191,6 @@ func callContext(r *http.Request) context.Context {
 		ctx = peer.NewContext(ctx, &peer.Peer{Addr: a, AuthInfo: credentials.TLSInfo{State: *r.TLS}})
 	}
 	return ctx
-}
-
-// sessionToken returns the bearer token of the request's session cookie.
-func sessionToken(r *http.Request) (string, bool) {
-	ck, err := r.Cookie(sessionCookie)
-	if err != nil {
-		return "", false
-	}
-	b, err := base64.RawURLEncoding.DecodeString(ck.Value)
-	if err != nil || !validToken(string(b)) {
-		return "", false
-	}
-	return string(b), true
 }
 
 // validToken reports whether s can be a bearer token: 1-4096 visible ASCII
@@ -295,7 +295,7 @@ type view struct {
 // render writes page name with status code.
 func (c *Console) render(w http.ResponseWriter, r *http.Request, code int, name string, v view) {
 	v.CSRF = csrfToken(w, r)
-	_, v.SignedIn = sessionToken(r)
+	_, v.SignedIn = sessionOf(r)
 	var buf bytes.Buffer
 	if err := c.pages[name].ExecuteTemplate(&buf, "layout", v); err != nil {
 		c.opts.logger.Error("console: render page", "page", name, "err", err)
@@ -319,6 +319,14 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, err error) {
 	st := status.Convert(err)
 	switch st.Code() {
 	case codes.Unauthenticated:
+		if s, ok := sessionOf(r); ok {
+			// The session's token no longer names a tenant here (a
+			// reload or restart removed it): the session is over.
+			if err := c.opts.sessions.DeleteSession(r.Context(), s.idSHA256); err != nil {
+				c.opts.logger.Warn("console: ending a session whose token was refused failed", "err", err)
+			}
+			setCookie(w, r, sessionCookie, "", -1)
+		}
 		if r.Method == http.MethodGet {
 			http.Redirect(w, r, "/console/login?"+url.Values{"next": {r.URL.RequestURI()}}.Encode(), http.StatusSeeOther)
 			return
@@ -350,5 +358,3 @@ func tenantOf(md metadata.MD) string {
 
 // statusCode names the gRPC code of an Admin call's error.
 func statusCode(err error) string { return status.Code(err).String() }
-
-func base64URL(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }

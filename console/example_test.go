@@ -12,13 +12,15 @@ import (
 
 // Mount the console next to the server's /metrics, as idemcoord --console
 // does: it calls the Admin service in process, as each request's operator,
-// and charts the server's counters.
+// keeps sign-in sessions in a SessionStore, and charts the server's counters.
 func ExampleNew() {
-	var srv *server.Server // from server.New
+	var srv *server.Server            // from server.New
+	var sessions console.SessionStore // idemcoord keeps them in PostgreSQL (ledger)
 	ctx := context.Background()
 
 	con := console.New(srv.AdminConn(),
 		console.WithLogger(slog.Default()),
+		console.WithSessions(sessions), // for operators who sign in with a token
 		console.WithCounters(func() console.Counters {
 			t := srv.CounterTotals()
 			return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}

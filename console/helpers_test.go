@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -25,6 +26,7 @@ import (
 	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/ledger"
 )
 
 func TestMain(m *testing.M) {
@@ -84,10 +86,17 @@ type consoleEnv struct {
 
 func newConsoleEnv(t *testing.T, tlsServer bool) *consoleEnv {
 	t.Helper()
-	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig()})
+	return newConsoleEnvOn(t, tlsServer, "")
+}
+
+// newConsoleEnvOn is newConsoleEnv over the database at databaseURL (a
+// fresh one when empty): two of them on one database are two replicas.
+func newConsoleEnvOn(t *testing.T, tlsServer bool, databaseURL string) *consoleEnv {
+	t.Helper()
+	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig(), DatabaseURL: databaseURL})
 	e := &consoleEnv{t: t, coord: c, client: idempotencyv1.NewCoordinatorClient(c.Dial(t)), log: &syncBuffer{}}
 	logger := slog.New(slog.NewTextHandler(e.log, nil))
-	e.console = console.New(c.Server.AdminConn(), console.WithLogger(logger), console.WithCounters(func() console.Counters {
+	e.console = console.New(c.Server.AdminConn(), console.WithLogger(logger), console.WithSessions(ledgerSessions{c}), console.WithCounters(func() console.Counters {
 		t := c.Server.CounterTotals()
 		return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}
 	}))
@@ -132,10 +141,10 @@ func (e *consoleEnv) browser() *browser {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	c := e.http.Client()
+	c := *e.http.Client() // a copy: httptest shares one client, and each browser has its own cookies
 	c.Jar = jar
 	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-	return &browser{t: e.t, c: c, url: e.http.URL}
+	return &browser{t: e.t, c: &c, url: e.http.URL}
 }
 
 // response is what a request got.
@@ -204,4 +213,31 @@ func (b *browser) login(token string) response {
 
 func recordPath(scope, key string) string {
 	return "/console/record?" + url.Values{"scope": {scope}, "key": {key}}.Encode()
+}
+
+// ledgerSessions keeps a test console's sessions in its coordinator's
+// store, as the server binary does (there with cmd/idemcoord's adapter,
+// which this mirrors: package main cannot be imported). It reads the
+// store at each call, so it follows a restarted coordinator.
+type ledgerSessions struct{ c *coordtest.Coordinator }
+
+func (s ledgerSessions) CreateSession(ctx context.Context, n *console.NewSession) error {
+	_, err := s.c.Store.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
+		TokenSHA256: n.TokenSHA256, Credential: n.Credential, IdleTimeout: n.IdleTimeout, MaxLifetime: n.MaxLifetime})
+	return err
+}
+
+func (s ledgerSessions) UseSession(ctx context.Context, idSHA256 []byte) (*console.Session, error) {
+	got, err := s.c.Store.TouchConsoleSession(ctx, idSHA256)
+	if errors.Is(err, ledger.ErrSessionNotFound) {
+		return nil, console.ErrNoSession
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &console.Session{Tenant: got.Tenant, Credential: got.Credential}, nil
+}
+
+func (s ledgerSessions) DeleteSession(ctx context.Context, idSHA256 []byte) error {
+	return s.c.Store.DeleteConsoleSession(ctx, idSHA256)
 }

@@ -214,8 +214,16 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 		c.render(w, r, code, "login", view{Title: "Sign in", Page: loginPage{Next: next, Error: msg}})
 		return
 	}
+	if err := c.startSession(w, r, tenantOf(md), token); err != nil {
+		c.opts.logger.Error("console: cannot start a session", "tenant", tenantOf(md), "remote", r.RemoteAddr, "err", err)
+		msg := "The token is valid, but the console cannot start a session now; try again shortly."
+		if c.opts.sessions == nil {
+			msg = "This console keeps no sessions, so it cannot sign in with a token; use a client certificate."
+		}
+		c.render(w, r, http.StatusServiceUnavailable, "login", view{Title: "Sign in", Page: loginPage{Next: next, Error: msg}})
+		return
+	}
 	c.opts.logger.Info("console: signed in", "tenant", tenantOf(md), "remote", r.RemoteAddr)
-	setCookie(w, r, sessionCookie, base64URL(token), c.opts.sessionTTL)
 	http.Redirect(w, r, next, http.StatusSeeOther)
 }
 
@@ -223,7 +231,14 @@ func (c *Console) logout(w http.ResponseWriter, r *http.Request) {
 	if !c.parsePost(w, r) {
 		return
 	}
-	setCookie(w, r, sessionCookie, "", -1)
+	if err := c.endSession(w, r); err != nil {
+		c.opts.logger.Error("console: sign-out failed", "remote", r.RemoteAddr, "err", err)
+		c.renderError(w, r, http.StatusServiceUnavailable, "Sign-out failed: the session may stay valid until it expires. Try again.")
+		return
+	}
+	if s, ok := sessionOf(r); ok {
+		c.opts.logger.Info("console: signed out", "tenant", s.tenant, "remote", r.RemoteAddr)
+	}
 	http.Redirect(w, r, "/console/login", http.StatusSeeOther)
 }
 

@@ -1,11 +1,17 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"slices"
+	"time"
 )
+
+// revokeTimeout bounds how long a reload waits for the database to revoke
+// the console sessions of removed tokens.
+const revokeTimeout = 10 * time.Second
 
 // ErrReloadRefused wraps every reason Reload refuses a configuration file.
 var ErrReloadRefused = errors.New("config reload refused; the configuration in force stays")
@@ -20,6 +26,13 @@ var ErrReloadRefused = errors.New("config reload refused; the configuration in f
 // door to unauthenticated callers. Every check in checks (for instance the
 // start-up exposure check) runs on the new configuration too; any error
 // refuses it; nil checks are skipped.
+//
+// A reload that removes a tenant's token (or gives it to another tenant)
+// revokes the operator console sessions signed in with it, in the
+// database, so on every replica. Should the database not answer, the
+// reload stays in force, the failure is logged, and those sessions stay
+// refused on this replica (the console checks the token at each request)
+// until they expire.
 func (s *Server) Reload(path string, checks ...func(*Policies) error) (*Policies, error) {
 	cur := s.policies.Load()
 	next, err := s.admissible(cur, path, checks)
@@ -30,7 +43,36 @@ func (s *Server) Reload(path string, checks ...func(*Policies) error) (*Policies
 		s.metrics.reloadFailures.Inc()
 		return nil, fmt.Errorf("%w: %w", ErrReloadRefused, err)
 	}
+	if revoked := revokedTokens(cur, next); len(revoked) > 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), revokeTimeout)
+		defer cancel()
+		if n, err := s.store.RevokeConsoleSessions(ctx, revoked); err != nil {
+			s.logger.Error("config reload: revoking the console sessions of removed tokens failed; they end when they expire",
+				"tokens", len(revoked), "err", err)
+		} else {
+			s.logger.Info("config reload: console sessions of removed tokens revoked", "tokens", len(revoked), "sessions", n)
+		}
+	}
 	return next, nil
+}
+
+// revokedTokens returns the SHA-256 sums of the tokens cur accepts that
+// next does not accept for the same tenant: removed, or moved to another
+// tenant.
+func revokedTokens(cur, next *Policies) [][]byte {
+	kept := make(map[string]string, len(next.tenants))
+	for _, t := range next.tenants {
+		if t.token != nil {
+			kept[string(t.token)] = t.name
+		}
+	}
+	var revoked [][]byte
+	for _, t := range cur.tenants {
+		if name, ok := kept[string(t.token)]; t.token != nil && (!ok || name != t.name) {
+			revoked = append(revoked, t.token)
+		}
+	}
+	return revoked
 }
 
 // admissible reads the file at path and checks it against cur, the

@@ -10,6 +10,7 @@ import (
 	"net/http"
 
 	"github.com/idemcoord/idemcoord/console"
+	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -22,7 +23,7 @@ func checkConsoleExposure(c *config, authEnabled bool) error {
 	}
 	if c.tlsCert == "" {
 		return fmt.Errorf("--console on --http-listen %s needs TLS (--tls-cert and --tls-key): "+
-			"the console's session cookie carries a bearer token, sent in plain HTTP only to a loopback address", c.httpListen)
+			"the console's session cookie stands for a signed-in operator, sent in plain HTTP only to a loopback address", c.httpListen)
 	}
 	if !authEnabled && !c.allowNoAuth {
 		return errors.New("--console with auth disabled (no tenants in the config) on a non-loopback --http-listen " +
@@ -35,8 +36,10 @@ func checkConsoleExposure(c *config, authEnabled bool) error {
 // listener's handler. With --tls-cert the listener then serves HTTPS (the
 // console's cookies are Secure, and a client certificate signed by
 // --tls-client-ca signs an operator in); without TLS it must be a loopback
-// address. It returns the handler and the listener to serve.
-func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *server.Server, authEnabled bool, lis net.Listener) (http.Handler, net.Listener, error) {
+// address. Operators' sessions are kept in store, shared by every replica.
+// It returns the handler and the listener to serve.
+func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *server.Server, store *ledger.Store, authEnabled bool,
+	lis net.Listener) (http.Handler, net.Listener, error) {
 	if err := checkConsoleExposure(c, authEnabled); err != nil {
 		return nil, nil, err
 	}
@@ -44,7 +47,7 @@ func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *serv
 	if err != nil {
 		return nil, nil, err
 	}
-	con := console.New(srv.AdminConn(), console.WithLogger(logger), console.WithCounters(func() console.Counters {
+	con := console.New(srv.AdminConn(), console.WithLogger(logger), console.WithSessions(consoleSessions{store}), console.WithCounters(func() console.Counters {
 		t := srv.CounterTotals()
 		return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}
 	}))
@@ -60,4 +63,33 @@ func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *serv
 	}
 	logger.Info("operator console enabled", "url", scheme+"://"+lis.Addr().String()+console.Prefix, "auth", authEnabled)
 	return mux, lis, nil
+}
+
+// consoleSessions keeps the console's sessions in the ledger, so every
+// replica over the same database accepts them.
+type consoleSessions struct{ store *ledger.Store }
+
+// CreateSession stores a new session.
+func (s consoleSessions) CreateSession(ctx context.Context, n *console.NewSession) error {
+	_, err := s.store.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
+		TokenSHA256: n.TokenSHA256, Credential: n.Credential, IdleTimeout: n.IdleTimeout, MaxLifetime: n.MaxLifetime})
+	return err
+}
+
+// UseSession returns a live session and records its use, or
+// console.ErrNoSession.
+func (s consoleSessions) UseSession(ctx context.Context, idSHA256 []byte) (*console.Session, error) {
+	got, err := s.store.TouchConsoleSession(ctx, idSHA256)
+	if errors.Is(err, ledger.ErrSessionNotFound) {
+		return nil, console.ErrNoSession
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &console.Session{Tenant: got.Tenant, Credential: got.Credential}, nil
+}
+
+// DeleteSession deletes a session.
+func (s consoleSessions) DeleteSession(ctx context.Context, idSHA256 []byte) error {
+	return s.store.DeleteConsoleSession(ctx, idSHA256)
 }

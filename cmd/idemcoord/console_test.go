@@ -113,7 +113,7 @@ func TestConsoleExposure(t *testing.T) {
 		{[]string{"--http-listen", "0.0.0.0:9090"}, true, "needs TLS"},
 		{[]string{"--http-listen", "0.0.0.0:9090", "--tls-cert", certFile, "--tls-key", keyFile}, false, "--insecure-allow-no-auth"},
 	} {
-		_, _, err := mountConsole(context.Background(), parse(c.args...), logger, nil, c.auth, nil)
+		_, _, err := mountConsole(context.Background(), parse(c.args...), logger, nil, nil, c.auth, nil)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v (auth %v): err = %v, want %q", c.args, c.auth, err, c.want)
 		}
@@ -139,7 +139,7 @@ func TestConsoleExposure(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	h, lis, err := mountConsole(ctx, parse("--http-listen", raw.Addr().String(), "--tls-cert", certFile, "--tls-key", keyFile),
-		logger, coord.Server, false, raw)
+		logger, coord.Server, coord.Store, false, raw)
 	if err != nil {
 		t.Fatal(err)
 	}

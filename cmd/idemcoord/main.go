@@ -338,7 +338,7 @@ func run(args []string, logOut *os.File) error {
 	}
 	httpHandler := srv.HTTPHandler()
 	if c.console {
-		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, policies.AuthEnabled(), hlis); err != nil {
+		if httpHandler, hlis, err = mountConsole(ctx, c, logger, srv, store, policies.AuthEnabled(), hlis); err != nil {
 			return err
 		}
 	} else if c.tlsCert != "" {

@@ -1,0 +1,139 @@
+package ledger
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ErrSessionNotFound is what TouchConsoleSession answers for a session
+// that does not exist, has expired, or was revoked.
+var ErrSessionNotFound = errors.New("console session not found or expired")
+
+// sweepSessionsBatch bounds how many expired sessions each new session
+// deletes: the table holds the live sessions plus a bounded rest.
+const sweepSessionsBatch = 100
+
+// ConsoleSession is a signed-in operator console session.
+type ConsoleSession struct {
+	// Tenant is the tenant the operator signed in as.
+	Tenant string
+	// TokenSHA256 is the SHA-256 of the bearer token the operator signed
+	// in with.
+	TokenSHA256 []byte
+	// Credential is what the console stored with the session, as given.
+	Credential []byte
+	// CreatedAt and LastSeenAt are when the session was created and last
+	// used; ExpiresAt is when it lapses unless used again before.
+	CreatedAt, LastSeenAt, ExpiresAt time.Time
+}
+
+// CreateConsoleSessionParams is a new console session.
+type CreateConsoleSessionParams struct {
+	// IDSHA256 is the SHA-256 of the session's random id (the id itself is
+	// never stored).
+	IDSHA256 []byte
+	// Tenant is the tenant the operator signed in as.
+	Tenant string
+	// TokenSHA256 is the SHA-256 of the bearer token the operator signed
+	// in with; RevokeConsoleSessions finds sessions by it.
+	TokenSHA256 []byte
+	// Credential is stored as given and returned by TouchConsoleSession.
+	Credential []byte
+	// IdleTimeout ends the session after this long without use;
+	// MaxLifetime ends it this long after its creation, used or not.
+	// Both must be positive.
+	IdleTimeout, MaxLifetime time.Duration
+}
+
+// CreateConsoleSession stores a new session, created now (the Store's
+// clock). It also deletes a bounded batch of expired sessions, so the
+// table does not grow with sessions nobody signed out of.
+func (s *Store) CreateConsoleSession(ctx context.Context, p *CreateConsoleSessionParams) (*ConsoleSession, error) {
+	if len(p.IDSHA256) != sha256.Size || len(p.TokenSHA256) != sha256.Size {
+		return nil, fmt.Errorf("%w: session id and token hashes must be SHA-256 sums", ErrInvalidArgument)
+	}
+	if p.IdleTimeout <= 0 || p.MaxLifetime <= 0 {
+		return nil, fmt.Errorf("%w: session idle timeout and lifetime must be positive", ErrInvalidArgument)
+	}
+	return detached(ctx, func(ctx context.Context) (*ConsoleSession, error) {
+		sess := &ConsoleSession{Tenant: p.Tenant, TokenSHA256: p.TokenSHA256, Credential: p.Credential}
+		err := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+swept AS (
+	DELETE FROM idempotency_console_sessions WHERE id_sha256 IN (
+		SELECT id_sha256 FROM idempotency_console_sessions
+		WHERE expires_at <= coalesce($1::timestamptz, now())
+		ORDER BY expires_at LIMIT $8 FOR UPDATE SKIP LOCKED))
+INSERT INTO idempotency_console_sessions (id_sha256, tenant, token_sha256, credential, created_at, last_seen_at,
+	idle_timeout, absolute_expires_at, expires_at)
+SELECT $2, $3, $4, $5, clock.now, clock.now, $6::bigint * interval '1 microsecond',
+	clock.now + $7::bigint * interval '1 microsecond',
+	least(clock.now + $6::bigint * interval '1 microsecond', clock.now + $7::bigint * interval '1 microsecond')
+FROM clock
+RETURNING created_at, last_seen_at, expires_at`,
+			s.now(), p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential, p.IdleTimeout.Microseconds(),
+			p.MaxLifetime.Microseconds(), sweepSessionsBatch).Scan(&sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
+		if err != nil {
+			return nil, classify(err)
+		}
+		return sess, nil
+	})
+}
+
+// TouchConsoleSession returns the live session whose id hashes to
+// idSHA256 and records its use now, which moves its idle expiry (never
+// past its lifetime). A session that does not exist, has expired or was
+// revoked answers ErrSessionNotFound; an expired one is deleted.
+func (s *Store) TouchConsoleSession(ctx context.Context, idSHA256 []byte) (*ConsoleSession, error) {
+	return detached(ctx, func(ctx context.Context) (*ConsoleSession, error) {
+		now := s.now()
+		var sess ConsoleSession
+		err := s.pool.QueryRow(ctx, `UPDATE idempotency_console_sessions s
+SET last_seen_at = clock.now, expires_at = least(clock.now + s.idle_timeout, s.absolute_expires_at)
+FROM (SELECT coalesce($1::timestamptz, now()) AS now) clock
+WHERE s.id_sha256 = $2 AND s.expires_at > clock.now
+RETURNING s.tenant, s.token_sha256, s.credential, s.created_at, s.last_seen_at, s.expires_at`, now, idSHA256).Scan(
+			&sess.Tenant, &sess.TokenSHA256, &sess.Credential, &sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
+		if errors.Is(err, pgx.ErrNoRows) {
+			if _, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions
+WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, now, idSHA256); err != nil {
+				return nil, classify(err)
+			}
+			return nil, ErrSessionNotFound
+		}
+		if err != nil {
+			return nil, classify(err)
+		}
+		return &sess, nil
+	})
+}
+
+// DeleteConsoleSession deletes the session whose id hashes to idSHA256
+// (sign-out). Deleting a session that does not exist is not an error.
+func (s *Store) DeleteConsoleSession(ctx context.Context, idSHA256 []byte) error {
+	_, err := detached(ctx, func(ctx context.Context) (struct{}, error) {
+		_, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, idSHA256)
+		return struct{}{}, classify(err)
+	})
+	return err
+}
+
+// RevokeConsoleSessions deletes every session signed in with one of the
+// bearer tokens whose SHA-256 sums are given, and returns how many it
+// deleted.
+func (s *Store) RevokeConsoleSessions(ctx context.Context, tokenSHA256s [][]byte) (int64, error) {
+	if len(tokenSHA256s) == 0 {
+		return 0, nil
+	}
+	return detached(ctx, func(ctx context.Context) (int64, error) {
+		tag, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions WHERE token_sha256 = ANY($1::bytea[])`, tokenSHA256s)
+		if err != nil {
+			return 0, classify(err)
+		}
+		return tag.RowsAffected(), nil
+	})
+}
