@@ -45,7 +45,8 @@ test: lint
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
-## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL; each prints a `chaos: <test>:` line
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL, the demo services
+## driven by third-party retrying clients through toxiproxy (TestRetryingClients); each prints a `chaos: <test>:` line
 .PHONY: chaos fuzz-short
 chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
