@@ -45,11 +45,13 @@ const retryLease = 2 * time.Second
 
 // TestRetryingClients drives the two demo services (examples/projectshttp
 // behind clients.HTTPMiddleware, examples/projects behind
-// clients.UnaryServerInterceptor, each built exactly as its command builds
-// it) with real third-party retrying clients, through toxiproxy (latency
-// and jitter, connections reset, black holes that close after a while,
-// requests sliced into small writes) both between the clients and the demos
-// and between the demos and the coordinator:
+// clients.UnaryServerInterceptor, built by the demos' own NewHandler and
+// NewGRPCServer as their commands build them; only the coordinator
+// connection reconnects faster than the commands' default, as every chaos
+// test's does) with real third-party retrying clients, through toxiproxy
+// (latency and jitter, connections reset, black holes that close after a
+// while, requests sliced into small writes) both between the clients and
+// the demos and between the demos and the coordinator:
 //
 //   - go-retryablehttp (Go) against the HTTP demo;
 //   - grpc-go's own service-config retryPolicy (UNAVAILABLE and ABORTED,
@@ -59,15 +61,15 @@ const retryLease = 2 * time.Second
 //   - requests with urllib3's Retry (Python, Debian's python3-requests)
 //     against the HTTP demo.
 //
-// Each client creates a few hundred projects (a few dozen in the short
-// run), one Idempotency-Key per project that its retries reuse; some sends
-// have a time-out so short (0.5-6 ms for gRPC, 2-30 ms for HTTP) that the
-// client gives up in the middle of the demo's Begin, and a send that got no
-// answer is sent once more with a normal time-out. The coordinator holds
-// UNKNOWN records for an operator (on_unknown: hold), so a key stranded by
-// a caller that gave up stays visible. Then, with the faults off and every
-// lease lapsed, each key's record is read (Lookup), and every operation is
-// sent once more (a replay). Per client, the test requires:
+// Each client creates 400 projects (100 in the short run), eight at a
+// time, one Idempotency-Key per project that its retries reuse; 40% of the
+// first sends have a time-out so short (0.5-6 ms for gRPC, 2-30 ms for
+// HTTP) that the client often gives up during the demo's Begin, and a send
+// that got no answer is sent once more with a normal time-out. The
+// coordinator holds UNKNOWN records for an operator (on_unknown: hold), so
+// a key stranded by a caller that gave up stays visible. Then, with the
+// faults off and every lease lapsed, each key's record is read (Lookup),
+// and every operation is sent once more (a replay). Per client, the test requires:
 //
 //   - side effects: at most one project per key, and exactly one for every
 //     key whose client was answered a success;
@@ -179,13 +181,13 @@ func TestRetryingClients(t *testing.T) {
 			rc.name, len(rc.ops), r.effectsPerKey(), r.mismatched, r.stranded)
 		summary = append(summary, line)
 		t.Logf("chaos: %s: %s", t.Name(), line)
-		t.Logf("chaos: %s: client=%s detail answered_under_faults=%d answered=%d keys_by_effects=%v answered_without_effect=%d held_after_effect=%d answers_under_faults=%v client_retries_under_faults=%d answers_replay=%v",
-			t.Name(), rc.name, r.answeredUnderFaults, r.answered, r.byEffects, r.answeredNoEffect, r.heldAfterEffect,
+		t.Logf("chaos: %s: client=%s detail answered_under_faults=%d answered=%d keys_by_effects=%v answered_not_once=%d held_after_effect=%d answers_under_faults=%v client_retries_under_faults=%d answers_replay=%v",
+			t.Name(), rc.name, r.answeredUnderFaults, r.answered, r.byEffects, r.answeredNotOnce, r.heldAfterEffect,
 			r.answersFaults, r.retries, r.answersReplay)
-		if len(r.offenders) > 0 {
+		if offending := r.offending(); len(offending) > 0 {
 			failed = true
-			t.Errorf("client %s: %d key(s) with more than one side effect, %d answered a success without exactly one, %d mismatched replay(s), %d stranded; the first:\n  %s",
-				rc.name, r.double, r.answeredNoEffect, r.mismatched, r.stranded, strings.Join(r.offenders, "\n  "))
+			t.Errorf("client %s: %d key(s) with more than one side effect, %d answered a success without exactly one, %d mismatched replay(s), %d stranded; the first of each:\n  %s",
+				rc.name, r.double, r.answeredNotOnce, r.mismatched, r.stranded, strings.Join(offending, "\n  "))
 		}
 	}
 	t.Logf("chaos: %s: faults %v for %.1fs over %d proxies (seed %d)", t.Name(), counts, underFaults.Seconds(), len(rcs)+2, s)
@@ -325,12 +327,25 @@ type retryReport struct {
 	answeredUnderFaults, answered int
 	byEffects                     map[int]int // side effects → keys
 	minEffects, maxEffects        int         // over keys answered a success or with a side effect
-	double, answeredNoEffect      int
+	double, answeredNotOnce       int
 	mismatched                    int
 	stranded, heldAfterEffect     int
 	answersFaults, answersReplay  map[string]int
 	retries                       int
-	offenders                     []string
+	// offenders are the first few offending keys of each kind (double,
+	// notOnce, mismatch, stranded), described.
+	offenders map[string][]string
+}
+
+// offenderKinds orders the kinds of offenders in a report.
+var offenderKinds = []string{"double", "notOnce", "mismatch", "stranded"}
+
+func (r *retryReport) offending() []string {
+	var out []string
+	for _, k := range offenderKinds {
+		out = append(out, r.offenders[k]...)
+	}
+	return out
 }
 
 func (r *retryReport) effectsPerKey() string {
@@ -344,9 +359,10 @@ func (rc *retryClient) verify() *retryReport {
 	r := &retryReport{byEffects: map[int]int{}, answersFaults: map[string]int{}, answersReplay: map[string]int{},
 		minEffects: 1, maxEffects: 1}
 	final := rc.effects()
-	offend := func(format string, args ...any) {
-		if len(r.offenders) < 8 {
-			r.offenders = append(r.offenders, fmt.Sprintf(format, args...))
+	r.offenders = map[string][]string{}
+	offend := func(kind, format string, args ...any) {
+		if len(r.offenders[kind]) < 4 {
+			r.offenders[kind] = append(r.offenders[kind], fmt.Sprintf(format, args...))
 		}
 	}
 	for i, op := range rc.ops {
@@ -378,7 +394,7 @@ func (rc *retryClient) verify() *retryReport {
 			}
 			if a.label() != first.label() || !bytes.Equal(a.Body, first.Body) {
 				r.mismatched++
-				offend("mismatched replay: key=%s name=%s first=%s %q later=%s %q (%s)", op.Key, op.Name,
+				offend("mismatch", "mismatched replay: key=%s name=%s first=%s %q later=%s %q (%s)", op.Key, op.Name,
 					first.label(), first.Body, a.label(), a.Body, a.Result)
 			}
 		}
@@ -391,13 +407,13 @@ func (rc *retryClient) verify() *retryReport {
 		if first != nil {
 			r.answered++
 			if n != 1 {
-				r.answeredNoEffect++
-				offend("answered %s but %d side effects: key=%s name=%s", first.label(), n, op.Key, op.Name)
+				r.answeredNotOnce++
+				offend("notOnce", "answered %s but %d side effects: key=%s name=%s", first.label(), n, op.Key, op.Name)
 			}
 		}
 		if n > 1 {
 			r.double++
-			offend("%d side effects: key=%s name=%s answers=%s", n, op.Key, op.Name, labels(all))
+			offend("double", "%d side effects: key=%s name=%s answers=%s", n, op.Key, op.Name, labels(all))
 		}
 		rec := rc.records[i]
 		held := rec != nil && (rec.GetState() == idempotencyv1.State_STATE_IN_PROGRESS ||
@@ -407,7 +423,7 @@ func (rc *retryClient) verify() *retryReport {
 		}
 		if rc.effectsAtCheck[op.Name] == 0 {
 			r.stranded++
-			offend("stranded: key=%s name=%s state=%s uncertain=%t attempt=%d, handler never ran; first send timeout %v; answers under faults %s, replay %s",
+			offend("stranded", "stranded: key=%s name=%s state=%s uncertain=%t attempt=%d, handler never ran; first send timeout %v; answers under faults %s, replay %s",
 				op.Key, op.Name, rec.GetState(), rec.GetUncertain(), rec.GetAttempt(), op.Timeout, labels(under), labels(replay))
 		} else {
 			r.heldAfterEffect++
