@@ -164,10 +164,21 @@ func TestRetryingClients(t *testing.T) {
 	// Every lease of an abandoned attempt lapses, and the background
 	// Complete/Fail retries of the demos (up to one lease) end.
 	time.Sleep(retryLease + time.Second)
-	coord := idempotencyv1.NewCoordinatorClient(dial(t, c.Addr))
+	coordConn := dial(t, c.Addr)
+	coord := idempotencyv1.NewCoordinatorClient(coordConn)
+	planned := map[[2]string]bool{}
 	for _, rc := range rcs {
 		rc.effectsAtCheck = rc.effects()
 		rc.records = lookupAll(t, coord, rc)
+		for _, op := range rc.ops {
+			planned[[2]string{rc.scope, clients.FoldPrincipal(rc.user, op.Key)}] = true
+		}
+	}
+	// Every held record, whoever's: none may belong to a key no client sent.
+	held, unplanned := heldRecords(t, idempotencyv1.NewAdminClient(coordConn), planned)
+	t.Logf("chaos: %s: held records (ListRecords IN_PROGRESS, UNKNOWN) %d, of keys no client sent %d", t.Name(), held, len(unplanned))
+	if len(unplanned) > 0 {
+		t.Errorf("%d held record(s) of keys no client sent, the first: %v", len(unplanned), unplanned[:min(4, len(unplanned))])
 	}
 
 	// Without faults: every operation once more.
@@ -320,6 +331,34 @@ func lookupAll(t *testing.T, coord idempotencyv1.CoordinatorClient, rc *retryCli
 		}
 	}
 	return out
+}
+
+// heldRecords lists every record IN_PROGRESS or UNKNOWN and returns how
+// many there are and those whose (scope, key) is not in planned.
+func heldRecords(t *testing.T, admin idempotencyv1.AdminClient, planned map[[2]string]bool) (int, []string) {
+	t.Helper()
+	n := 0
+	var unplanned []string
+	for _, st := range []idempotencyv1.State{idempotencyv1.State_STATE_IN_PROGRESS, idempotencyv1.State_STATE_UNKNOWN} {
+		for token := ""; ; {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			res, err := admin.ListRecords(ctx, &idempotencyv1.ListRecordsRequest{State: st, PageSize: 1000, PageToken: token})
+			cancel()
+			if err != nil {
+				t.Fatalf("ListRecords %s: %v", st, err)
+			}
+			for _, r := range res.GetRecords() {
+				n++
+				if !planned[[2]string{r.GetScope(), r.GetKey()}] {
+					unplanned = append(unplanned, fmt.Sprintf("%s %s %s", r.GetScope(), r.GetKey(), r.GetState()))
+				}
+			}
+			if token = res.GetNextPageToken(); token == "" {
+				break
+			}
+		}
+	}
+	return n, unplanned
 }
 
 // retryReport is what verify found for one client.
