@@ -4,6 +4,7 @@ PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.5.1
 GRPCURL_VERSION            := v1.9.3
 GHZ_VERSION                := v0.121.0
+TOXIPROXY_VERSION          := v2.5.0
 
 BIN    := $(CURDIR)/bin
 export PATH := $(BIN):$(PATH)
@@ -44,7 +45,8 @@ test: lint
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
-## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL; each prints a `chaos: <test>:` line
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL, the demo services
+## driven by third-party retrying clients through toxiproxy (TestRetryingClients); each prints a `chaos: <test>:` line
 .PHONY: chaos fuzz-short
 chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
@@ -111,7 +113,8 @@ check-generated: tools
 	  done
 
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
-       $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION)
+       $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
+       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION)
 
 $(BIN)/.buf-$(BUF_VERSION):
 	GOBIN=$(BIN) go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
@@ -124,6 +127,13 @@ $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION):
 	@touch $@
 $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 	GOBIN=$(BIN) go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+	@touch $@
+# toxiproxy's server (the fault proxy of chaos/TestRetryingClients) installs as
+# "server"; it lands in ./bin as toxiproxy-server. Kept out of go.mod.
+$(BIN)/.toxiproxy-$(TOXIPROXY_VERSION):
+	@tmp=$$(mktemp -d); trap 'rm -rf $$tmp' EXIT; \
+	  set -x; GOBIN=$$tmp go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION) && \
+	  mv $$tmp/server $(BIN)/toxiproxy-server
 	@touch $@
 
 ## bench: durable PostgreSQL + the idemcoord binary (default settings) vs the lean hand-written table of

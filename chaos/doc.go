@@ -9,10 +9,25 @@
 // state table written from DESIGN.md, which shares no code with
 // statemachine.
 //
+// TestRetryingClients drives the demo services of examples/ with real
+// third-party retrying clients (go-retryablehttp, grpc-go's service-config
+// retryPolicy, Node's axios-retry and Python's requests with urllib3's
+// Retry) through toxiproxy, which injects latency, connection resets and
+// black holes both between the clients and the demos and between the demos
+// and the coordinator, while some calls time out in the middle of Begin.
+// Per client it counts side effects per key (exactly one for every key
+// answered a success), replays that differ from the first success, and
+// keys left held (IN_PROGRESS, UNKNOWN or uncertain) whose handler never
+// ran, and prints them on a `chaos: TestRetryingClients: client=…` line.
+// It needs ./bin/toxiproxy-server (`make tools`), node with
+// chaos/testdata/retryclients/node installed (`npm ci`) and Debian's
+// python3-requests; it skips without them, and fails under CI=true.
+//
 // The short versions run in `go test ./...`; IDEMCOORD_CHAOS=long (set by
 // `make chaos`) runs longer loads with more faults.
 //
 // Only test code imports this package. Its one exported helper, Proxy, is a
 // TCP forwarder that cuts connections on demand or at random; it imports
-// only the standard library.
+// only the standard library. toxiproxy runs as a separate process, driven
+// over its HTTP API from test code.
 package chaos
