@@ -329,9 +329,7 @@ func run(args []string, logOut *os.File) error {
 		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
 	}
 	go srv.RunReaper(ctx)
-	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
-		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
-	})
+	go watchConfig(ctx, logger, c.configPath, hup, srv, reloadCheck(c))
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
