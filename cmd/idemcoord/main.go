@@ -124,13 +124,20 @@ func parseFlags(args []string) (*config, error) {
 }
 
 // checkExposure refuses to serve without auth on an address others can
-// reach, unless the operator said so.
+// reach, gRPC (--listen) or HTTP (--http-listen, which serves the API too),
+// unless the operator said so.
 func checkExposure(c *config, authEnabled bool) error {
-	if authEnabled || c.allowNoAuth || isLoopback(c.listen) {
+	if authEnabled || c.allowNoAuth {
 		return nil
 	}
-	return fmt.Errorf("--listen %s is not a loopback address and auth is disabled (no tenants in the config): "+
-		"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
+	var errs []error
+	for _, l := range []struct{ flag, addr string }{{"--listen", c.listen}, {"--http-listen", c.httpListen}} {
+		if !isLoopback(l.addr) {
+			errs = append(errs, fmt.Errorf("%s %s is not a loopback address and auth is disabled (no tenants in the config): "+
+				"anyone who can reach it could read, replay and forget every record; configure tenants or pass --insecure-allow-no-auth", l.flag, l.addr))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // tlsCredentials builds the server's TLS credentials from the flags, or
