@@ -2,12 +2,17 @@ package server
 
 import (
 	"bufio"
+	"compress/gzip"
 	"errors"
 	"fmt"
 	"io"
 	"mime"
+	"net"
 	"net/http"
+	"os"
+	"strconv"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
@@ -17,13 +22,6 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
-
-// maxHTTPMessageBytes bounds one request or response message of the
-// HTTP/JSON API as it travels over HTTP (JSON writes bytes fields in base64,
-// so a message near the gRPC limit of 4 MiB needs more room). A larger one
-// fails with resource_exhausted before it reaches the service; the gRPC
-// limits then apply to what passes.
-const maxHTTPMessageBytes = 16 << 20
 
 // connectVersionHeader is the header that marks a Connect unary request.
 const connectVersionHeader = "Connect-Protocol-Version"
@@ -47,10 +45,15 @@ var apiServices = []string{
 // A POST whose content type is application/json or application/proto is
 // taken as a Connect unary call even without the Connect-Protocol-Version
 // header, so a plain curl works.
-func newAPIHandler(g *grpc.Server) (http.Handler, error) {
+//
+// maxMessageBytes bounds one request or response message as it travels over
+// HTTP (the listener's body cap, see WithHTTPMaxBodyBytes): a larger one
+// fails with resource_exhausted before it reaches the service, and the gRPC
+// limits then apply to what passes.
+func newAPIHandler(g *grpc.Server, maxMessageBytes uint32) (http.Handler, error) {
 	t, err := vanguardgrpc.NewTranscoder(g,
 		vanguard.WithCodec(newStrictJSONCodec),
-		vanguard.WithDefaultServiceOptions(vanguard.WithMaxMessageBufferBytes(maxHTTPMessageBytes)))
+		vanguard.WithDefaultServiceOptions(vanguard.WithMaxMessageBufferBytes(maxMessageBytes)))
 	if err != nil {
 		return nil, fmt.Errorf("server: HTTP/JSON transcoder: %w", err)
 	}
@@ -126,4 +129,238 @@ func connectByDefault(next http.Handler) http.Handler {
 type readCloser struct {
 	io.Reader
 	io.Closer
+}
+
+// DefaultHTTPMaxBodyBytes is the default cap on a request body on the HTTP
+// listener, counted after decompression: a message at the gRPC limit of
+// 4 MiB, written as JSON (bytes fields in base64).
+const DefaultHTTPMaxBodyBytes = 6 << 20
+
+// DefaultHTTPReadTimeout is how long the HTTP listener waits, by default,
+// for a request's headers and body.
+const DefaultHTTPReadTimeout = 30 * time.Second
+
+const (
+	// httpReadHeaderTimeout is how long the HTTP listener waits for a
+	// request's headers (or ReadTimeout when shorter).
+	httpReadHeaderTimeout = 10 * time.Second
+	// httpIdleTimeout is how long a kept-alive connection may wait for its
+	// next request: more than a scrape interval of a minute.
+	httpIdleTimeout = 2 * time.Minute
+	// httpMaxHeaderBytes caps a request's line and headers (a Connect GET
+	// carries its request message in the URL).
+	httpMaxHeaderBytes = 64 << 10
+	// httpWriteMargin is how much longer than the longest wait an answer
+	// has to be written.
+	httpWriteMargin = 15 * time.Second
+)
+
+// NewHTTPServer returns the http.Server for the coordinator's HTTP
+// listener: it serves h (HTTPHandler, or a mux that mounts it) behind the
+// listener's guard, which bounds the work any request, authenticated or
+// not, can cause before h sees it:
+//
+//   - While auth is off (no tenants), a request whose Host header is not a
+//     loopback name or address ("localhost", 127.0.0.0/8, ::1) or a host of
+//     WithHTTPAllowedHosts gets 421 Misdirected Request: a web page that
+//     rebinds its DNS name to the coordinator's address cannot use it.
+//     /healthz and /readyz answer whatever the Host.
+//   - The body is read whole before h runs, at most WithHTTPMaxBodyBytes
+//     bytes as sent and, for Content-Encoding gzip, once inflated: past the
+//     cap it is 413, and nothing is decoded. Any other Content-Encoding but
+//     identity, and per-message compression (Grpc-Encoding,
+//     Connect-Content-Encoding, a Connect GET's compression parameter) but
+//     identity, is 415: the listener inflates only what it can bound.
+//   - Headers take at most 10 s and 64 KiB; headers and body at most
+//     WithHTTPReadTimeout (else 408 or a closed connection). Once the body
+//     is in, the answer has the scope's longest wait (max_wait) plus 15 s
+//     to be written; an idle kept-alive connection is closed after 2 min.
+func (s *Server) NewHTTPServer(h http.Handler) *http.Server {
+	read := s.opts.httpReadTimeout
+	return &http.Server{
+		Handler:           s.guardHTTP(h),
+		ReadHeaderTimeout: min(httpReadHeaderTimeout, read),
+		ReadTimeout:       read,
+		// Past the headers, the answer waits for the body, then for the
+		// call; guardHTTP sets the deadline of each call's answer once
+		// its body is in, from the max_wait in force.
+		WriteTimeout:   read + max(s.policies.Load().Limits().MaxWait, DefaultLimits().MaxWait) + httpWriteMargin,
+		IdleTimeout:    httpIdleTimeout,
+		MaxHeaderBytes: httpMaxHeaderBytes,
+	}
+}
+
+// guardHTTP checks the Host, reads the body within the cap and sets the
+// connection's deadlines before next runs; see NewHTTPServer.
+func (s *Server) guardHTTP(next http.Handler) http.Handler {
+	allowed := s.opts.httpAllowedHosts
+	maxBody := s.opts.httpMaxBody
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
+			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
+				"or list the host in --http-allowed-hosts", r.Host), http.StatusMisdirectedRequest)
+			return
+		}
+		gz, err := requestCompression(r)
+		if err != nil {
+			w.Header().Set("Accept-Encoding", "gzip")
+			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
+			return
+		}
+		body, err := readBody(w, r, gz, maxBody)
+		if err != nil {
+			var tooLarge *http.MaxBytesError
+			switch {
+			case errors.As(err, &tooLarge):
+				w.Header().Set("Connection", "close")
+				http.Error(w, fmt.Sprintf("request body over %d bytes (counted after decompression)", maxBody),
+					http.StatusRequestEntityTooLarge)
+			case errors.Is(err, os.ErrDeadlineExceeded):
+				w.Header().Set("Connection", "close")
+				http.Error(w, "request body not received in time", http.StatusRequestTimeout)
+			default:
+				http.Error(w, "cannot read the request body: "+err.Error(), http.StatusBadRequest)
+			}
+			return
+		}
+		if body != nil {
+			n := bodyLen(body)
+			r.Body = io.NopCloser(&body)
+			r.ContentLength = n
+			r.TransferEncoding = nil
+			r.Header.Del("Content-Encoding")
+			r.Header.Set("Content-Length", strconv.FormatInt(n, 10))
+		}
+		// The body is in: the read deadline, which would otherwise cancel
+		// a waiting call when it passes, is lifted, and the answer gets
+		// the longest wait plus a margin.
+		rc := http.NewResponseController(w)
+		_ = rc.SetReadDeadline(time.Time{})
+		_ = rc.SetWriteDeadline(time.Now().Add(s.policies.Load().Limits().MaxWait + httpWriteMargin))
+		next.ServeHTTP(w, r)
+	})
+}
+
+// isProbe reports whether r asks /healthz or /readyz, which reveal and
+// change nothing.
+func isProbe(r *http.Request) bool {
+	return (r.Method == http.MethodGet || r.Method == http.MethodHead) && (r.URL.Path == "/healthz" || r.URL.Path == "/readyz")
+}
+
+// normalizeHost returns the name or address of a Host header or an entry
+// of WithHTTPAllowedHosts: without port or IPv6 brackets, in lower case,
+// without a trailing dot.
+func normalizeHost(host string) string {
+	host = strings.TrimSpace(host)
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	} else if strings.HasPrefix(host, "[") && strings.HasSuffix(host, "]") {
+		host = host[1 : len(host)-1]
+	}
+	return strings.TrimSuffix(strings.ToLower(host), ".")
+}
+
+// hostAllowed reports whether a request's Host names the loopback interface
+// ("localhost", 127.0.0.0/8, ::1) or one of allowed (normalized; "*" allows
+// every host). Names under .localhost are not taken for loopback: some
+// resolvers forward them.
+func hostAllowed(host string, allowed map[string]bool) bool {
+	name := normalizeHost(host)
+	if name == "" {
+		return false
+	}
+	if name == "localhost" || allowed["*"] || allowed[name] {
+		return true
+	}
+	ip := net.ParseIP(name)
+	return ip != nil && ip.IsLoopback()
+}
+
+// requestCompression reports whether r's body is gzip, and refuses any
+// other compression: another Content-Encoding, or message compression
+// (gRPC-Web's Grpc-Encoding, Connect streaming's Connect-Content-Encoding,
+// a Connect GET's compression parameter), which the transcoder would inflate
+// without a bound.
+func requestCompression(r *http.Request) (gz bool, err error) {
+	var codings []string
+	for _, v := range r.Header.Values("Content-Encoding") {
+		for c := range strings.SplitSeq(v, ",") {
+			if c = strings.ToLower(strings.TrimSpace(c)); c != "" && c != "identity" {
+				codings = append(codings, c)
+			}
+		}
+	}
+	switch {
+	case len(codings) == 1 && (codings[0] == "gzip" || codings[0] == "x-gzip"):
+		gz = true
+	case len(codings) > 0:
+		return false, fmt.Errorf("unsupported Content-Encoding %q: send the body as is or with gzip", strings.Join(codings, ", "))
+	}
+	for _, name := range []string{"Grpc-Encoding", "Connect-Content-Encoding"} {
+		if v := strings.TrimSpace(r.Header.Get(name)); v != "" && !strings.EqualFold(v, "identity") {
+			return false, fmt.Errorf("unsupported %s %q: send messages uncompressed (gzip the whole body with Content-Encoding instead)", name, v)
+		}
+	}
+	if v := r.URL.Query().Get("compression"); v != "" && !strings.EqualFold(v, "identity") {
+		return false, fmt.Errorf("unsupported compression %q: send the message uncompressed", v)
+	}
+	return gz, nil
+}
+
+// bodySlabBytes is the size of the pieces a body of unknown length is read
+// into: a body costs its length rounded up to it, never twice its length as
+// a growing buffer would.
+const bodySlabBytes = 64 << 10
+
+// readBody reads r's body whole, inflating it when gz, and fails with an
+// *http.MaxBytesError once it is over maxBytes as sent or as inflated. A
+// request without a body gives nil.
+func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64) (net.Buffers, error) {
+	if r.Body == nil || r.Body == http.NoBody || (r.ContentLength == 0 && len(r.TransferEncoding) == 0) {
+		return nil, nil
+	}
+	if r.ContentLength > maxBytes {
+		return nil, &http.MaxBytesError{Limit: maxBytes}
+	}
+	raw := http.MaxBytesReader(w, r.Body, maxBytes)
+	if !gz && r.ContentLength > 0 {
+		body := make([]byte, r.ContentLength)
+		if _, err := io.ReadFull(raw, body); err != nil {
+			return nil, err
+		}
+		return net.Buffers{body}, nil
+	}
+	var src io.Reader = raw
+	if gz {
+		zr, err := gzip.NewReader(raw)
+		if err != nil {
+			return nil, fmt.Errorf("the body is not gzip: %w", err)
+		}
+		defer zr.Close()
+		src = zr
+	}
+	body := net.Buffers{}
+	for n := int64(0); ; {
+		slab := make([]byte, min(bodySlabBytes, maxBytes+1-n))
+		k, err := io.ReadFull(src, slab)
+		body = append(body, slab[:k])
+		n += int64(k)
+		switch {
+		case n > maxBytes:
+			return nil, &http.MaxBytesError{Limit: maxBytes}
+		case err == io.EOF || err == io.ErrUnexpectedEOF:
+			return body, nil
+		case err != nil:
+			return nil, err
+		}
+	}
+}
+
+// bodyLen is the length of a body readBody read.
+func bodyLen(b net.Buffers) int64 {
+	var n int64
+	for _, s := range b {
+		n += int64(len(s))
+	}
+	return n
 }

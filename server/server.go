@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"runtime/debug"
@@ -63,6 +64,10 @@ type options struct {
 	grpcOptions    []grpc.ServerOption
 	unary          []grpc.UnaryServerInterceptor
 	metricsToken   string
+
+	httpMaxBody      int64
+	httpReadTimeout  time.Duration
+	httpAllowedHosts map[string]bool
 }
 
 // WithPolicies sets the per-scope policy and limits (default
@@ -87,6 +92,29 @@ func WithMaxScopeLabels(n int) Option { return func(o *options) { o.maxScopeLabe
 // /healthz and /readyz stay open. Empty (the default) leaves /metrics open.
 func WithMetricsToken(token string) Option { return func(o *options) { o.metricsToken = token } }
 
+// WithHTTPMaxBodyBytes caps a request body on the HTTP listener, as sent
+// and once inflated, and one message of the HTTP/JSON API either way
+// (default DefaultHTTPMaxBodyBytes); see NewHTTPServer.
+func WithHTTPMaxBodyBytes(n int64) Option { return func(o *options) { o.httpMaxBody = n } }
+
+// WithHTTPReadTimeout bounds how long the HTTP listener waits for a
+// request's headers and body (default DefaultHTTPReadTimeout); see
+// NewHTTPServer.
+func WithHTTPReadTimeout(d time.Duration) Option { return func(o *options) { o.httpReadTimeout = d } }
+
+// WithHTTPAllowedHosts adds names or addresses (a port, if any, is ignored;
+// "*" is every host) that the Host header of a request to the HTTP listener
+// may give while auth is off, besides the loopback ones; see NewHTTPServer.
+func WithHTTPAllowedHosts(hosts ...string) Option {
+	return func(o *options) {
+		for _, h := range hosts {
+			if h = normalizeHost(h); h != "" {
+				o.httpAllowedHosts[h] = true
+			}
+		}
+	}
+}
+
 // WithGRPCOptions adds options to the grpc.Server (TLS credentials, message
 // size limits, …).
 func WithGRPCOptions(opts ...grpc.ServerOption) Option {
@@ -108,9 +136,16 @@ var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceN
 
 // New builds a Server over store. Call Serve to accept calls.
 func New(store *ledger.Store, opts ...Option) (*Server, error) {
-	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200}
+	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200,
+		httpMaxBody: DefaultHTTPMaxBodyBytes, httpReadTimeout: DefaultHTTPReadTimeout, httpAllowedHosts: map[string]bool{}}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if o.httpMaxBody <= 0 || o.httpMaxBody > math.MaxUint32 {
+		return nil, fmt.Errorf("server: HTTP body cap %d: want 1 to %d bytes", o.httpMaxBody, uint32(math.MaxUint32))
+	}
+	if o.httpReadTimeout <= 0 {
+		return nil, fmt.Errorf("server: HTTP read timeout %v: want more than 0", o.httpReadTimeout)
 	}
 	pv, err := protovalidate.New()
 	if err != nil {
@@ -161,7 +196,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
-	if s.api, err = newAPIHandler(s.grpc); err != nil {
+	if s.api, err = newAPIHandler(s.grpc, uint32(o.httpMaxBody)); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -180,6 +215,8 @@ func (s *Server) Ready() bool { return s.ready.Load() }
 // /readyz (the database is reachable: 200, else 503), and every Coordinator
 // and Admin method as HTTP/JSON under /idempotency.v1.Coordinator/ and
 // /idempotency.v1.Admin/ (Connect protocol and gRPC-Web, see the README).
+// A listener serves it through NewHTTPServer, whose guard bounds the work a
+// request causes before it gets here.
 func (s *Server) HTTPHandler() http.Handler {
 	mux := http.NewServeMux()
 	for _, name := range apiServices {

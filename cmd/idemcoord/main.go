@@ -68,6 +68,9 @@ type config struct {
 	shutdownTimeout time.Duration
 	maxStreams      uint
 	console         bool
+	httpMaxBody     int64
+	httpReadTimeout time.Duration
+	httpHosts       []string
 }
 
 // env returns the value of the environment variable name, or def.
@@ -99,8 +102,26 @@ func parseFlags(args []string) (*config, error) {
 		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
 	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
+	maxBody := fs.String("http-max-body-bytes", env("IDEMCOORD_HTTP_MAX_BODY_BYTES", strconv.Itoa(server.DefaultHTTPMaxBodyBytes)),
+		"largest request body on --http-listen, counted after gzip decompression; larger gets 413 (IDEMCOORD_HTTP_MAX_BODY_BYTES)")
+	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
+		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
+	hosts := fs.String("http-allowed-hosts", env("IDEMCOORD_HTTP_ALLOWED_HOSTS", ""),
+		"comma-separated host names or addresses that a request's Host may give on --http-listen while auth is off, besides loopback ones (IDEMCOORD_HTTP_ALLOWED_HOSTS)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	var err error
+	if c.httpMaxBody, err = strconv.ParseInt(*maxBody, 10, 64); err != nil || c.httpMaxBody < 1 || c.httpMaxBody > math.MaxUint32 {
+		return nil, fmt.Errorf("--http-max-body-bytes %q: want a number of bytes from 1 to %d", *maxBody, uint32(math.MaxUint32))
+	}
+	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
+		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
+	}
+	for h := range strings.SplitSeq(*hosts, ",") {
+		if h = strings.TrimSpace(h); h != "" {
+			c.httpHosts = append(c.httpHosts, h)
+		}
 	}
 	if c.maxStreams == 0 || c.maxStreams > math.MaxUint32 {
 		return nil, fmt.Errorf("--max-concurrent-streams %d: want 1 to %d", c.maxStreams, uint32(math.MaxUint32))
@@ -124,13 +145,20 @@ func parseFlags(args []string) (*config, error) {
 }
 
 // checkExposure refuses to serve without auth on an address others can
-// reach, unless the operator said so.
+// reach, gRPC (--listen) or HTTP (--http-listen, which serves the API too),
+// unless the operator said so.
 func checkExposure(c *config, authEnabled bool) error {
-	if authEnabled || c.allowNoAuth || isLoopback(c.listen) {
+	if authEnabled || c.allowNoAuth {
 		return nil
 	}
-	return fmt.Errorf("--listen %s is not a loopback address and auth is disabled (no tenants in the config): "+
-		"anyone who can reach it could read and replay every record; configure tenants or pass --insecure-allow-no-auth", c.listen)
+	var errs []error
+	for _, l := range []struct{ flag, addr string }{{"--listen", c.listen}, {"--http-listen", c.httpListen}} {
+		if !isLoopback(l.addr) {
+			errs = append(errs, fmt.Errorf("%s %s is not a loopback address and auth is disabled (no tenants in the config): "+
+				"anyone who can reach it could read, replay and forget every record; configure tenants or pass --insecure-allow-no-auth", l.flag, l.addr))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // tlsCredentials builds the server's TLS credentials from the flags, or
@@ -297,7 +325,8 @@ func run(args []string, logOut *os.File) error {
 	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
-		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams)))}
+		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))),
+		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...)}
 	if metricsToken != "" {
 		sopts = append(sopts, server.WithMetricsToken(metricsToken))
 	}
@@ -326,12 +355,12 @@ func run(args []string, logOut *os.File) error {
 		return err
 	}
 	if !policies.AuthEnabled() {
-		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"", "listen", lis.Addr().String())
+		logger.Warn("auth disabled (no tenants in the config): every caller is tenant \"default\"; "+
+			"the HTTP listener answers only requests whose Host is loopback or in --http-allowed-hosts",
+			"listen", lis.Addr().String(), "http_allowed_hosts", strings.Join(c.httpHosts, ","))
 	}
 	go srv.RunReaper(ctx)
-	go watchConfig(ctx, logger, c.configPath, hup, srv, func(p *server.Policies) error {
-		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
-	})
+	go watchConfig(ctx, logger, c.configPath, hup, srv, reloadCheck(c))
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
@@ -352,7 +381,7 @@ func run(args []string, logOut *os.File) error {
 		}
 		hlis = tls.NewListener(hlis, cfg)
 	}
-	httpSrv := &http.Server{Handler: httpHandler, ReadHeaderTimeout: 10 * time.Second}
+	httpSrv := srv.NewHTTPServer(httpHandler)
 	logger.Info("serving", "grpc", lis.Addr().String(), "http", hlis.Addr().String())
 
 	serveErr := make(chan error, 2)

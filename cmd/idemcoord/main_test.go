@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -229,6 +230,13 @@ func TestRefusesNonLoopbackWithoutAuth(t *testing.T) {
 	if err := checkExposure(parse("--listen", "0.0.0.0:50051", "--insecure-allow-no-auth"), false); err != nil {
 		t.Fatal(err)
 	}
+	err = checkExposure(parse("--http-listen", "0.0.0.0:9090"), false)
+	if err == nil || !strings.Contains(err.Error(), "--http-listen 0.0.0.0:9090") {
+		t.Fatalf("--http-listen 0.0.0.0:9090 without auth: err = %v", err)
+	}
+	if err := checkExposure(parse("--http-listen", "0.0.0.0:9090", "--insecure-allow-no-auth"), false); err != nil {
+		t.Fatal(err)
+	}
 	if err := checkExposure(parse("--listen", "0.0.0.0:50051"), true); err != nil {
 		t.Fatalf("with tenants configured: %v", err)
 	}
@@ -358,4 +366,81 @@ func TestPolicyReload(t *testing.T) {
 
 	write("scopes:\n  - { match: \"build\", ttl: 120s }\n")
 	waitTTL(120 * time.Second) // no signal: the file watch reloads it
+}
+
+// TestHTTPListenExposureWithoutAuth: with no tenants, a non-loopback
+// --http-listen refuses to start like a non-loopback --listen, and starts
+// with --insecure-allow-no-auth.
+func TestHTTPListenExposureWithoutAuth(t *testing.T) {
+	bin, dbURL := coordtest.BuildBinary(t), pgtest.NewDatabase(t)
+	cmd := exec.Command(bin, "--listen", coordtest.FreeAddr(t), "--http-listen", "0.0.0.0:0")
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
+	logs := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = logs, logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(logs.String(), "--http-listen") || !strings.Contains(logs.String(), "--insecure-allow-no-auth") {
+			t.Fatalf("exit %v, want a refusal naming --http-listen and --insecure-allow-no-auth:\n%s", err, logs)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("still running 20 s after starting with --http-listen 0.0.0.0:0 and no auth:\n%s", logs)
+	}
+
+	_, port, _ := net.SplitHostPort(coordtest.FreeAddr(t))
+	p := startBinary(t, bin, dbURL, coordtest.FreeAddr(t), "0.0.0.0:"+port, "--insecure-allow-no-auth")
+	resp, err := http.Post("http://127.0.0.1:"+port+"/idempotency.v1.Coordinator/Begin", "application/json", strings.NewReader(`{"scope":"build","key":"k"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("Begin on the exposed HTTP listener with --insecure-allow-no-auth: %s", resp.Status)
+	}
+	p.stop()
+}
+
+// TestHTTPListenerFlags reads the HTTP listener's body cap, read timeout
+// and allowed hosts from the flags or the environment, with defaults, and
+// refuses values that make no sense.
+func TestHTTPListenerFlags(t *testing.T) {
+	t.Setenv("IDEMCOORD_HTTP_MAX_BODY_BYTES", "")
+	t.Setenv("IDEMCOORD_HTTP_READ_TIMEOUT", "")
+	t.Setenv("IDEMCOORD_HTTP_ALLOWED_HOSTS", "")
+	for _, name := range []string{"IDEMCOORD_HTTP_MAX_BODY_BYTES", "IDEMCOORD_HTTP_READ_TIMEOUT", "IDEMCOORD_HTTP_ALLOWED_HOSTS"} {
+		if err := os.Unsetenv(name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.httpMaxBody != 6<<20 || c.httpReadTimeout != 30*time.Second || len(c.httpHosts) != 0 {
+		t.Fatalf("defaults: %+v %v", c, err)
+	}
+	c, err = parseFlags([]string{"--database-url", "postgres://x", "--http-max-body-bytes", "1024", "--http-read-timeout", "5s",
+		"--http-allowed-hosts", " a.example, ,b.example:9090 "})
+	if err != nil || c.httpMaxBody != 1024 || c.httpReadTimeout != 5*time.Second || strings.Join(c.httpHosts, "|") != "a.example|b.example:9090" {
+		t.Fatalf("flags: %+v %v", c, err)
+	}
+	t.Setenv("IDEMCOORD_HTTP_MAX_BODY_BYTES", "2048")
+	t.Setenv("IDEMCOORD_HTTP_READ_TIMEOUT", "1m")
+	t.Setenv("IDEMCOORD_HTTP_ALLOWED_HOSTS", "c.example")
+	c, err = parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.httpMaxBody != 2048 || c.httpReadTimeout != time.Minute || strings.Join(c.httpHosts, "|") != "c.example" {
+		t.Fatalf("environment: %+v %v", c, err)
+	}
+	for _, args := range [][]string{{"--http-max-body-bytes", "0"}, {"--http-max-body-bytes", "6MiB"}, {"--http-max-body-bytes", "5000000000"},
+		{"--http-read-timeout", "0s"}, {"--http-read-timeout", "-1s"}, {"--http-read-timeout", "soon"}} {
+		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...)); err == nil {
+			t.Fatalf("%v accepted", args)
+		}
+	}
+	t.Setenv("IDEMCOORD_HTTP_READ_TIMEOUT", "soon")
+	if _, err := parseFlags([]string{"--database-url", "postgres://x"}); err == nil {
+		t.Fatal("IDEMCOORD_HTTP_READ_TIMEOUT=soon accepted")
+	}
 }

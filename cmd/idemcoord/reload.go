@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -23,6 +24,15 @@ func notifyHangup() chan os.Signal {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	return hup
+}
+
+// reloadCheck is the check every reload of the config file passes besides
+// server.Server.Reload's own: the start-up exposure checks of the
+// listeners, on the new file's tenants.
+func reloadCheck(c *config) func(*server.Policies) error {
+	return func(p *server.Policies) error {
+		return errors.Join(checkExposure(c, p.AuthEnabled()), checkConsoleExposure(c, p.AuthEnabled()))
+	}
 }
 
 // watchConfig reloads the policy file at path on SIGHUP and whenever the

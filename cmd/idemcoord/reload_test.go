@@ -4,10 +4,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -26,6 +28,8 @@ import (
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 func tokenHash(token string) string {
@@ -246,5 +250,49 @@ func TestMetricsTokenFile(t *testing.T) {
 	}
 	if _, err := readMetricsToken(filepath.Join(dir, "missing")); err == nil {
 		t.Fatal("a missing token file accepted")
+	}
+}
+
+// TestReloadKeepsHTTPListenExposureRule runs the reload check of the binary
+// on a coordinator: a file without tenants is refused (and counted) while
+// --http-listen is on a non-loopback address without
+// --insecure-allow-no-auth, and accepted with it or on loopback.
+func TestReloadKeepsHTTPListenExposureRule(t *testing.T) {
+	ctx := context.Background()
+	store, err := ledger.Open(ctx, pgtest.NewDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(store.Close)
+	srv, err := server.New(store)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "idemcoord.yaml")
+	if err := os.WriteFile(path, []byte("scopes:\n  - { match: \"build\", ttl: 60s }\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	flags := func(args ...string) *config {
+		t.Helper()
+		c, err := parseFlags(append([]string{"--database-url", "postgres://x", "--listen", "127.0.0.1:1"}, args...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	t.Setenv("IDEMCOORD_INSECURE_ALLOW_NO_AUTH", "")
+	if _, err := srv.Reload(path, reloadCheck(flags("--http-listen", "0.0.0.0:9090"))); !errors.Is(err, server.ErrReloadRefused) ||
+		!strings.Contains(err.Error(), "--http-listen") {
+		t.Fatalf("reload with --http-listen 0.0.0.0:9090 and no auth: %v, want refused", err)
+	}
+	rec := httptest.NewRecorder()
+	srv.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	if !strings.Contains(rec.Body.String(), "idempotency_config_reload_failures_total 1\n") {
+		t.Fatalf("the refusal is not counted:\n%s", rec.Body.String())
+	}
+	for _, args := range [][]string{{"--http-listen", "0.0.0.0:9090", "--insecure-allow-no-auth"}, {"--http-listen", "127.0.0.1:9090"}} {
+		if _, err := srv.Reload(path, reloadCheck(flags(args...))); err != nil {
+			t.Fatalf("reload with %v: %v", args, err)
+		}
 	}
 }

@@ -1,0 +1,392 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"compress/gzip"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// rssBoundBytes is how much the coordinator's peak resident memory may grow
+// while it refuses oversized requests: a correct cap (6 MiB by default)
+// stays well under it, inflating or buffering 100 MB does not.
+const rssBoundBytes = 40 << 20
+
+// memory is the resident set of a process, from /proc/<pid>/status.
+type memory struct{ rss, peak int64 }
+
+// processMemory reads the current (VmRSS) and peak (VmHWM) resident set of
+// the process pid.
+func processMemory(t *testing.T, pid int) memory {
+	t.Helper()
+	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Skipf("no /proc to measure the coordinator's memory: %v", err)
+	}
+	var m memory
+	for line := range strings.Lines(string(data)) {
+		name, value, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(value), " kB"), 10, 64)
+		if err != nil {
+			continue
+		}
+		switch name {
+		case "VmRSS":
+			m.rss = kb << 10
+		case "VmHWM":
+			m.peak = kb << 10
+		}
+	}
+	if m.rss == 0 || m.peak == 0 {
+		t.Fatalf("no VmRSS or VmHWM in /proc/%d/status", pid)
+	}
+	return m
+}
+
+// wantMemoryBounded fails t when the process's peak resident set grew by
+// bound bytes or more since before, and logs the figures.
+func wantMemoryBounded(t *testing.T, p *proc, what string, before memory, bound int64) {
+	t.Helper()
+	after := processMemory(t, p.cmd.Process.Pid)
+	t.Logf("%s: VmRSS %d → %d MiB, VmHWM %d → %d MiB", what, before.rss>>20, after.rss>>20, before.peak>>20, after.peak>>20)
+	if grew := after.peak - before.peak; grew >= bound {
+		t.Fatalf("%s: the coordinator's peak RSS grew by %d MiB (bound %d MiB)", what, grew>>20, bound>>20)
+	}
+}
+
+// startListener runs the binary with auth off on loopback ports, with the
+// environment variables env (NAME=value) added, and returns it with its
+// HTTP address.
+func startListener(t *testing.T, env ...string) (*proc, string) {
+	t.Helper()
+	for _, kv := range env {
+		name, value, _ := strings.Cut(kv, "=")
+		t.Setenv(name, value)
+	}
+	httpAddr := coordtest.FreeAddr(t)
+	return startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), httpAddr), httpAddr
+}
+
+// httpCall is one request to the binary's HTTP listener.
+type httpCall struct {
+	method, path string
+	host         string            // the Host header; empty: the address dialled
+	header       map[string]string // extra headers
+	body         io.Reader
+	length       int64 // the Content-Length; -1: unknown (chunked)
+}
+
+// answer is an HTTP status and body.
+type answer struct {
+	status int
+	body   string
+}
+
+// do sends call to addr and returns the answer.
+func (call httpCall) do(t *testing.T, addr string) answer {
+	t.Helper()
+	a, err := call.send(addr)
+	if err != nil {
+		t.Fatalf("%s %s: %v", call.method, call.path, err)
+	}
+	return a
+}
+
+func (call httpCall) send(addr string) (answer, error) {
+	if call.method == "" {
+		call.method = http.MethodPost
+	}
+	req, err := http.NewRequest(call.method, "http://"+addr+call.path, call.body)
+	if err != nil {
+		return answer{}, err
+	}
+	if call.body != nil {
+		req.ContentLength = call.length
+	}
+	req.Host = call.host
+	if call.method == http.MethodPost {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for k, v := range call.header {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return answer{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return answer{status: resp.StatusCode, body: string(b)}, err
+}
+
+// post is a POST of a JSON body to path.
+func post(path, body string, header ...string) httpCall {
+	h := map[string]string{}
+	for i := 0; i+1 < len(header); i += 2 {
+		h[header[i]] = header[i+1]
+	}
+	return httpCall{path: path, header: h, body: strings.NewReader(body), length: int64(len(body))}
+}
+
+// gzipped compresses data.
+func gzipped(t *testing.T, data string) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	zw := gzip.NewWriter(&b)
+	if _, err := io.WriteString(zw, data); err != nil {
+		t.Fatal(err)
+	}
+	if err := zw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.Bytes()
+}
+
+// wantOutcome fails t unless a is a 200 whose JSON outcome is want.
+func wantOutcome(t *testing.T, what string, a answer, want string) {
+	t.Helper()
+	var m struct{ Outcome string }
+	if a.status != http.StatusOK || json.Unmarshal([]byte(a.body), &m) != nil || m.Outcome != want {
+		t.Fatalf("%s: HTTP %d %s, want %s", what, a.status, a.body, want)
+	}
+}
+
+const (
+	beginPath  = "/idempotency.v1.Coordinator/Begin"
+	lookupPath = "/idempotency.v1.Coordinator/Lookup"
+	forgetPath = "/idempotency.v1.Admin/Forget"
+)
+
+// TestHTTPGzipBombRefused: a gzip body is inflated with the body cap before
+// anything decodes it: an unauthenticated ~130 KB body that inflates to
+// 128 MiB gets 413 and the coordinator's peak memory barely moves; a
+// compressed Begin under the cap works.
+func TestHTTPGzipBombRefused(t *testing.T) {
+	p, addr := startListener(t)
+	gz := map[string]string{"Content-Encoding": "gzip"}
+	small := gzipped(t, `{"scope":"build","key":"small"}`)
+	wantOutcome(t, "warm-up gzip Begin", httpCall{path: beginPath, header: gz, body: bytes.NewReader(small), length: int64(len(small))}.do(t, addr), "OUTCOME_ACQUIRED")
+
+	var bomb bytes.Buffer
+	zw, _ := gzip.NewWriterLevel(&bomb, gzip.BestCompression)
+	_, _ = io.WriteString(zw, `{"scope":"build","key":"`)
+	chunk := bytes.Repeat([]byte("a"), 1<<20)
+	for range 128 {
+		_, _ = zw.Write(chunk)
+	}
+	_, _ = io.WriteString(zw, `"}`)
+	_ = zw.Close()
+	t.Logf("bomb: %d bytes of gzip inflating to %d MiB", bomb.Len(), 128)
+
+	before := processMemory(t, p.cmd.Process.Pid)
+	a := httpCall{path: beginPath, header: gz, body: bytes.NewReader(bomb.Bytes()), length: int64(bomb.Len())}.do(t, addr)
+	wantMemoryBounded(t, p, "gzip bomb", before, rssBoundBytes)
+	if a.status != http.StatusRequestEntityTooLarge {
+		t.Fatalf("gzip bomb: HTTP %d %.300s, want 413", a.status, a.body)
+	}
+
+	// 4 MiB once inflated, under the default cap of 6 MiB: decoded (and
+	// refused by validation, the fingerprint being too long).
+	under := gzipped(t, `{"scope":"build","key":"under","fingerprint":"`+strings.Repeat("A", 4<<20)+`"}`)
+	a = httpCall{path: beginPath, header: gz, body: bytes.NewReader(under), length: int64(len(under))}.do(t, addr)
+	if a.status != http.StatusBadRequest || !strings.Contains(a.body, "invalid_argument") {
+		t.Fatalf("gzip Begin of 4 MiB: HTTP %d %.300s, want invalid_argument", a.status, a.body)
+	}
+	wantOutcome(t, "gzip Begin", httpCall{path: beginPath, header: gz, body: bytes.NewReader(small), length: int64(len(small))}.do(t, addr), "OUTCOME_IN_PROGRESS")
+	p.stop()
+}
+
+// TestHTTPBodyCapBoundsMemory: an uncompressed 16 MiB body gets 413 before
+// it is buffered, with its length announced or chunked, alone or 16 at
+// once, and the coordinator's peak memory stays bounded.
+func TestHTTPBodyCapBoundsMemory(t *testing.T) {
+	p, addr := startListener(t)
+	wantOutcome(t, "warm-up Begin", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_ACQUIRED")
+	const prefix = `{"scope":"build","key":"big","fingerprint":"`
+	body := prefix + strings.Repeat("A", 16<<20-len(prefix)-2) + `"}`
+	before := processMemory(t, p.cmd.Process.Pid)
+	a := post(beginPath, body).do(t, addr)
+	chunked := httpCall{path: beginPath, body: io.MultiReader(strings.NewReader(body)), length: -1}.do(t, addr)
+	wantMemoryBounded(t, p, "one 16 MiB body, then one chunked", before, rssBoundBytes)
+	if a.status != http.StatusRequestEntityTooLarge || chunked.status != http.StatusRequestEntityTooLarge {
+		t.Fatalf("16 MiB body: HTTP %d %.300s; chunked: HTTP %d %.300s; want 413", a.status, a.body, chunked.status, chunked.body)
+	}
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for range 16 {
+		wg.Go(func() {
+			a, err := post(beginPath, body).send(addr)
+			if err == nil && a.status != http.StatusRequestEntityTooLarge {
+				err = fmt.Errorf("HTTP %d %.300s, want 413", a.status, a.body)
+			}
+			errs <- err
+		})
+	}
+	wg.Wait()
+	close(errs)
+	wantMemoryBounded(t, p, "16 concurrent 16 MiB bodies", before, rssBoundBytes)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("one of 16 concurrent 16 MiB bodies: %v", err)
+		}
+	}
+
+	// Chunked, their length unknown, each is read up to the cap before it
+	// is refused: 16 at once cost at most 16 caps.
+	errs = make(chan error, 16)
+	for range 16 {
+		wg.Go(func() {
+			a, err := httpCall{path: beginPath, body: io.MultiReader(strings.NewReader(body)), length: -1}.send(addr)
+			if err == nil && a.status != http.StatusRequestEntityTooLarge {
+				err = fmt.Errorf("HTTP %d %.300s, want 413", a.status, a.body)
+			}
+			errs <- err
+		})
+	}
+	wg.Wait()
+	close(errs)
+	wantMemoryBounded(t, p, "16 concurrent chunked 16 MiB bodies", before, 16*server.DefaultHTTPMaxBodyBytes+rssBoundBytes)
+	for err := range errs {
+		if err != nil {
+			t.Fatalf("one of 16 concurrent chunked 16 MiB bodies: %v", err)
+		}
+	}
+	wantOutcome(t, "Begin after", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_IN_PROGRESS")
+	p.stop()
+}
+
+// TestHTTPUnsupportedEncoding: a request compressed in a way the listener
+// does not inflate itself, with a cap, gets 415: another Content-Encoding,
+// and the per-message compression of Connect streaming, gRPC-Web and
+// Connect GET.
+func TestHTTPUnsupportedEncoding(t *testing.T) {
+	p, addr := startListener(t)
+	begin := `{"scope":"build","key":"k"}`
+	for name, call := range map[string]httpCall{
+		"Content-Encoding: br":       post(beginPath, begin, "Content-Encoding", "br"),
+		"Content-Encoding: deflate":  post(beginPath, begin, "Content-Encoding", "deflate"),
+		"Content-Encoding: gzip, br": post(beginPath, begin, "Content-Encoding", "gzip, br"),
+		"gRPC-Web with Grpc-Encoding: gzip": post(lookupPath, "\x01\x00\x00\x00\x00", "Content-Type", "application/grpc-web+proto",
+			"Grpc-Encoding", "gzip"),
+		"Connect streaming with Connect-Content-Encoding: gzip": post(lookupPath, "\x01\x00\x00\x00\x00",
+			"Content-Type", "application/connect+json", "Connect-Content-Encoding", "gzip"),
+		"Connect GET with compression=gzip": {method: http.MethodGet,
+			path: lookupPath + "?connect=v1&encoding=json&compression=gzip&base64=1&message=" + base64.RawURLEncoding.EncodeToString(gzipped(t, "{}"))},
+	} {
+		if a := call.do(t, addr); a.status != http.StatusUnsupportedMediaType {
+			t.Errorf("%s: HTTP %d %.300s, want 415", name, a.status, a.body)
+		}
+	}
+	// identity is no encoding.
+	wantOutcome(t, "Content-Encoding: identity", post(beginPath, begin, "Content-Encoding", "identity").do(t, addr), "OUTCOME_ACQUIRED")
+	p.stop()
+}
+
+// TestHTTPHostAllowListWithoutAuth: with auth off, a request whose Host is
+// neither a loopback name or address nor listed in --http-allowed-hosts
+// gets 421 and changes nothing (a DNS-rebinding page cannot call the API);
+// loopback hosts and listed ones are served.
+func TestHTTPHostAllowListWithoutAuth(t *testing.T) {
+	p, addr := startListener(t, "IDEMCOORD_HTTP_ALLOWED_HOSTS=idemcoord.internal, Coord.Example.")
+	_, port, _ := net.SplitHostPort(addr)
+	begin := `{"scope":"build","key":"k"}`
+	wantOutcome(t, "Begin", post(beginPath, begin).do(t, addr), "OUTCOME_ACQUIRED")
+
+	for _, host := range []string{"evil.example:" + port, "evil.example", "127.0.0.1.evil.example:" + port, "localhost.evil.example:" + port, "10.0.0.1:" + port} {
+		for _, call := range []httpCall{post(forgetPath, begin), post(beginPath, `{"scope":"build","key":"rebound"}`),
+			{method: http.MethodGet, path: "/metrics"}} {
+			call.host = host
+			if a := call.do(t, addr); a.status != http.StatusMisdirectedRequest {
+				t.Fatalf("%s %s with Host %s: HTTP %d %.300s, want 421", call.method, call.path, host, a.status, a.body)
+			}
+		}
+	}
+	// Nothing was written: the record is still in progress, the other key
+	// is absent.
+	wantOutcome(t, "Begin after the refused Forget", post(beginPath, begin).do(t, addr), "OUTCOME_IN_PROGRESS")
+	if a := post(lookupPath, `{"scope":"build","key":"rebound"}`).do(t, addr); a.status != http.StatusNotFound {
+		t.Fatalf("Lookup of the refused Begin's key: HTTP %d %s", a.status, a.body)
+	}
+	for i, host := range []string{"127.0.0.1:" + port, "localhost:" + port, "LOCALHOST", "[::1]:" + port, "127.0.0.2:" + port,
+		"idemcoord.internal:" + port, "coord.example"} {
+		call := post(beginPath, fmt.Sprintf(`{"scope":"build","key":"h%d"}`, i))
+		call.host = host
+		wantOutcome(t, "Begin with Host "+host, call.do(t, addr), "OUTCOME_ACQUIRED")
+	}
+	// The probes answer whatever the Host: they reveal nothing.
+	for _, path := range []string{"/healthz", "/readyz"} {
+		if a := (httpCall{method: http.MethodGet, path: path, host: "evil.example"}).do(t, addr); a.status != http.StatusOK {
+			t.Fatalf("%s with another Host: HTTP %d %s", path, a.status, a.body)
+		}
+	}
+	p.stop()
+}
+
+// TestHTTPSlowBodyDisconnected: a client that sends its headers and then
+// trickles its body, or stops sending it, is cut off after the read
+// timeout; a waiting Begin longer than the read timeout still gets its
+// answer.
+func TestHTTPSlowBodyDisconnected(t *testing.T) {
+	p, addr := startListener(t, "IDEMCOORD_HTTP_READ_TIMEOUT=2s")
+	for _, trickle := range []bool{false, true} {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"scope\":", beginPath, addr)
+		closed := make(chan error, 1)
+		go func() {
+			_, err := io.Copy(io.Discard, bufio.NewReader(conn))
+			closed <- err
+		}()
+		tick := time.NewTicker(200 * time.Millisecond)
+		timeout := time.After(12 * time.Second)
+	wait:
+		for {
+			select {
+			case <-closed:
+				break wait
+			case <-tick.C:
+				if trickle {
+					_, _ = conn.Write([]byte(" "))
+				}
+			case <-timeout:
+				t.Fatalf("trickle %v: the connection is still open %v after the headers", trickle, time.Since(start).Round(time.Second))
+			}
+		}
+		tick.Stop()
+		conn.Close()
+		if took := time.Since(start); took < time.Second {
+			t.Fatalf("trickle %v: closed after %v, before the read timeout", trickle, took)
+		}
+	}
+	// A Begin that waits 4 s for a key in progress outlives the read
+	// timeout: it answers IN_PROGRESS after its wait.
+	wantOutcome(t, "Begin", post(beginPath, `{"scope":"build","key":"w"}`).do(t, addr), "OUTCOME_ACQUIRED")
+	start := time.Now()
+	wantOutcome(t, "waiting Begin", post(beginPath, `{"scope":"build","key":"w","wait":"4s"}`).do(t, addr), "OUTCOME_IN_PROGRESS")
+	if took := time.Since(start); took < 4*time.Second {
+		t.Fatalf("the waiting Begin answered after %v", took)
+	}
+	p.stop()
+}
