@@ -126,6 +126,10 @@ $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 	GOBIN=$(BIN) go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 	@touch $@
 
+## grpcurl: install only the pinned grpcurl into ./bin (for the README's session; `make tools` builds every tool)
+.PHONY: grpcurl
+grpcurl: $(BIN)/.grpcurl-$(GRPCURL_VERSION)
+
 ## bench: durable PostgreSQL + the idemcoord binary (default settings) vs the lean hand-written table of
 ## issue 17 (alternated with the coordinator's cells) and vs direct SQL on the coordinator's table, at
 ## 1/16/64/256 callers, ghz, 10M-record scale check (gauge cost, reaper on a backlog); prints the table
