@@ -37,12 +37,22 @@ run-ha: build
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
-## test: lint, check generated code, run every test with the race detector; tests' artifacts
+## test: lint, check generated code, check the docs, run every test with the race detector; tests' artifacts
 ## (the console's browser screenshot) land under .artifacts/_artifacts/
 ARTIFACTS := $(CURDIR)/.artifacts
-test: lint
+test: lint check-docs
 	@mkdir -p $(ARTIFACTS)
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
+
+## check-docs: compile or check every code block of README.md and docs/ (Go built as programs, sh with bash -n,
+## yaml as a config, js and python parsed), compare generated blocks with their commands, resolve every relative link and #anchor
+.PHONY: check-docs docs-generated
+check-docs:
+	go test -count=1 ./internal/doccheck/
+
+## docs-generated: rewrite the docs' generated blocks (the Performance figures, from bench/results) from their commands
+docs-generated:
+	go test -count=1 -run '^TestGeneratedBlocksAreCurrent$$' ./internal/doccheck/ -update
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
 ## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL, the demo services
@@ -136,8 +146,12 @@ $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION):
 	  mv $$tmp/server $(BIN)/toxiproxy-server
 	@touch $@
 
-## bench: durable PostgreSQL + the idemcoord binary (default settings) vs the lean hand-written table of
-## issue 17 (alternated with the coordinator's cells) and vs direct SQL on the coordinator's table, at
+## grpcurl: install only the pinned grpcurl into ./bin (for the README's session; `make tools` builds every tool)
+.PHONY: grpcurl
+grpcurl: $(BIN)/.grpcurl-$(GRPCURL_VERSION)
+
+## bench: durable PostgreSQL + the idemcoord binary (default settings) vs the lean hand-written table
+## (alternated with the coordinator's cells) and vs direct SQL on the coordinator's table, at
 ## 1/16/64/256 callers, ghz, 10M-record scale check (gauge cost, reaper on a backlog); prints the table
 ## with every goal met / not met, writes bench/results/<UTC time>.json and latest.json (about 6 min).
 bench: build $(BIN)/.ghz-$(GHZ_VERSION)
@@ -155,7 +169,7 @@ $(BIN)/.ghz-$(GHZ_VERSION):
 	GOBIN=$(BIN) go install github.com/bojand/ghz/cmd/ghz@$(GHZ_VERSION)
 	@touch $@
 
-## console-screenshot: regenerate the README's console pictures (docs/console-*.png) in headless Chromium
+## console-screenshot: regenerate the console pictures of docs/console.md (docs/console-*.png) in headless Chromium
 .PHONY: console-screenshot
 console-screenshot:
 	CI=true IDEMCOORD_CONSOLE_SCREENSHOTS=$(CURDIR)/docs go test -count=1 -run '^TestBrowserResolvesUnknown$$' ./console/

@@ -94,6 +94,7 @@ type settings struct {
 	ghz         string
 	out         string
 	hold        bool
+	render      string
 }
 
 func parseFlags(args []string) (*settings, error) {
@@ -129,6 +130,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs.StringVar(&s.Commit, "commit", env("BENCH_COMMIT", ""), "the commit the coordinator was built from (default: read from the binary's build info) (BENCH_COMMIT)")
 	fs.BoolVar(&s.hold, "hold", false, "after the report, keep PostgreSQL (with the scale check's records) running until interrupted, for EXPLAIN and psql")
 	fs.StringVar(&s.out, "out", env("BENCH_OUT", "bench/results"), "directory of the JSON reports (BENCH_OUT)")
+	fs.StringVar(&s.render, "render", "", "print the table of a JSON report an earlier run wrote (bench/results/*.json) and exit; measures nothing")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -185,6 +187,9 @@ func run(ctx context.Context, args []string) error {
 	s, err := parseFlags(args)
 	if err != nil {
 		return err
+	}
+	if s.render != "" {
+		return render(s.render, os.Stdout)
 	}
 	started := time.Now()
 	if _, err := os.Stat(s.coordinator); err != nil {

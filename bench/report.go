@@ -332,7 +332,7 @@ func (r *report) print(out io.Writer) error {
 	}
 	fmt.Fprintln(out, "\ngoals:")
 	for _, g := range r.Goals {
-		fmt.Fprintf(out, "  %-15s issue %-3d %-50s %8.2f %-2s (target %s)\n", "["+g.Status+"]", g.Issue, g.Name, g.Value, g.Unit, g.Target)
+		fmt.Fprintf(out, "  %-15s %-50s %8.2f %-2s (target %s)\n", "["+g.Status+"]", g.Name, g.Value, g.Unit, g.Target)
 	}
 	cells := append([]Cell(nil), r.Cells...)
 	if r.Scale != nil {
@@ -358,6 +358,26 @@ func (r *report) print(out io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// render prints the report stored in a JSON file by an earlier run, as that
+// run printed it (`go run ./bench -render FILE`): the figures of the
+// documentation's performance page are this output, not a paste.
+func render(path string, out io.Writer) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var r report
+	if err := json.Unmarshal(b, &r); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if r.Schema != reportSchema || r.Settings == nil {
+		return fmt.Errorf("%s: schema %q, want %q with settings", path, r.Schema, reportSchema)
+	}
+	r.Settings.Warmup = time.Duration(r.Settings.WarmupSeconds * float64(time.Second))
+	r.Settings.Duration = time.Duration(r.Settings.DurationSeconds * float64(time.Second))
+	return r.print(out)
 }
 
 // write stores the report as <dir>/<timestamp>.json and <dir>/latest.json

@@ -1,6 +1,6 @@
 'use strict';
 // idemcoord: the Node client of the idemcoord idempotency coordinator.
-// Types are in index.d.ts; the README's "From Node and Python" section shows
+// Types are in index.d.ts; docs/node.md in the repository shows
 // a whole service.
 
 const { Client, markSideEffect, currentLease } = require('./lib/client');

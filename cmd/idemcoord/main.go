@@ -36,7 +36,7 @@ import (
 // the coordinator's live heap is small (tens of MB at 256 callers) and each
 // call leaves short-lived garbage, so collecting when the heap has grown by
 // 4x instead of Go's default 2x (GOGC=100) cuts the collector's share of
-// the CPU for a few tens of MB more memory (README, Performance). A GOGC in
+// the CPU for a few tens of MB more memory (docs/performance.md). A GOGC in
 // the environment wins.
 const defaultGCPercent = 400
 

@@ -158,7 +158,35 @@ func TestServeAndGracefulShutdown(t *testing.T) {
 	p.stop()
 }
 
-// TestGrpcurlReplay runs the README's grpcurl session against the binary.
+// readmeGrpcurlList returns the services the README's grpcurl session shows
+// under `grpcurl … list`, one a line, as grpcurl prints them.
+func readmeGrpcurlList(t *testing.T) string {
+	t.Helper()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "## Try it with grpcurl")
+	if !ok {
+		t.Fatal("README.md has no \"Try it with grpcurl\" section")
+	}
+	_, after, ok := strings.Cut(section, "127.0.0.1:50051 list\n")
+	if !ok {
+		t.Fatal("no `grpcurl … list` in the README's grpcurl section")
+	}
+	var list strings.Builder
+	for line := range strings.Lines(after) {
+		name, ok := strings.CutPrefix(line, "# ")
+		if !ok || strings.TrimSpace(name) == "" {
+			break
+		}
+		list.WriteString(name)
+	}
+	return list.String()
+}
+
+// TestGrpcurlReplay runs the README's grpcurl session against the binary,
+// and checks that `grpcurl list` prints the services the README shows.
 func TestGrpcurlReplay(t *testing.T) {
 	grpcurl, err := filepath.Abs("../../bin/grpcurl")
 	if err != nil {
@@ -177,8 +205,8 @@ func TestGrpcurlReplay(t *testing.T) {
 		}
 		return out
 	}
-	if out := call(p.grpcAddr, "list"); !strings.Contains(string(out), "idempotency.v1.Coordinator\n") {
-		t.Fatalf("grpcurl list:\n%s", out)
+	if out, want := string(call(p.grpcAddr, "list")), readmeGrpcurlList(t); out != want {
+		t.Fatalf("grpcurl list prints:\n%s\nthe README lists:\n%s", out, want)
 	}
 	const method = "idempotency.v1.Coordinator/"
 	var begin struct {
