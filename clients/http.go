@@ -442,6 +442,11 @@ func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
 	ctx := r.Context()
 	rec := &httpRecorder{w: w, m: m}
 	switch l.run(ctx, func(ctx context.Context) { m.next.ServeHTTP(rec, r.WithContext(ctx)) }) {
+	case runCallerGone:
+		_ = l.release(ctx)
+		// The client has gone; what is written here reaches no one.
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Request cancelled", ctx.Err().Error())
+		return
 	case runNotStarted:
 		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
 			reason: "the lease could not be confirmed before the handler started"})

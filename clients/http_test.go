@@ -24,12 +24,14 @@ import (
 	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // httpSetup configures an httpFixture.
 type httpSetup struct {
 	coord      *coordtest.Coordinator // nil: a new one
 	config     string
+	serverOpts []server.Option // for a new coordinator
 	clientOpts []clients.Option
 	opts       []clients.HTTPOption
 	// handler answers the guarded requests; n counts its runs from 1.
@@ -51,7 +53,7 @@ func startHTTP(t *testing.T, s httpSetup) *httpFixture {
 	t.Helper()
 	f := &httpFixture{coord: s.coord}
 	if f.coord == nil {
-		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config})
+		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config, ServerOptions: s.serverOpts})
 	}
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	f.idem = clients.New(f.coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
@@ -714,5 +716,37 @@ func TestHTTPLeaseFromAndMarkSideEffect(t *testing.T) {
 	mu.Unlock()
 	if ok {
 		t.Fatal("LeaseFrom answered ok without a key")
+	}
+}
+
+// An HTTP client that times out while the middleware's Begin is in flight
+// (the coordinator acquired the key; its answer never arrived) leaves no
+// trace: the handler does not run, the record is gone again, and a retry
+// with the key runs the handler at once.
+func TestHTTPClientTimesOutDuringBegin(t *testing.T) {
+	t.Parallel()
+	lost := &lostAcquisitions{}
+	lost.armed.Store(true)
+	f := startHTTP(t, httpSetup{serverOpts: []server.Option{lost.option()}})
+	req, err := http.NewRequest(http.MethodPost, f.url+"/projects", strings.NewReader(`{"name":"a"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Idempotency-Key", "gave-up")
+	if resp, err := (&http.Client{Timeout: time.Second}).Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("got HTTP %d, want the client to time out", resp.StatusCode)
+	}
+	within(t, 10*time.Second, "the Begin answer kept back", func() bool { return lost.held.Load() == 1 })
+	lost.armed.Store(false)
+	within(t, 10*time.Second, "the abandoned acquisition released (record absent)", func() bool {
+		_, code := f.record(t, "gave-up")
+		return code == codes.NotFound
+	})
+	if r := f.post(t, "gave-up", `{"name":"a"}`); r.status != http.StatusCreated || r.header.Get("Idempotency-Result") != "created" {
+		t.Fatalf("retry: %v, want 201 created", r)
+	}
+	if n := f.runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1", n)
 	}
 }

@@ -60,6 +60,40 @@ import (
 //     credentials, say) are INTERNAL: they are this server's problem, not
 //     the caller's.
 //
+// A caller that gives up (its deadline passes, it cancels, its connection
+// is cut) never strands a key and is never answered a success the handler
+// did not produce:
+//
+//   - before the handler runs: when the call's context ends while Begin is
+//     in flight or while the interceptor waits (WithWaitForResult), or
+//     after Begin acquired the key but before the handler starts, the
+//     handler does not run and the interceptor releases the acquisition
+//     before it returns: it sends Begin again with the same attempt_id on a
+//     context detached from the call (bounded by a few seconds) and ends
+//     what that acquires with Fail ABANDONED, reason ReleaseReason. The key
+//     is then as if the attempt never was (absent if it was new, otherwise
+//     as before; the released attempt does not count against max_attempts),
+//     so the caller's retry acquires at once. A Begin that fails without a
+//     readable answer (UNAVAILABLE) is released the same way, in the
+//     background. Only when the coordinator cannot be reached for the
+//     release does the lease lapse (UNKNOWN);
+//   - while the handler runs: its context is the call's, so it sees the
+//     caller go; whatever it returns is recorded by the rules above (a
+//     handler that returns the context's error is recorded UNKNOWN, as
+//     DEADLINE_EXCEEDED and CANCELED are; one that returns a response has
+//     produced it, and it is stored);
+//   - lease lost while the handler runs (another attempt took the key
+//     over, an operator resolved or forgot the record): nothing is stored
+//     and no "idempotency-result" header is sent; a handler error is
+//     answered ABORTED, and a response the handler returned is passed on as
+//     it is (the handler did produce it; the new holder's outcome is the
+//     one recorded).
+//
+// Every ABANDONED the interceptor records, for a release or for a handler
+// error of the ABANDONED class (INVALID_ARGUMENT, …), puts the key back as
+// it was before the acquisition, and so does not count against
+// max_attempts: neither attempt touched the outside world.
+//
 // Calls without a key run the handler unprotected unless WithRequireKey. A
 // handler that sends its headers itself (grpc.SendHeader) gets no
 // idempotency-result header.
@@ -190,6 +224,9 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 	var resp any
 	var herr error
 	switch l.run(hctx, func(ctx context.Context) { resp, herr = handler(ctx, req) }) {
+	case runCallerGone:
+		_ = l.release(ctx)
+		return nil, contextStatus(ctx)
 	case runNotStarted:
 		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
 			reason: "the lease could not be confirmed before the handler started"})
