@@ -750,3 +750,96 @@ func TestHTTPClientTimesOutDuringBegin(t *testing.T) {
 		t.Fatalf("handler ran %d times, want 1", n)
 	}
 }
+
+// A handler that returns without writing anything after its request's
+// context ended (the client went away) is not taken for a 200: nothing is
+// stored, the attempt is recorded FAILED_RETRYABLE (UNKNOWN after
+// MarkSideEffect), and the retry runs the handler again.
+func TestHTTPHandlerSilentAfterClientLeftIsNotStored(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		mark   bool
+		want   idempotencyv1.State
+		before idempotencyv1.State
+	}{
+		{"nothing done", false, idempotencyv1.State_STATE_FAILED_RETRYABLE, idempotencyv1.State_STATE_FAILED_RETRYABLE},
+		{"after MarkSideEffect", true, idempotencyv1.State_STATE_UNKNOWN, idempotencyv1.State_STATE_UNKNOWN},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var seen attemptSeen
+			f := startHTTP(t, httpSetup{handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+				seen.record(r.Context())
+				if n == 1 {
+					if tc.mark {
+						clients.MarkSideEffect(r.Context())
+					}
+					<-r.Context().Done() // the client is gone: return without a word
+					return
+				}
+				createProject(w, r, n)
+			}})
+			req, err := http.NewRequest(http.MethodPost, f.url+"/projects", strings.NewReader(`{"name":"a"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Idempotency-Key", "silent")
+			if resp, err := (&http.Client{Timeout: 500 * time.Millisecond}).Do(req); err == nil {
+				resp.Body.Close()
+				t.Fatalf("got HTTP %d, want the client to time out", resp.StatusCode)
+			}
+			var rec *idempotencyv1.Record
+			within(t, 10*time.Second, "the attempt ended", func() bool {
+				var code codes.Code
+				rec, code = f.record(t, "silent")
+				return code == codes.OK && rec.GetState() != idempotencyv1.State_STATE_IN_PROGRESS
+			})
+			if rec.GetState() != tc.want || rec.GetResponse() != nil {
+				t.Fatalf("record %v, want %v with no stored response", rec, tc.want)
+			}
+			if r := f.post(t, "silent", `{"name":"a"}`); r.status != http.StatusCreated || r.header.Get("Idempotency-Result") != "created" {
+				t.Fatalf("retry: %v, want the handler's 201, created", r)
+			}
+			want := []string{"1 STATE_UNSPECIFIED true", "2 " + tc.before.String() + " true"}
+			if got := seen.get(); !equalStrings(got, want) {
+				t.Fatalf("AttemptFrom saw %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// When the lease is lost while the handler runs (another attempt took the
+// key over) and the handler has written nothing, the answer is 503
+// application/problem+json with Retry-After and a problem type ending in
+// /lease-lost: never a 2xx, never "Idempotency-Result: created".
+func TestHTTPLeaseLostWithNothingWrittenAnswers503(t *testing.T) {
+	t.Parallel()
+	coord := coordtest.Start(t, coordtest.Options{FakeClock: true})
+	started := make(chan struct{})
+	f := startHTTP(t, httpSetup{coord: coord, clientOpts: []clients.Option{clients.WithLease(time.Second)},
+		handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+			close(started)
+			<-r.Context().Done() // cancelled when the lease is lost
+		}})
+	answer := make(chan httpResp, 1)
+	go func() { answer <- f.post(t, "taken", `{"name":"a"}`) }()
+	<-started
+	// Let the lease run out and take the key over; a heartbeat landing
+	// between the two revives the lease, so repeat until the takeover wins.
+	eventually(t, "a takeover", func() bool {
+		coord.Clock.Advance(2 * time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		res, err := f.idem.Begin(ctx, &idempotencyv1.BeginRequest{Scope: clients.DefaultHTTPScope, Key: "taken", AttemptId: "successor"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED
+	})
+	r := <-answer
+	p := wantProblem(t, r, http.StatusServiceUnavailable, clients.ProblemLeaseLost)
+	if !strings.HasSuffix(p["type"].(string), "/lease-lost") || r.header.Get("Retry-After") == "" {
+		t.Fatalf("problem %v, Retry-After %q; want a type ending /lease-lost and Retry-After", p, r.header.Get("Retry-After"))
+	}
+}
