@@ -82,12 +82,13 @@ import (
 //     handler that returns the context's error is recorded UNKNOWN, as
 //     DEADLINE_EXCEEDED and CANCELED are; one that returns a response has
 //     produced it, and it is stored);
-//   - lease lost while the handler runs (another attempt took the key
-//     over, an operator resolved or forgot the record): nothing is stored
-//     and no "idempotency-result" header is sent; a handler error is
-//     answered ABORTED, and a response the handler returned is passed on as
-//     it is (the handler did produce it; the new holder's outcome is the
-//     one recorded).
+//   - lease lost while the handler runs, or before its outcome is stored
+//     (another attempt took the key over, an operator resolved or forgot
+//     the record): nothing is stored and no "idempotency-result: created"
+//     header is sent; a handler error is answered ABORTED when the loss
+//     was learnt while it ran (as it is otherwise), and a response the
+//     handler returned is passed on as it is (the handler did produce it;
+//     the new holder's outcome is the one recorded).
 //
 // Every ABANDONED the interceptor records, for a release or for a handler
 // error of the ABANDONED class (INVALID_ARGUMENT, …), puts the key back as
@@ -251,9 +252,13 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 				reason: "the handler's response could not be encoded for storage"})
 			return resp, nil
 		}
-		_ = l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
-			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}})
-		setResult(ctx, resultCreated)
+		// "created" only once the response is stored (or being retried in
+		// the background): a Complete refused because the lease was lost
+		// stored nothing.
+		if l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
+			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}}) == nil {
+			setResult(ctx, resultCreated)
+		}
 		return resp, nil
 	}
 	e := ending{kind: endingKind(herr, ic.o.kinds, l.marked()), reason: failReason(herr.Error())}
@@ -264,10 +269,11 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 		} else {
 			stored.Metadata = rec.stored(&ic.o)
 			e.response = stored
-			setResult(ctx, resultCreated)
 		}
 	}
-	_ = l.finish(ctx, e)
+	if l.finish(ctx, e) == nil && e.kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
+		setResult(ctx, resultCreated)
+	}
 	return nil, herr
 }
 

@@ -655,3 +655,36 @@ func TestInterceptorReleasedTakeoverDoesNotCountAgainstMaxAttempts(t *testing.T)
 		t.Fatalf("AttemptFrom saw %v, want %v", got, want)
 	}
 }
+
+// A handler that succeeds after its lease was lost (another attempt took
+// the key over before Complete) gets its response passed on, but never
+// "idempotency-result: created": nothing was stored for it.
+func TestInterceptorLeaseLostBeforeCompleteIsNotCreated(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = start(t, setup{fakeClock: true, clientOpts: []clients.Option{clients.WithLease(time.Second)},
+		charge: func(ctx context.Context, req *projectsv1.ChargeRequest, n int32) (*projectsv1.ChargeResponse, error) {
+			l, _ := clients.LeaseFrom(ctx)
+			// Let the lease run out and take the key over; a heartbeat
+			// landing between the two revives the lease, so repeat until
+			// the takeover wins.
+			for {
+				f.coord.Clock.Advance(2 * time.Second)
+				res, err := f.idem.Begin(context.WithoutCancel(ctx), &idempotencyv1.BeginRequest{Scope: l.Scope, Key: l.Key, AttemptId: "successor"})
+				if err != nil {
+					return nil, err
+				}
+				if res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+					return bookCharge(ctx, req, n)
+				}
+			}
+		}})
+	r := f.charge(t, "taken", chargeReq(100))
+	if r.err != nil || r.resp.GetChargeId() != "ch_1" {
+		t.Fatalf("call: %v %v, want the handler's response", r.resp, r.err)
+	}
+	if got := r.result(); got == "created" {
+		t.Fatalf("idempotency-result %q for a response that was not stored", got)
+	}
+	f.mustState(t, "taken", idempotencyv1.State_STATE_IN_PROGRESS) // the successor's
+}
