@@ -85,10 +85,10 @@ import (
 //   - lease lost while the handler runs, or before its outcome is stored
 //     (another attempt took the key over, an operator resolved or forgot
 //     the record): nothing is stored and no "idempotency-result: created"
-//     header is sent; a handler error is answered ABORTED when the loss
-//     was learnt while it ran (as it is otherwise), and a response the
-//     handler returned is passed on as it is (the handler did produce it;
-//     the new holder's outcome is the one recorded).
+//     header is sent. A handler error is answered ABORTED when a heartbeat
+//     learnt of the loss while the handler ran, and as it is otherwise; a
+//     response the handler returned is passed on as it is (the handler did
+//     produce it; the new holder's outcome is the one recorded).
 //
 // Every ABANDONED the interceptor records, for a release or for a handler
 // error of the ABANDONED class (INVALID_ARGUMENT, …), puts the key back as
