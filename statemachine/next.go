@@ -95,6 +95,18 @@ func Effective(rec Record, now time.Time) Record {
 
 // Next decides what ev does to the stored record cur (nil when the key has
 // no record) under pol at now. It never panics, whatever its input.
+//
+// Fail ABANDONED puts the key back as it was before the acquisition, as far
+// as the record can tell, with the attempt counter as it was (so it does
+// not count against max_attempts): a record the acquisition created is
+// deleted; a restart is EXPIRED again in the generation before (as a
+// failure under on_expired: reject, where only failures restart, else as a
+// result); a takeover from FAILED_RETRYABLE is FAILED_RETRYABLE again with
+// its fingerprint cleared and failure_ttl counting anew; an uncertain
+// generation, or a takeover from UNKNOWN, is UNKNOWN again with its
+// fingerprint kept (an uncertain FAILED_RETRYABLE so comes back UNKNOWN).
+// An acquisition that may itself have acted (it ended Fail UNKNOWN first,
+// or its own lease lapsed) leaves the key UNKNOWN and counts.
 func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	switch ev.Kind {
 	case EventBegin:
