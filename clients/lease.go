@@ -149,7 +149,9 @@ func AttemptFrom(ctx context.Context) (attempt int32, previous idempotencyv1.Sta
 func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, giveUp time.Time) (res *idempotencyv1.BeginResponse, sent time.Time, err error) {
 	req.Wait = nil
 	defer func() {
-		if err != nil && (ctx.Err() != nil || unanswered(err)) {
+		// A refusal is an answer; a call cut off, timed out or cancelled
+		// (the caller giving up) may have acquired the key unread.
+		if err != nil && unanswered(err) {
 			c.releaseBegin(ctx, req, err)
 		}
 	}()
