@@ -711,20 +711,33 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 		// The ABANDONED rows are the IN_PROGRESS row of the table, whether
 		// the lease lapsed meanwhile or not.
 		from = "IN_PROGRESS"
+		// "As before this acquisition", and a released acquisition does
+		// not count against max_attempts: a takeover's attempt goes back
+		// by one, unless the acquisition may have acted itself (it said
+		// Fail UNKNOWN first, or its own lease lapsed).
 		deleted := refDecision{write: true, deleted: true, label: from + "/Fail ABANDONED created"}
 		retryable := n
 		retryable.state, retryable.expires, retryable.fp, retryable.reason = rsFailedRetryable, fttl, "", c.reason
 		retryable.resp, retryable.hasResp = "", false
-		retry := refDecision{write: true, next: retryable, answered: retryable, label: from + "/Fail ABANDONED takeover"}
 		if retryable.uncertain {
 			retryable.expires = 0 // as for Fail RETRYABLE
 		}
+		uncounted := retryable
+		if uncounted.attempt > 1 {
+			uncounted.attempt--
+		}
+		retry := refDecision{write: true, next: retryable, answered: retryable, label: from + "/Fail ABANDONED takeover"}
+		released := refDecision{write: true, next: uncounted, answered: uncounted, label: from + "/Fail ABANDONED takeover"}
 		unknown := n
 		unknown.state, unknown.expires, unknown.reason = rsUnknown, 0, c.reason
 		unknown.resp, unknown.hasResp = "", false
 		back := refDecision{write: true, next: unknown, answered: unknown, label: from + "/Fail ABANDONED uncertain takeover"}
 		switch {
 		case k.origin == originUncertain:
+			if k.ended != endFail+rfUnknown && unknown.attempt > 1 {
+				unknown.attempt--
+				back.next, back.answered = unknown, unknown
+			}
 			return []refDecision{back}
 		case e.uncertain:
 			// open: an acquisition that became uncertain itself (its
@@ -741,12 +754,19 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 		case k.origin == originCreated:
 			return []refDecision{deleted}
 		case k.origin == originRestart:
-			// open: whether a restart "created" the generation.
-			deleted.label = from + "/Fail ABANDONED restart"
-			retry.label = deleted.label
-			return []refDecision{deleted, retry}
+			// EXPIRED again, in the generation before, as if expired
+			// now; under on_expired: reject it was a failure (only
+			// those restart), otherwise it is kept as a result.
+			expired := n
+			expired.state, expired.gen, expired.attempt, expired.fp = rsExpired, n.gen-1, 1, ""
+			expired.expires, expired.reason, expired.resp, expired.hasResp = now, c.reason, "", false
+			expired.expiredFrom = rsCompleted
+			if c.pol.reject {
+				expired.expiredFrom = rsFailedRetryable
+			}
+			return []refDecision{{write: true, next: expired, answered: expired, label: from + "/Fail ABANDONED restart"}}
 		}
-		return []refDecision{retry}
+		return []refDecision{released}
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -16,6 +17,7 @@ import (
 	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // newClient starts a coordinator and returns a Client of it whose
@@ -282,5 +284,134 @@ func TestShutdownCancelsBackgroundWork(t *testing.T) {
 	}
 	if err := c.Shutdown(context.Background()); err != nil {
 		t.Fatalf("second Shutdown: %v", err)
+	}
+}
+
+// Once whose context ends while its Begin is in flight (the coordinator
+// acquired the key; the answer never arrived) does not run fn and, by the
+// time it returns, has released the key: the record is gone, and the next
+// Once runs fn as the first attempt.
+func TestOnceCallerGivesUpDuringBegin(t *testing.T) {
+	t.Parallel()
+	lost := &lostAcquisitions{}
+	lost.armed.Store(true)
+	_, c := newClient(t, coordtest.Options{ServerOptions: []server.Option{lost.option()}})
+	var runs atomic.Int32
+	fn := func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		runs.Add(1)
+		return stored("done"), nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if _, err := c.Once(ctx, "build", "gave-up", nil, fn); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("Once: %v, want DEADLINE_EXCEEDED", err)
+	}
+	lost.armed.Store(false)
+	if runs.Load() != 0 || lost.held.Load() != 1 {
+		t.Fatalf("fn ran %d times, %d Begin answers kept back; want 0 and 1", runs.Load(), lost.held.Load())
+	}
+	if rec, err := c.Lookup(testCtx(t), &idempotencyv1.LookupRequest{Scope: "build", Key: "gave-up"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("after Once returned: %v %v, want NOT_FOUND", rec.GetRecord(), err)
+	}
+	res, err := c.Once(testCtx(t), "build", "gave-up", nil, fn)
+	if err != nil || res.Replayed || res.Attempt != 1 || runs.Load() != 1 {
+		t.Fatalf("next Once: %+v %v, fn ran %d times; want attempt 1 run once", res, err, runs.Load())
+	}
+}
+
+// Once whose context ends while it waits for another attempt (its waiting
+// Begin acquired the key as the holder failed; the answer never arrived)
+// releases the acquisition before it returns: the key is FAILED_RETRYABLE
+// attempt 1 as the holder left it, and under max_attempts 2 the next Once
+// still runs fn, as attempt 2 after FAILED_RETRYABLE.
+func TestOnceCallerGivesUpWhileWaiting(t *testing.T) {
+	t.Parallel()
+	lost := &lostAcquisitions{}
+	coord, c := newClient(t, coordtest.Options{Config: `scopes: [{ match: "build", max_attempts: 2 }]`,
+		ServerOptions: []server.Option{lost.option()}})
+	holder, err := c.Begin(testCtx(t), &idempotencyv1.BeginRequest{Scope: "build", Key: "w"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost.armed.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	var runs atomic.Int32
+	go func() {
+		_, err := c.Once(ctx, "build", "w", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+			runs.Add(1)
+			return stored("done"), nil
+		})
+		done <- err
+	}()
+	coord.WaitInFlight(t, "Begin", 1) // Once's Begin waits for the holder
+	if _, err := c.Fail(testCtx(t), &idempotencyv1.FailRequest{Scope: "build", Key: "w", LeaseToken: holder.GetLeaseToken(),
+		Kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, Reason: "upstream down"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("Once: %v, want DEADLINE_EXCEEDED", err)
+	}
+	lost.armed.Store(false)
+	if runs.Load() != 0 || lost.held.Load() != 1 {
+		t.Fatalf("fn ran %d times, %d Begin answers kept back; want 0 and 1", runs.Load(), lost.held.Load())
+	}
+	look, err := c.Lookup(testCtx(t), &idempotencyv1.LookupRequest{Scope: "build", Key: "w"})
+	if rec := look.GetRecord(); err != nil || rec.GetState() != idempotencyv1.State_STATE_FAILED_RETRYABLE || rec.GetAttempt() != 1 {
+		t.Fatalf("after Once returned: %v %v, want FAILED_RETRYABLE attempt 1", rec, err)
+	}
+	var attempt int32
+	var prev idempotencyv1.State
+	res, err := c.Once(testCtx(t), "build", "w", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		attempt, prev, _ = clients.AttemptFrom(ctx)
+		return stored("done"), nil
+	})
+	if err != nil || res.Replayed || attempt != 2 || prev != idempotencyv1.State_STATE_FAILED_RETRYABLE {
+		t.Fatalf("next Once: %+v %v, attempt %d after %v; want attempt 2 after FAILED_RETRYABLE", res, err, attempt, prev)
+	}
+}
+
+// cancelAfterBegin cancels the caller's context as soon as a Begin has
+// answered, and then delivers the answer: the caller gives up just after
+// the key was acquired, before the function would start.
+type cancelAfterBegin struct {
+	grpc.ClientConnInterface
+	cancel context.CancelFunc
+}
+
+func (c *cancelAfterBegin) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	err := c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
+	if _, ok := args.(*idempotencyv1.BeginRequest); ok && err == nil {
+		c.cancel()
+	}
+	return err
+}
+
+// Once whose context ends after Begin answered ACQUIRED but before fn
+// starts does not run fn and releases the key before it returns.
+func TestOnceCallerGoneBeforeFunctionStarts(t *testing.T) {
+	t.Parallel()
+	coord := coordtest.Start(t, coordtest.Options{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	gate := &cancelAfterBegin{ClientConnInterface: coord.Dial(t)}
+	c := clients.New(gate)
+	t.Cleanup(func() {
+		sctx, scancel := context.WithTimeout(context.Background(), time.Minute)
+		defer scancel()
+		_ = c.Shutdown(sctx)
+	})
+	gate.cancel = cancel
+	var runs atomic.Int32
+	_, err := c.Once(ctx, "build", "gone", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		runs.Add(1)
+		return stored("done"), nil
+	})
+	if status.Code(err) != codes.Canceled || runs.Load() != 0 {
+		t.Fatalf("Once: %v, fn ran %d times; want CANCELED and no run", err, runs.Load())
+	}
+	if _, err := c.Lookup(testCtx(t), &idempotencyv1.LookupRequest{Scope: "build", Key: "gone"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("after Once returned: %v, want NOT_FOUND", err)
 	}
 }

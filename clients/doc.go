@@ -46,7 +46,13 @@
 //   - a holder that cannot confirm its lease (the coordinator is cut off)
 //     has its context cancelled with cause ErrLeaseUnconfirmed before the
 //     lease would run out by the local clock, so two holders never run at
-//     once.
+//     once;
+//   - giving up is safe: a caller whose context ends before the handler
+//     runs (during Begin, while waiting, or just after the key was
+//     acquired) leaves the key as if it had never come, since the library
+//     releases the acquisition with Fail ABANDONED (ReleaseReason), and no
+//     success is claimed for work not done (see Client.Once,
+//     UnaryServerInterceptor and HTTPMiddleware).
 //
 // The package imports the generated API (gen/idempotency/v1), grpc,
 // protobuf, genproto and go-grpc-middleware; it must never import the

@@ -267,6 +267,17 @@ func transportFailure(err error) bool {
 	return false
 }
 
+// unanswered reports whether a call that failed with err may have taken
+// effect without its answer being read: it was cut off, timed out or
+// cancelled.
+func unanswered(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
+		return true
+	}
+	return false
+}
+
 // unreachable reports whether err means the coordinator could not be
 // reached or did not answer in time, as opposed to a refusal.
 func unreachable(err error) bool {

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +23,7 @@ import (
 	projectsv1 "github.com/idemcoord/idemcoord/examples/projects/gen/projects/v1"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 func TestMain(m *testing.M) {
@@ -75,6 +77,7 @@ func (s *testService) GetProject(_ context.Context, req *projectsv1.GetProjectRe
 type setup struct {
 	config      string // coordinator policy YAML
 	fakeClock   bool
+	serverOpts  []server.Option // for the coordinator
 	clientOpts  []clients.Option
 	interceptor []clients.InterceptorOption
 	dialOpts    []grpc.DialOption // for the connection to the demo server
@@ -92,7 +95,7 @@ type fixture struct {
 
 func start(t *testing.T, s setup) *fixture {
 	t.Helper()
-	coord := coordtest.Start(t, coordtest.Options{Config: s.config, FakeClock: s.fakeClock})
+	coord := coordtest.Start(t, coordtest.Options{Config: s.config, FakeClock: s.fakeClock, ServerOptions: s.serverOpts})
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	idem := clients.New(coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
 	svc := &testService{charge: s.charge}
@@ -240,4 +243,56 @@ func metadataUser(ctx context.Context) string {
 // the interceptor directly.
 func withIncomingKey(ctx context.Context, key string) context.Context {
 	return metadata.NewIncomingContext(ctx, metadata.Pairs(clients.MetadataKey, key))
+}
+
+// lostAcquisitions is a coordinator interceptor (install it with option)
+// that, while armed, lets a Begin that acquires the key commit and then
+// keeps its answer until the caller gives up: the caller's deadline ends,
+// or its client disconnects, while its Begin is in flight. Only the first
+// acquiring answer for each attempt_id is kept back, so a library that
+// sends Begin again with that attempt_id (to release the acquisition) gets
+// its answer.
+type lostAcquisitions struct {
+	armed atomic.Bool
+	held  atomic.Int32 // answers kept back
+	mu    sync.Mutex
+	seen  map[string]bool
+}
+
+func (l *lostAcquisitions) option() server.Option { return server.WithUnaryInterceptors(l.intercept) }
+
+func (l *lostAcquisitions) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	breq, ok := req.(*idempotencyv1.BeginRequest)
+	if !ok || !l.armed.Load() {
+		return handler(ctx, req)
+	}
+	resp, err := handler(context.WithoutCancel(ctx), req) // commits even if the caller gives up meanwhile
+	if res, _ := resp.(*idempotencyv1.BeginResponse); err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		return resp, err
+	}
+	l.mu.Lock()
+	first := !l.seen[breq.GetAttemptId()]
+	if l.seen == nil {
+		l.seen = map[string]bool{}
+	}
+	l.seen[breq.GetAttemptId()] = true
+	l.mu.Unlock()
+	if !first {
+		return resp, err
+	}
+	l.held.Add(1)
+	<-ctx.Done()
+	return nil, status.FromContextError(ctx.Err()).Err()
+}
+
+// within polls cond every 20 ms until it holds, failing t after d.
+func within(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %v: %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

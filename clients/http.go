@@ -74,6 +74,14 @@ const (
 	// ProblemUnavailable (503, with Retry-After): the idempotency
 	// coordinator cannot be reached; the handler did not run.
 	ProblemUnavailable = "urn:idemcoord:problem:idempotency-coordinator-unavailable"
+	// ProblemLeaseLost (503, with Retry-After): the request's hold on its
+	// key was lost while the handler ran (another request took the key
+	// over, or an operator forgot or resolved the record) and the handler
+	// had written nothing; nothing was stored for this request. Retry with
+	// the same Idempotency-Key to get the outcome of the request that
+	// holds the key now. (Its last segment, /lease-lost, names it in every
+	// library.)
+	ProblemLeaseLost = "urn:idemcoord:problem:idempotency/lease-lost"
 	// ProblemInternal (500): the coordinator refused the service's call
 	// (bad credentials, say): the service's problem, not the client's.
 	ProblemInternal = "urn:idemcoord:problem:idempotency-coordinator-refused"
@@ -278,6 +286,34 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     Retry-After (ProblemUnavailable) and the handler does not run,
 //     unless WithHTTPFailOpen.
 //
+// A client that gives up (it times out, disconnects) never strands a key,
+// and no success is claimed for work not done:
+//
+//   - before the handler runs: when the request's context ends while Begin
+//     is in flight or while the middleware waits, or after Begin acquired
+//     the key but before the handler starts, the handler does not run and
+//     the middleware releases the acquisition before it returns: it sends
+//     Begin again with the same attempt_id on a context detached from the
+//     request (bounded by a few seconds) and ends what that acquires with
+//     Fail ABANDONED, reason ReleaseReason. The key is then as if the
+//     request never came (absent if it was new, otherwise as before; the
+//     released attempt does not count against max_attempts), so the
+//     client's retry runs the handler at once. A Begin that fails without a
+//     readable answer is released the same way, in the background. Only
+//     when the coordinator cannot be reached for the release does the lease
+//     lapse (UNKNOWN);
+//   - a handler that returns without writing anything after its request's
+//     context ended (the client went away, or the lease could not be
+//     confirmed) is never taken for a 200: nothing is stored, the attempt
+//     is recorded RETRYABLE (UNKNOWN after MarkSideEffect), so the retry
+//     runs the handler again, and the answer is 503 with Retry-After;
+//   - when the lease is lost while the handler runs (another request took
+//     the key over, an operator resolved or forgot the record) nothing is
+//     stored; if the handler has written nothing, the answer is 503
+//     application/problem+json with Retry-After (ProblemLeaseLost), never a
+//     2xx and never "Idempotency-Result: created". What a handler already
+//     wrote has gone to the client as written.
+//
 // Every answer to a request with a key echoes it in the Idempotency-Key
 // response header. Answers the middleware writes itself are
 // application/problem+json (RFC 9457). A guarded request without a key runs
@@ -441,7 +477,21 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
 	ctx := r.Context()
 	rec := &httpRecorder{w: w, m: m}
-	switch l.run(ctx, func(ctx context.Context) { m.next.ServeHTTP(rec, r.WithContext(ctx)) }) {
+	// silenced is why the handler's context ended, when it returned after
+	// that without writing anything.
+	var silenced error
+	end := l.run(ctx, func(ctx context.Context) {
+		m.next.ServeHTTP(rec, r.WithContext(ctx))
+		if !rec.wrote && ctx.Err() != nil {
+			silenced = context.Cause(ctx)
+		}
+	})
+	switch end {
+	case runCallerGone:
+		_ = l.release(ctx)
+		// The client has gone; what is written here reaches no one.
+		writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Request cancelled", ctx.Err().Error())
+		return
 	case runNotStarted:
 		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
 			reason: "the lease could not be confirmed before the handler started"})
@@ -450,11 +500,35 @@ func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
 			"the request was not processed; retry later with the same Idempotency-Key")
 		return
 	case runLost:
-		if !rec.wrote {
-			rec.WriteHeader(http.StatusOK)
-		}
 		m.c.logger.WarnContext(ctx, "idempotency: lease lost while the handler ran; its response is not stored",
 			"scope", l.scope, "key", l.key, "status", rec.status)
+		if !rec.wrote {
+			// Nothing was done or stored for this request: never a 2xx.
+			w.Header().Set("Retry-After", "1")
+			writeProblem(w, http.StatusServiceUnavailable, ProblemLeaseLost, "Idempotency key taken over",
+				"this request lost its hold on the Idempotency-Key before it answered, and nothing was stored for it; "+
+					"retry with the same Idempotency-Key to get the outcome")
+		}
+		return
+	}
+	if !rec.wrote && silenced != nil {
+		// The handler gave up without a word once its context ended (the
+		// client went away, or the lease could not be confirmed): no
+		// success is claimed for work not done.
+		e := ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE,
+			reason: failReason("the handler wrote no response after its request ended: " + silenced.Error())}
+		if l.marked() {
+			e.kind, e.reason = idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, failReason(e.reason+" (after MarkSideEffect)")
+		}
+		_ = l.finish(ctx, e)
+		w.Header().Set("Retry-After", "1")
+		if errors.Is(silenced, ErrLeaseUnconfirmed) {
+			writeProblem(w, http.StatusServiceUnavailable, ProblemUnavailable, "Idempotency coordinator unavailable",
+				"the request was not completed; retry later with the same Idempotency-Key")
+			return
+		}
+		writeProblem(w, http.StatusServiceUnavailable, "about:blank", "Service Unavailable",
+			"the request ended before the handler answered; retry with the same Idempotency-Key")
 		return
 	}
 	if !rec.wrote {

@@ -24,12 +24,14 @@ import (
 	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // httpSetup configures an httpFixture.
 type httpSetup struct {
 	coord      *coordtest.Coordinator // nil: a new one
 	config     string
+	serverOpts []server.Option // for a new coordinator
 	clientOpts []clients.Option
 	opts       []clients.HTTPOption
 	// handler answers the guarded requests; n counts its runs from 1.
@@ -51,7 +53,7 @@ func startHTTP(t *testing.T, s httpSetup) *httpFixture {
 	t.Helper()
 	f := &httpFixture{coord: s.coord}
 	if f.coord == nil {
-		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config})
+		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config, ServerOptions: s.serverOpts})
 	}
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	f.idem = clients.New(f.coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
@@ -714,5 +716,130 @@ func TestHTTPLeaseFromAndMarkSideEffect(t *testing.T) {
 	mu.Unlock()
 	if ok {
 		t.Fatal("LeaseFrom answered ok without a key")
+	}
+}
+
+// An HTTP client that times out while the middleware's Begin is in flight
+// (the coordinator acquired the key; its answer never arrived) leaves no
+// trace: the handler does not run, the record is gone again, and a retry
+// with the key runs the handler at once.
+func TestHTTPClientTimesOutDuringBegin(t *testing.T) {
+	t.Parallel()
+	lost := &lostAcquisitions{}
+	lost.armed.Store(true)
+	f := startHTTP(t, httpSetup{serverOpts: []server.Option{lost.option()}})
+	req, err := http.NewRequest(http.MethodPost, f.url+"/projects", strings.NewReader(`{"name":"a"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Idempotency-Key", "gave-up")
+	if resp, err := (&http.Client{Timeout: time.Second}).Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("got HTTP %d, want the client to time out", resp.StatusCode)
+	}
+	within(t, 10*time.Second, "the Begin answer kept back", func() bool { return lost.held.Load() == 1 })
+	lost.armed.Store(false)
+	within(t, 10*time.Second, "the abandoned acquisition released (record absent)", func() bool {
+		_, code := f.record(t, "gave-up")
+		return code == codes.NotFound
+	})
+	if r := f.post(t, "gave-up", `{"name":"a"}`); r.status != http.StatusCreated || r.header.Get("Idempotency-Result") != "created" {
+		t.Fatalf("retry: %v, want 201 created", r)
+	}
+	if n := f.runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1", n)
+	}
+}
+
+// A handler that returns without writing anything after its request's
+// context ended (the client went away) is not taken for a 200: nothing is
+// stored, the attempt is recorded FAILED_RETRYABLE (UNKNOWN after
+// MarkSideEffect), and the retry runs the handler again.
+func TestHTTPHandlerSilentAfterClientLeftIsNotStored(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		mark   bool
+		want   idempotencyv1.State
+		before idempotencyv1.State
+	}{
+		{"nothing done", false, idempotencyv1.State_STATE_FAILED_RETRYABLE, idempotencyv1.State_STATE_FAILED_RETRYABLE},
+		{"after MarkSideEffect", true, idempotencyv1.State_STATE_UNKNOWN, idempotencyv1.State_STATE_UNKNOWN},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var seen attemptSeen
+			f := startHTTP(t, httpSetup{handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+				seen.record(r.Context())
+				if n == 1 {
+					if tc.mark {
+						clients.MarkSideEffect(r.Context())
+					}
+					<-r.Context().Done() // the client is gone: return without a word
+					return
+				}
+				createProject(w, r, n)
+			}})
+			req, err := http.NewRequest(http.MethodPost, f.url+"/projects", strings.NewReader(`{"name":"a"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Idempotency-Key", "silent")
+			if resp, err := (&http.Client{Timeout: 500 * time.Millisecond}).Do(req); err == nil {
+				resp.Body.Close()
+				t.Fatalf("got HTTP %d, want the client to time out", resp.StatusCode)
+			}
+			var rec *idempotencyv1.Record
+			within(t, 10*time.Second, "the attempt ended", func() bool {
+				var code codes.Code
+				rec, code = f.record(t, "silent")
+				return code == codes.OK && rec.GetState() != idempotencyv1.State_STATE_IN_PROGRESS
+			})
+			if rec.GetState() != tc.want || rec.GetResponse() != nil {
+				t.Fatalf("record %v, want %v with no stored response", rec, tc.want)
+			}
+			if r := f.post(t, "silent", `{"name":"a"}`); r.status != http.StatusCreated || r.header.Get("Idempotency-Result") != "created" {
+				t.Fatalf("retry: %v, want the handler's 201, created", r)
+			}
+			want := []string{"1 STATE_UNSPECIFIED true", "2 " + tc.before.String() + " true"}
+			if got := seen.get(); !equalStrings(got, want) {
+				t.Fatalf("AttemptFrom saw %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// When the lease is lost while the handler runs (another attempt took the
+// key over) and the handler has written nothing, the answer is 503
+// application/problem+json with Retry-After and a problem type ending in
+// /lease-lost: never a 2xx, never "Idempotency-Result: created".
+func TestHTTPLeaseLostWithNothingWrittenAnswers503(t *testing.T) {
+	t.Parallel()
+	coord := coordtest.Start(t, coordtest.Options{FakeClock: true})
+	started := make(chan struct{})
+	f := startHTTP(t, httpSetup{coord: coord, clientOpts: []clients.Option{clients.WithLease(time.Second)},
+		handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+			close(started)
+			<-r.Context().Done() // cancelled when the lease is lost
+		}})
+	answer := make(chan httpResp, 1)
+	go func() { answer <- f.post(t, "taken", `{"name":"a"}`) }()
+	<-started
+	// Let the lease run out and take the key over; a heartbeat landing
+	// between the two revives the lease, so repeat until the takeover wins.
+	eventually(t, "a takeover", func() bool {
+		coord.Clock.Advance(2 * time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		res, err := f.idem.Begin(ctx, &idempotencyv1.BeginRequest{Scope: clients.DefaultHTTPScope, Key: "taken", AttemptId: "successor"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED
+	})
+	r := <-answer
+	p := wantProblem(t, r, http.StatusServiceUnavailable, clients.ProblemLeaseLost)
+	if !strings.HasSuffix(p["type"].(string), "/lease-lost") || r.header.Get("Retry-After") == "" {
+		t.Fatalf("problem %v, Retry-After %q; want a type ending /lease-lost and Retry-After", p, r.header.Get("Retry-After"))
 	}
 }

@@ -60,6 +60,41 @@ import (
 //     credentials, say) are INTERNAL: they are this server's problem, not
 //     the caller's.
 //
+// A caller that gives up (its deadline passes, it cancels, its connection
+// is cut) never strands a key and is never answered a success the handler
+// did not produce:
+//
+//   - before the handler runs: when the call's context ends while Begin is
+//     in flight or while the interceptor waits (WithWaitForResult), or
+//     after Begin acquired the key but before the handler starts, the
+//     handler does not run and the interceptor releases the acquisition
+//     before it returns: it sends Begin again with the same attempt_id on a
+//     context detached from the call (bounded by a few seconds) and ends
+//     what that acquires with Fail ABANDONED, reason ReleaseReason. The key
+//     is then as if the attempt never was (absent if it was new, otherwise
+//     as before; the released attempt does not count against max_attempts),
+//     so the caller's retry acquires at once. A Begin that fails without a
+//     readable answer (UNAVAILABLE) is released the same way, in the
+//     background. Only when the coordinator cannot be reached for the
+//     release does the lease lapse (UNKNOWN);
+//   - while the handler runs: its context is the call's, so it sees the
+//     caller go; whatever it returns is recorded by the rules above (a
+//     handler that returns the context's error is recorded UNKNOWN, as
+//     DEADLINE_EXCEEDED and CANCELED are; one that returns a response has
+//     produced it, and it is stored);
+//   - lease lost while the handler runs, or before its outcome is stored
+//     (another attempt took the key over, an operator resolved or forgot
+//     the record): nothing is stored and no "idempotency-result: created"
+//     header is sent. A handler error is answered ABORTED when a heartbeat
+//     learnt of the loss while the handler ran, and as it is otherwise; a
+//     response the handler returned is passed on as it is (the handler did
+//     produce it; the new holder's outcome is the one recorded).
+//
+// Every ABANDONED the interceptor records, for a release or for a handler
+// error of the ABANDONED class (INVALID_ARGUMENT, …), puts the key back as
+// it was before the acquisition, and so does not count against
+// max_attempts: neither attempt touched the outside world.
+//
 // Calls without a key run the handler unprotected unless WithRequireKey. A
 // handler that sends its headers itself (grpc.SendHeader) gets no
 // idempotency-result header.
@@ -190,6 +225,9 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 	var resp any
 	var herr error
 	switch l.run(hctx, func(ctx context.Context) { resp, herr = handler(ctx, req) }) {
+	case runCallerGone:
+		_ = l.release(ctx)
+		return nil, contextStatus(ctx)
 	case runNotStarted:
 		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,
 			reason: "the lease could not be confirmed before the handler started"})
@@ -214,9 +252,13 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 				reason: "the handler's response could not be encoded for storage"})
 			return resp, nil
 		}
-		_ = l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
-			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}})
-		setResult(ctx, resultCreated)
+		// "created" only once the response is stored (or being retried in
+		// the background): a Complete refused because the lease was lost
+		// stored nothing.
+		if l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
+			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}}) == nil {
+			setResult(ctx, resultCreated)
+		}
 		return resp, nil
 	}
 	e := ending{kind: endingKind(herr, ic.o.kinds, l.marked()), reason: failReason(herr.Error())}
@@ -227,10 +269,11 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 		} else {
 			stored.Metadata = rec.stored(&ic.o)
 			e.response = stored
-			setResult(ctx, resultCreated)
 		}
 	}
-	_ = l.finish(ctx, e)
+	if l.finish(ctx, e) == nil && e.kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
+		setResult(ctx, resultCreated)
+	}
 	return nil, herr
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/idemcoord/idemcoord/clients"
 	projectsv1 "github.com/idemcoord/idemcoord/examples/projects/gen/projects/v1"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // retryAborted is a grpc-go retry policy for ABORTED: the client honours
@@ -584,4 +585,106 @@ func TestUnregisteredMethod(t *testing.T) {
 	if wantCode(t, err, codes.Internal); ran != 1 {
 		t.Fatalf("explicit selection ran the handler")
 	}
+}
+
+// A call whose deadline ends while the interceptor's Begin is in flight
+// (the coordinator acquired the key; its answer never arrived) leaves no
+// trace: the handler does not run, the record is gone again, and a retry
+// with the key acquires at once as the first attempt.
+func TestInterceptorCallerGivesUpDuringBegin(t *testing.T) {
+	t.Parallel()
+	lost := &lostAcquisitions{}
+	lost.armed.Store(true)
+	f := start(t, setup{serverOpts: []server.Option{lost.option()}})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err := f.api.Charge(withKey(ctx, "gave-up"), chargeReq(100))
+	wantCode(t, err, codes.DeadlineExceeded)
+	lost.armed.Store(false)
+	if n := lost.held.Load(); n != 1 {
+		t.Fatalf("%d Begin answers kept back, want 1", n)
+	}
+	within(t, 10*time.Second, "the abandoned acquisition released (record absent)", func() bool {
+		_, err := f.lookup(t, "gave-up")
+		return status.Code(err) == codes.NotFound
+	})
+	r := f.charge(t, "gave-up", chargeReq(100))
+	if r.err != nil || r.result() != "created" {
+		t.Fatalf("retry: %v, result %q; want created at once", r.err, r.result())
+	}
+	if n := f.svc.chargeCalls.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1", n)
+	}
+	if rec := f.mustState(t, "gave-up", idempotencyv1.State_STATE_COMPLETED); rec.GetAttempt() != 1 || rec.GetGeneration() != 1 {
+		t.Fatalf("record attempt %d generation %d, want 1 and 1", rec.GetAttempt(), rec.GetGeneration())
+	}
+}
+
+// A takeover that the caller gave up on during Begin is released too: the
+// key reads FAILED_RETRYABLE as before, the released acquisition does not
+// count against max_attempts, and the retry runs the handler as attempt 2
+// with previous state FAILED_RETRYABLE.
+func TestInterceptorReleasedTakeoverDoesNotCountAgainstMaxAttempts(t *testing.T) {
+	t.Parallel()
+	var seen attemptSeen
+	lost := &lostAcquisitions{}
+	f := start(t, setup{
+		config:     `scopes: [{ match: "/projects.v1.ProjectsService/Charge", max_attempts: 2 }]`,
+		serverOpts: []server.Option{lost.option()},
+		charge:     failFirst(&seen, status.Error(codes.Unavailable, "bank unavailable")),
+	})
+	wantCode(t, f.charge(t, "k", chargeReq(100)).err, codes.Unavailable)
+	f.mustState(t, "k", idempotencyv1.State_STATE_FAILED_RETRYABLE)
+
+	lost.armed.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err := f.api.Charge(withKey(ctx, "k"), chargeReq(100))
+	wantCode(t, err, codes.DeadlineExceeded)
+	lost.armed.Store(false)
+	within(t, 10*time.Second, "the abandoned takeover released (FAILED_RETRYABLE, attempt 1)", func() bool {
+		rec, err := f.lookup(t, "k")
+		return err == nil && rec.GetState() == idempotencyv1.State_STATE_FAILED_RETRYABLE && rec.GetAttempt() == 1
+	})
+	r := f.charge(t, "k", chargeReq(100))
+	if r.err != nil || r.result() != "created" {
+		t.Fatalf("retry: %v, result %q; want created", r.err, r.result())
+	}
+	want := []string{"1 STATE_UNSPECIFIED true", "2 STATE_FAILED_RETRYABLE true"}
+	if got := seen.get(); !equalStrings(got, want) {
+		t.Fatalf("AttemptFrom saw %v, want %v", got, want)
+	}
+}
+
+// A handler that succeeds after its lease was lost (another attempt took
+// the key over before Complete) gets its response passed on, but never
+// "idempotency-result: created": nothing was stored for it.
+func TestInterceptorLeaseLostBeforeCompleteIsNotCreated(t *testing.T) {
+	t.Parallel()
+	var f *fixture
+	f = start(t, setup{fakeClock: true, clientOpts: []clients.Option{clients.WithLease(time.Second)},
+		charge: func(ctx context.Context, req *projectsv1.ChargeRequest, n int32) (*projectsv1.ChargeResponse, error) {
+			l, _ := clients.LeaseFrom(ctx)
+			// Let the lease run out and take the key over; a heartbeat
+			// landing between the two revives the lease, so repeat until
+			// the takeover wins.
+			for {
+				f.coord.Clock.Advance(2 * time.Second)
+				res, err := f.idem.Begin(context.WithoutCancel(ctx), &idempotencyv1.BeginRequest{Scope: l.Scope, Key: l.Key, AttemptId: "successor"})
+				if err != nil {
+					return nil, err
+				}
+				if res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+					return bookCharge(ctx, req, n)
+				}
+			}
+		}})
+	r := f.charge(t, "taken", chargeReq(100))
+	if r.err != nil || r.resp.GetChargeId() != "ch_1" {
+		t.Fatalf("call: %v %v, want the handler's response", r.resp, r.err)
+	}
+	if got := r.result(); got == "created" {
+		t.Fatalf("idempotency-result %q for a response that was not stored", got)
+	}
+	f.mustState(t, "taken", idempotencyv1.State_STATE_IN_PROGRESS) // the successor's
 }

@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -31,7 +32,17 @@ const (
 	maxBeginWait = 30 * time.Second
 	// deadlineMargin is kept free before a caller's deadline when waiting.
 	deadlineMargin = 100 * time.Millisecond
+	// releaseTimeout bounds the Begin (and its retries) that finds out
+	// whether an unread Begin acquired the key (see releaseBegin).
+	releaseTimeout = 3 * time.Second
 )
+
+// ReleaseReason is the failure_reason with which Once, the interceptor and
+// HTTPMiddleware end, with Fail ABANDONED, an acquisition nobody will act
+// on: the caller gave up (its context ended, or the Begin failed without a
+// readable answer) before the handler ran. The key is then as if that
+// attempt never was.
+const ReleaseReason = "caller gave up before the handler ran"
 
 type attemptKey struct{}
 
@@ -137,6 +148,13 @@ func AttemptFrom(ctx context.Context) (attempt int32, previous idempotencyv1.Sta
 // granted runs at least until sent plus the lease, by the local clock.
 func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginRequest, giveUp time.Time) (res *idempotencyv1.BeginResponse, sent time.Time, err error) {
 	req.Wait = nil
+	defer func() {
+		// A refusal is an answer; a call cut off, timed out or cancelled
+		// (the caller giving up) may have acquired the key unread.
+		if err != nil && unanswered(err) {
+			c.releaseBegin(ctx, req, err)
+		}
+	}()
 	sent = time.Now()
 	res, err = c.Begin(ctx, req)
 	if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_IN_PROGRESS ||
@@ -175,6 +193,50 @@ func (c *Client) beginWaiting(ctx context.Context, req *idempotencyv1.BeginReque
 			}
 		}
 	}
+}
+
+// releaseBegin releases the acquisition that a Begin of req may have made
+// although its answer was never read: the caller gave up during the call,
+// or it failed without a readable answer. It sends Begin again with the
+// same attempt_id and no wait, on a context detached from ctx and bounded
+// by releaseTimeout, and when that answers ACQUIRED (the acquisition is
+// this attempt's) ends it at once with Fail ABANDONED, reason
+// ReleaseReason: the key is then as if the attempt never was. This happens
+// before releaseBegin returns, except when the caller is still there and
+// the coordinator could not be reached (err is UNAVAILABLE): then in the
+// background, so the caller's answer is not delayed (see Shutdown). (A
+// DEADLINE_EXCEEDED may arrive a moment before ctx itself ends: it is the
+// caller giving up.) If the coordinator stays unreachable, the
+// acquisition's lease lapses and the key reads UNKNOWN.
+func (c *Client) releaseBegin(ctx context.Context, req *idempotencyv1.BeginRequest, err error) {
+	req = proto.CloneOf(req)
+	req.Wait = nil
+	if ctx.Err() == nil && status.Code(err) == codes.Unavailable {
+		c.background(func(bg context.Context) { c.release(bg, req) })
+		return
+	}
+	c.release(context.WithoutCancel(ctx), req)
+}
+
+func (c *Client) release(ctx context.Context, req *idempotencyv1.BeginRequest) {
+	bctx, cancel := context.WithTimeout(ctx, releaseTimeout)
+	sent := time.Now()
+	res, err := c.Begin(bctx, req)
+	cancel()
+	switch {
+	case err != nil:
+		c.logger.WarnContext(ctx, "idempotency: could not release an acquisition nobody will act on; "+
+			"if it was made, the key reads UNKNOWN once its lease runs out",
+			"scope", req.GetScope(), "key", req.GetKey(), "err", err)
+	case res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED:
+		_ = c.newLease(req, res, sent).release(ctx)
+	}
+}
+
+// release ends the acquisition l, which nobody will act on (the handler
+// did not run), with Fail ABANDONED, reason ReleaseReason.
+func (l *lease) release(ctx context.Context) error {
+	return l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, reason: ReleaseReason})
 }
 
 // lease is an acquisition this process holds.
@@ -241,6 +303,9 @@ const (
 	// runNotStarted: the lease could not be confirmed before fn would have
 	// started, so fn did not run.
 	runNotStarted
+	// runCallerGone: the caller's context ended before fn would have
+	// started, so fn did not run; the caller releases the acquisition.
+	runCallerGone
 )
 
 // run calls fn with ctx carrying the attempt (see AttemptFrom, LeaseFrom,
@@ -253,8 +318,12 @@ const (
 //
 // When the Begin that granted the lease took long (a wait for another
 // attempt), run first confirms the lease with a Heartbeat; if the lease
-// cannot be confirmed for long enough to start fn, fn does not run.
+// cannot be confirmed for long enough to start fn, fn does not run. Nor does
+// it when ctx has ended before fn would start (runCallerGone).
 func (l *lease) run(ctx context.Context, fn func(ctx context.Context)) runEnd {
+	if ctx.Err() != nil {
+		return runCallerGone
+	}
 	confirmed := l.sent
 	if time.Since(confirmed) > l.length/3 {
 		sent := time.Now()
@@ -273,6 +342,9 @@ func (l *lease) run(ctx context.Context, fn func(ctx context.Context)) runEnd {
 	}
 	if time.Until(confirmed.Add(l.length-l.margin())) <= 0 {
 		return runNotStarted
+	}
+	if ctx.Err() != nil {
+		return runCallerGone
 	}
 	fctx, stop := l.keepAlive(context.WithValue(ctx, attemptKey{}, l.attempt), confirmed)
 	defer func() {

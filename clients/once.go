@@ -63,6 +63,22 @@ type Result struct {
 // trying in the background for up to one lease (see Shutdown). If it
 // refuses them (the lease was lost meanwhile), Once returns fn's outcome
 // and that refusal as the error.
+//
+// A caller may give up at any moment (ctx ends). Before fn starts, giving
+// up never strands the key: when ctx ends while Begin is in flight or
+// while Once waits, or after Begin acquired the key but before fn starts,
+// fn does not run and Once, before it returns ctx's error, releases the
+// acquisition: it sends Begin again with the same attempt_id on a context
+// detached from ctx (bounded by a few seconds) and ends what that acquires
+// with Fail ABANDONED, reason ReleaseReason. The key is then as if the
+// attempt never was: absent if it was new, otherwise in its earlier state,
+// and the next Once acquires at once with the previous state it would have
+// had; the released attempt does not count against max_attempts. A Begin
+// that fails without a readable answer (the coordinator unreachable) is
+// released the same way, in the background. Only if the coordinator cannot
+// be reached for the release does the acquisition's lease lapse (UNKNOWN).
+// Once fn has started, its outcome is recorded as above whether or not ctx
+// ends meanwhile.
 func (c *Client) Once(ctx context.Context, scope, key string, fingerprint []byte,
 	fn func(ctx context.Context) (*idempotencyv1.StoredResponse, error)) (*Result, error) {
 	breq := &idempotencyv1.BeginRequest{Scope: scope, Key: key, Fingerprint: fingerprint,
@@ -95,6 +111,8 @@ func (c *Client) Once(ctx context.Context, scope, key string, fingerprint []byte
 	switch l.run(ctx, func(ctx context.Context) { resp, ferr = fn(ctx) }) {
 	case runLost:
 		return nil, ErrLeaseLost
+	case runCallerGone:
+		return nil, joinFinish(contextStatus(ctx), l.release(ctx))
 	case runNotStarted:
 		// fn never ran: the key goes back to how it was.
 		return nil, joinFinish(ErrLeaseUnconfirmed, l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED,

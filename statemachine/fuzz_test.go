@@ -278,6 +278,13 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			if !r.ExpiresAt.Equal(want) || !r.LeaseExpiresAt.IsZero() {
 				fail("%v written with expires_at %v (want %v) or a lease", r.State, r.ExpiresAt, want)
 			}
+		case StateExpired:
+			// Only a released restart goes back to EXPIRED, in the
+			// generation before, as if expired now.
+			if ev.Kind != EventFail || ev.FailureKind != FailureAbandoned || !r.ExpiresAt.Equal(now) ||
+				!r.LeaseExpiresAt.IsZero() || r.Response != nil || r.Uncertain {
+				fail("written EXPIRED by %v, or with expires_at %v, a lease, a response or uncertain", ev.Kind, r.ExpiresAt)
+			}
 		default:
 			fail("written in state %v", r.State)
 		}
@@ -288,7 +295,13 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 			if r.Attempt < 1 || r.Generation < 1 {
 				fail("written with attempt %d, generation %d", r.Attempt, r.Generation)
 			}
-			if cur != nil && !(r.Generation == cur.Generation && (r.Attempt == cur.Attempt || r.Attempt == cur.Attempt+1) ||
+			// A Fail ABANDONED takes the attempt back: one attempt back
+			// within the generation, or a restart back to the generation
+			// before.
+			released := cur != nil && ev.Kind == EventFail && ev.FailureKind == FailureAbandoned &&
+				(r.Generation == cur.Generation && r.Attempt == cur.Attempt-1 ||
+					r.Generation == cur.Generation-1 && r.Attempt == 1 && r.State == StateExpired)
+			if cur != nil && !released && !(r.Generation == cur.Generation && (r.Attempt == cur.Attempt || r.Attempt == cur.Attempt+1) ||
 				r.Generation == cur.Generation+1 && r.Attempt == 1) {
 				fail("attempt %d generation %d follows attempt %d generation %d",
 					r.Attempt, r.Generation, cur.Attempt, cur.Generation)

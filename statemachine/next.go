@@ -95,12 +95,24 @@ func Effective(rec Record, now time.Time) Record {
 
 // Next decides what ev does to the stored record cur (nil when the key has
 // no record) under pol at now. It never panics, whatever its input.
+//
+// Fail ABANDONED puts the key back as it was before the acquisition, as far
+// as the record can tell, with the attempt counter as it was (so it does
+// not count against max_attempts): a record the acquisition created is
+// deleted; a restart is EXPIRED again in the generation before (as a
+// failure under on_expired: reject, where only failures restart, else as a
+// result); a takeover from FAILED_RETRYABLE is FAILED_RETRYABLE again with
+// its fingerprint cleared and failure_ttl counting anew; an uncertain
+// generation, or a takeover from UNKNOWN, is UNKNOWN again with its
+// fingerprint kept (an uncertain FAILED_RETRYABLE so comes back UNKNOWN).
+// An acquisition that may itself have acted (it ended Fail UNKNOWN first,
+// or its own lease lapsed) leaves the key UNKNOWN and counts.
 func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	switch ev.Kind {
 	case EventBegin:
 		return begin(cur, ev, pol, now)
 	case EventComplete, EventFail, EventHeartbeat:
-		return finish(cur, ev, now)
+		return finish(cur, ev, pol, now)
 	case EventResolve:
 		return resolve(cur, ev, now)
 	default:
@@ -207,7 +219,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	return refuse(errors.New("record in an invalid state "+eff.State.String()), eff)
 }
 
-func finish(cur *Record, ev Event, now time.Time) Decision {
+func finish(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	if cur == nil {
 		return Decision{Err: ErrNotFound}
 	}
@@ -281,22 +293,68 @@ func finish(cur *Record, ev Event, now time.Time) Decision {
 		rec.Uncertain = true
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
 	case FailureAbandoned:
-		if rec.Uncertain {
-			// An attempt of this generation may have acted (a lapsed
-			// lease, a Fail UNKNOWN): abandoning never frees the key. It
-			// goes back to UNKNOWN with its fingerprint kept.
-			end(&rec, StateUnknown, EndingAbandoned, nil, ev.Reason, time.Time{})
-			return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
-		}
-		if rec.Attempt <= 1 {
-			// This acquisition created the generation: forget it.
-			return Decision{Write: WriteDelete}
-		}
-		end(&rec, StateFailedRetryable, EndingAbandoned, nil, ev.Reason, now.Add(rec.FailureTTL))
-		rec.Fingerprint = nil
+		return abandon(rec, eff, ev, pol, now, lapsed)
 	default:
 		return refuse(errors.New("unknown failure kind"), eff)
 	}
+	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+}
+
+// abandon ends the acquisition rec (eff as it reads, lapsed if its lease
+// ran out unwritten) with Fail ABANDONED: the attempt did nothing, so the
+// key goes back to how it was before this acquisition, as far as the record
+// can tell, and the acquisition does not count against max_attempts:
+//
+//   - the generation is uncertain (an earlier attempt may have acted, or
+//     this one's lease lapsed), or the acquisition took over from UNKNOWN:
+//     UNKNOWN again, fingerprint kept; abandoning never makes the key look
+//     untouched;
+//   - the acquisition created the record: the record is deleted;
+//   - it restarted an expired record: EXPIRED again, in the generation
+//     before (its response was dropped at expiry anyway). Whether that
+//     generation ended in a result or a failure is not kept: under
+//     on_expired: reject it must have been a failure (a result would not
+//     have restarted), otherwise it is kept as a result, so a later switch
+//     to reject protects it. Its retention counts from now;
+//   - it took over from FAILED_RETRYABLE: FAILED_RETRYABLE again, with its
+//     fingerprint cleared (the caller may fix the request and use the key
+//     again) and failure_ttl counting from now.
+//
+// In every case but the first two the attempt counter goes back by one.
+// This holds for every ABANDONED, whatever its reason: a release by a
+// library whose caller gave up before the handler ran, and a request the
+// handler rejected before doing anything (the interceptor's
+// INVALID_ARGUMENT, say). Neither was an attempt at the side effect.
+func abandon(rec, eff Record, ev Event, pol Policy, now time.Time, lapsed bool) Decision {
+	// An acquisition that may itself have acted (it said Fail UNKNOWN, or
+	// its own lease lapsed) counts; the uncertainty of a takeover from
+	// UNKNOWN came before it.
+	takeover := rec.AcquiredFrom == StateFailedRetryable || rec.AcquiredFrom == StateUnknown
+	acted := eff.EndedBy == EndingUnknown || rec.Uncertain && rec.AcquiredFrom != StateUnknown
+	if takeover && !acted && rec.Attempt > 1 {
+		rec.Attempt--
+	}
+	if rec.Uncertain || rec.AcquiredFrom == StateUnknown {
+		end(&rec, StateUnknown, EndingAbandoned, nil, ev.Reason, time.Time{})
+		rec.Uncertain = true
+		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
+	}
+	switch {
+	case rec.AcquiredFrom == StateNone && rec.Generation <= 1 && rec.Attempt <= 1:
+		return Decision{Write: WriteDelete}
+	case rec.AcquiredFrom == StateExpired && rec.Generation > 1:
+		by := EndingCompleted
+		if pol.OnExpired == ExpiredReject {
+			by = EndingAbandoned
+		}
+		rec.Generation--
+		rec.Attempt = 1
+		rec.Fingerprint = nil
+		end(&rec, StateExpired, by, nil, ev.Reason, now)
+		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
+	}
+	end(&rec, StateFailedRetryable, EndingAbandoned, nil, ev.Reason, now.Add(rec.FailureTTL))
+	rec.Fingerprint = nil
 	return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 }
 

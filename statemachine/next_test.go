@@ -157,7 +157,8 @@ func fxFailedRetryable(m ...mod) *Record {
 		updated(t0.Add(-5 * time.Minute)), expiresAt(t0.Add(5 * time.Minute))}, m...)...)
 }
 
-// fxAbandoned is FAILED_RETRYABLE after Fail ABANDONED of attempt 2: no
+// fxAbandoned is FAILED_RETRYABLE after attempt 2 failed RETRYABLE and
+// attempt 3, which took over, ended Fail ABANDONED: attempt 2 again, no
 // fingerprint.
 func fxAbandoned(m ...mod) *Record {
 	return fxFailedRetryable(append([]mod{endedBy(EndingAbandoned), attempt(2), from(StateFailedRetryable),
@@ -202,8 +203,9 @@ func fxRetryableUncertain(m ...mod) *Record {
 	return fxFailedRetryable(append([]mod{attempt(2), from(StateUnknown), uncertain(true), expiresAt(time.Time{})}, m...)...)
 }
 
-// fxUnknownAbandoned is UNKNOWN after attempt 2, which took over from
-// UNKNOWN and then failed ABANDONED: back to UNKNOWN, fingerprint kept.
+// fxUnknownAbandoned is UNKNOWN after attempt 3, which took over from
+// attempt 2's UNKNOWN and then failed ABANDONED: back to UNKNOWN and
+// attempt 2, fingerprint kept.
 func fxUnknownAbandoned(m ...mod) *Record {
 	return stored(StateUnknown, append([]mod{attempt(2), from(StateUnknown), endedBy(EndingAbandoned),
 		reason("bad request"), uncertain(true)}, m...)...)
@@ -412,17 +414,26 @@ func nextRows() []row {
 				Record: with(fxInProgress(), failedUnknown("timeout"), uncertain(true))}},
 		{"IN_PROGRESS live/Fail ABANDONED attempt 1/the record this acquisition created is deleted",
 			fxInProgress(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault, Decision{Write: WriteDelete}},
-		{"IN_PROGRESS live/Fail ABANDONED attempt 1 of generation 4/a restart's first attempt deletes too",
+		{"IN_PROGRESS live/Fail ABANDONED attempt 1 of generation 4, restart policy/EXPIRED again in generation 3, kept as a result",
 			fxInProgress(gen(4), from(StateExpired)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
-			Decision{Write: WriteDelete}},
-		{"IN_PROGRESS live/Fail ABANDONED attempt 2/FAILED_RETRYABLE with its fingerprint cleared",
+			wantUpdated(with(fxInProgress(gen(4), from(StateExpired)), gen(3), fp(nil),
+				ending(StateExpired, EndingCompleted, nil, "400", 0)))},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 1 of generation 4, reject policy/EXPIRED again in generation 3, a failure (only those restart)",
+			fxInProgress(gen(4), from(StateExpired)), evFail(tokHeld, FailureAbandoned, nil, "400"), polReject,
+			wantUpdated(with(fxInProgress(gen(4), from(StateExpired)), gen(3), fp(nil),
+				ending(StateExpired, EndingAbandoned, nil, "400", 0)))},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 2/FAILED_RETRYABLE with its fingerprint cleared, attempt back to 1",
 			fxInProgress(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, respOK(), "400"), polDefault,
-			wantUpdated(with(fxInProgress(attempt(2), from(StateFailedRetryable)),
+			wantUpdated(with(fxInProgress(attempt(2), from(StateFailedRetryable)), attempt(1),
 				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
-		{"IN_PROGRESS live/Fail ABANDONED attempt 3 taken over from UNKNOWN/FAILED_RETRYABLE with its fingerprint cleared",
+		{"IN_PROGRESS live/Fail ABANDONED attempt 2, max_attempts 2/released: the next Begin may still take over",
+			fxInProgress(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, nil, "gave up"), polMax2,
+			wantUpdated(with(fxInProgress(attempt(2), from(StateFailedRetryable)), attempt(1),
+				ending(StateFailedRetryable, EndingAbandoned, nil, "gave up", recFailureTTL), fp(nil)))},
+		{"IN_PROGRESS live/Fail ABANDONED attempt 3 taken over from UNKNOWN/UNKNOWN again, fingerprint kept, attempt back to 2",
 			fxInProgress(attempt(3), from(StateUnknown)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
-			wantUpdated(with(fxInProgress(attempt(3), from(StateUnknown)),
-				ending(StateFailedRetryable, EndingAbandoned, nil, "400", recFailureTTL), fp(nil)))},
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxInProgress(attempt(3), from(StateUnknown)), attempt(2), failedUnknown("400"), endedBy(EndingAbandoned), uncertain(true))}},
 		{"IN_PROGRESS live/Fail of no defined kind/refused, nothing written",
 			fxInProgress(), evFail(tokHeld, 0, nil, ""), polDefault, wantRefused(errAny, *fxInProgress())},
 		{"IN_PROGRESS live/Heartbeat/lease extended from now",
@@ -480,6 +491,14 @@ func nextRows() []row {
 			fxLapsed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
 				Record: with(fxLapsed(), failedUnknown("400"), endedBy(EndingAbandoned), uncertain(true))}},
+		{"IN_PROGRESS lapsed/Fail ABANDONED attempt 2 taken over from FAILED_RETRYABLE/its own lapse made it uncertain: UNKNOWN, the attempt counts",
+			fxLapsed(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxLapsed(attempt(2), from(StateFailedRetryable)), failedUnknown("400"), endedBy(EndingAbandoned), uncertain(true))}},
+		{"IN_PROGRESS lapsed/Fail ABANDONED attempt 1 of generation 4/a lapsed restart is UNKNOWN in its own generation",
+			fxLapsed(gen(4), from(StateExpired)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
+			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
+				Record: with(fxLapsed(gen(4), from(StateExpired)), failedUnknown("400"), endedBy(EndingAbandoned), uncertain(true))}},
 		{"IN_PROGRESS lapsed/Heartbeat/IN_PROGRESS again, lease extended from now",
 			fxLapsed(), evHeartbeat(tokHeld), polDefault,
 			wantUpdated(with(fxLapsed(), leaseAt(t0.Add(hbLease)), updated(t0), uncertain(true)))},
@@ -804,7 +823,7 @@ func nextRows() []row {
 		{"UNKNOWN by Fail/Fail ABANDONED attempt 1/never frees the key: UNKNOWN, fingerprint kept, not counted again",
 			fxUnknownFailed(), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			wantUpdated(with(fxUnknownFailed(), failedUnknown("400"), endedBy(EndingAbandoned)))},
-		{"UNKNOWN by Fail attempt 2/Fail ABANDONED/UNKNOWN with its fingerprint kept",
+		{"UNKNOWN by Fail attempt 2/Fail ABANDONED/UNKNOWN with its fingerprint kept; it said it may have acted, so the attempt counts",
 			fxUnknownFailed(attempt(2), from(StateFailedRetryable)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			wantUpdated(with(fxUnknownFailed(attempt(2), from(StateFailedRetryable)), failedUnknown("400"), endedBy(EndingAbandoned)))},
 		{"UNKNOWN by Fail/Heartbeat/ALREADY_FINISHED: a Heartbeat never revives an ended attempt",
@@ -870,14 +889,14 @@ func nextRows() []row {
 			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureRetryable, nil, "503"), polDefault,
 			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)),
 				ending(StateFailedRetryable, EndingRetryable, nil, "503", 0), expiresAt(time.Time{})))},
-		{"IN_PROGRESS uncertain/Fail ABANDONED/back to UNKNOWN with its fingerprint kept, counted",
+		{"IN_PROGRESS uncertain/Fail ABANDONED/back to UNKNOWN with its fingerprint kept, attempt back to 1, counted",
 			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
-				Record: with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), failedUnknown("400"), endedBy(EndingAbandoned))}},
-		{"IN_PROGRESS uncertain attempt 3 taken over from FAILED_RETRYABLE uncertain/Fail ABANDONED/UNKNOWN, fingerprint kept",
+				Record: with(fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), attempt(1), failedUnknown("400"), endedBy(EndingAbandoned))}},
+		{"IN_PROGRESS uncertain attempt 3 taken over from FAILED_RETRYABLE uncertain/Fail ABANDONED/UNKNOWN, fingerprint kept, attempt back to 2",
 			fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), evFail(tokHeld, FailureAbandoned, nil, "400"), polDefault,
 			Decision{Write: WriteUpdate, Exists: true, EnteredUnknown: true,
-				Record: with(fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), failedUnknown("400"), endedBy(EndingAbandoned))}},
+				Record: with(fxInProgress(attempt(3), from(StateUnknown), uncertain(true)), attempt(2), failedUnknown("400"), endedBy(EndingAbandoned))}},
 		{"IN_PROGRESS uncertain/Complete/COMPLETED ends the uncertainty",
 			fxInProgress(attempt(2), from(StateUnknown), uncertain(true)), evComplete(tokHeld, respOK()), polDefault,
 			wantUpdated(with(fxInProgress(attempt(2), from(StateUnknown)), ending(StateCompleted, EndingCompleted, respOK(), "", recTTL)))},
@@ -1339,12 +1358,109 @@ func TestStickyUncertainty(t *testing.T) {
 	if d := Next(cur, evBegin(fpB), polDefault, now); !errors.Is(d.Err, ErrFingerprintMismatch) {
 		t.Fatalf("another request with the key: %v, want FINGERPRINT_MISMATCH", d.Err)
 	}
-	d = begin("attempt 4", "a4", "t4", fpA)
-	if d.PreviousState != StateUnknown || d.Record.Attempt != 4 {
-		t.Fatalf("attempt 4: previous %v, attempt %d", d.PreviousState, d.Record.Attempt)
+	// Attempt 3 did nothing: it does not count, so the next one is attempt
+	// 3 again.
+	d = begin("attempt 3, again", "a4", "t4", fpA)
+	if d.PreviousState != StateUnknown || d.Record.Attempt != 3 {
+		t.Fatalf("attempt 3, again: previous %v, attempt %d", d.PreviousState, d.Record.Attempt)
 	}
-	step("attempt 4 completes after checking", evComplete("t4", respOK()), polDefault)
+	step("attempt 3 completes after checking", evComplete("t4", respOK()), polDefault)
 	if cur.State != StateCompleted || cur.Uncertain {
 		t.Fatalf("after Complete: %v, uncertain %v; want COMPLETED, certain", cur.State, cur.Uncertain)
+	}
+}
+
+// TestAbandonIsAsIfTheAttemptNeverWas: an acquisition ended with Fail
+// ABANDONED (a library releasing a Begin nobody will act on) leaves the key
+// as it was: the next Begin gets the answer it would have got had the
+// released acquisition never happened (outcome, previous_state, attempt,
+// generation, refusal), and the record reads as before, except that an
+// uncertain FAILED_RETRYABLE reads UNKNOWN afterwards (it needs a decision
+// either way). A released acquisition never counts against max_attempts.
+func TestAbandonIsAsIfTheAttemptNeverWas(t *testing.T) {
+	starts := []struct {
+		name string
+		rec  *Record
+	}{
+		{"none", nil},
+		{"FAILED_RETRYABLE", fxFailedRetryable()},
+		{"FAILED_RETRYABLE attempt 2", fxFailedRetryable(attempt(2), from(StateFailedRetryable))},
+		{"FAILED_RETRYABLE by ABANDONED", fxAbandoned()},
+		{"FAILED_RETRYABLE uncertain", fxRetryableUncertain()},
+		{"FAILED_RETRYABLE past expires_at", fxFailedRetryablePast()},
+		{"COMPLETED past expires_at", fxCompletedPast()},
+		{"EXPIRED", fxExpired()},
+		{"UNKNOWN by Fail", fxUnknownFailed()},
+		{"UNKNOWN lapsed", fxUnknownLapsed()},
+		{"UNKNOWN by ABANDONED", fxUnknownAbandoned()},
+		{"IN_PROGRESS lapsed", fxLapsed()},
+	}
+	policies := []struct {
+		name string
+		pol  Policy
+	}{{"default", polDefault}, {"reject", polReject}, {"hold", polHold}, {"max_attempts 2", polMax2}, {"max_attempts 3", Policy{MaxAttempts: 3}}}
+	begin := func(attemptID, token string) Event {
+		return evBegin(fpA, func(e *Event) { e.AttemptID, e.NewToken = attemptID, token })
+	}
+	apply := func(cur *Record, d Decision) *Record {
+		switch d.Write {
+		case WriteInsert, WriteUpdate:
+			r := d.Record
+			return &r
+		case WriteDelete:
+			return nil
+		}
+		return cur
+	}
+	for _, s := range starts {
+		for _, p := range policies {
+			t.Run(s.name+"/"+p.name, func(t *testing.T) {
+				if s.rec != nil && s.rec.State == StateFailedRetryable && s.rec.Uncertain && p.pol.OnUnknown == UnknownHold {
+					// Documented: the released takeover reads UNKNOWN, which
+					// on_unknown: hold holds for an operator.
+					t.Skip("an uncertain FAILED_RETRYABLE comes back UNKNOWN")
+				}
+				acq := Next(s.rec, begin("released", "tok-released"), p.pol, t0)
+				if acq.Outcome != OutcomeAcquired {
+					t.Skipf("the first Begin does not acquire (%v, %v)", acq.Outcome, acq.Err)
+				}
+				held := apply(s.rec, acq)
+				rel := Next(held, evFail("tok-released", FailureAbandoned, nil, "caller gave up before the handler ran"), p.pol, t0.Add(time.Second))
+				if rel.Err != nil {
+					t.Fatalf("release: %v", rel.Err)
+				}
+				released := apply(held, rel)
+
+				later := t0.Add(2 * time.Second)
+				want := Next(s.rec, begin("next", "tok-next"), p.pol, later)
+				got := Next(released, begin("next", "tok-next"), p.pol, later)
+				if !errors.Is(got.Err, want.Err) || (got.Err == nil) != (want.Err == nil) || got.Outcome != want.Outcome ||
+					got.PreviousState != want.PreviousState || got.Record.Attempt != want.Record.Attempt ||
+					got.Record.Generation != want.Record.Generation || got.Record.Uncertain != want.Record.Uncertain {
+					t.Fatalf("next Begin after the release: %v %v previous %v attempt %d generation %d uncertain %v;\n"+
+						"without the released attempt: %v %v previous %v attempt %d generation %d uncertain %v",
+						got.Outcome, got.Err, got.PreviousState, got.Record.Attempt, got.Record.Generation, got.Record.Uncertain,
+						want.Outcome, want.Err, want.PreviousState, want.Record.Attempt, want.Record.Generation, want.Record.Uncertain)
+				}
+
+				if (s.rec == nil) != (released == nil) {
+					t.Fatalf("released record %+v, want one exactly when there was one before (%+v)", released, s.rec)
+				}
+				if s.rec == nil {
+					return
+				}
+				before, after := Effective(*s.rec, later), Effective(*released, later)
+				wantState := before.State
+				if before.State == StateFailedRetryable && before.Uncertain {
+					wantState = StateUnknown
+				}
+				if after.State != wantState || after.Generation != before.Generation || after.Uncertain != before.Uncertain ||
+					after.State != StateExpired && after.Attempt != before.Attempt {
+					t.Fatalf("released record reads %v generation %d attempt %d uncertain %v; before it read %v generation %d attempt %d uncertain %v",
+						after.State, after.Generation, after.Attempt, after.Uncertain,
+						before.State, before.Generation, before.Attempt, before.Uncertain)
+				}
+			})
+		}
 	}
 }

@@ -49,10 +49,18 @@ type FailureKind uint8
 
 // The kinds of failure.
 const (
-	FailureRetryable  FailureKind = 1
+	// FailureRetryable: nothing happened; the next Begin runs it again.
+	FailureRetryable FailureKind = 1
+	// FailureReplayable: a final answer, stored and replayed.
 	FailureReplayable FailureKind = 2
-	FailureUnknown    FailureKind = 3
-	FailureAbandoned  FailureKind = 4
+	// FailureUnknown: the side effect may have happened.
+	FailureUnknown FailureKind = 3
+	// FailureAbandoned: the attempt never started its work (a request
+	// rejected before it did anything, or a Begin whose caller gave up
+	// before the handler ran). The key goes back to how it was before the
+	// acquisition, and the attempt does not count against max_attempts;
+	// see Next for what the record can and cannot restore.
+	FailureAbandoned FailureKind = 4
 )
 
 // Valid reports whether k is one of the defined kinds.
@@ -119,6 +127,7 @@ type Policy struct {
 	OnExpired OnExpired
 	OnUnknown OnUnknown
 	// MaxAttempts > 0 refuses a takeover once that many attempts were made.
+	// Abandoned attempts (Fail ABANDONED) do not count.
 	MaxAttempts int32
 }
 
