@@ -10,7 +10,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemcoord/idemcoord/statemachine"
 )
@@ -281,10 +280,6 @@ type runTxResult struct {
 	attempt   [2]int32
 }
 
-// lockTimeoutCode is SQLSTATE lock_not_available, which a lock wait ended
-// by lock_timeout raises.
-const lockTimeoutCode = "55P03"
-
 // runTxOnce makes one attempt of RunTx in one transaction. An error return
 // is the database's failure (classified); fn's error comes in the result.
 func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Event, giveUp time.Time,
@@ -302,8 +297,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		}
 	}()
 	dbErr := func(err error) (runTxResult, error) {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == lockTimeoutCode {
+		if isLockTimeout(err) {
 			// The running attempt kept its lock for all of Wait.
 			return runTxResult{done: true, err: ErrInProgress}, nil
 		}
