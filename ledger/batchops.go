@@ -129,6 +129,18 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	live := liveBatch(batch, func(r *beginReq) context.Context { return r.ctx },
 		func(r *beginReq) Identity { return r.p.ID },
 		func(r *beginReq, err error) { r.out <- beginRes{err: err} })
+	// A key another transaction was just seen holding waits on its own,
+	// not in the batch.
+	now := time.Now()
+	unheld := live[:0]
+	for _, r := range live {
+		if s.held.held(r.p.ID, now) {
+			r.out <- beginRes{}
+			continue
+		}
+		unheld = append(unheld, r)
+	}
+	live = unheld
 	switch len(live) {
 	case 0:
 		return
@@ -138,6 +150,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev, batchLockWait)
 		if isLockTimeout(err) {
 			// Its key is held: it waits on its own, not in a worker.
+			s.held.mark(r.p.ID, time.Now())
 			r.out <- beginRes{}
 			return
 		}

@@ -32,6 +32,9 @@ type Store struct {
 	// (nil when batching is off).
 	begins    *coalescer[*beginReq]
 	completes *coalescer[*completeReq]
+	// held remembers keys whose Begins met another transaction's lock,
+	// which batches then leave to run on their own.
+	held heldKeys
 
 	// cache serves replays without a round trip (nil when off); stopPing
 	// ends its ping loop. clockOffset is the database clock minus the
@@ -426,8 +429,14 @@ func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.E
 			return out.rec, out.inserted, out.now, out.found, out.err
 		}
 	}
-	for {
+	for first := true; ; first = false {
+		// The first statement waits no longer than a batch would, so a
+		// held key is soon remembered (s.held) and later Begins of it
+		// leave their batches at once.
 		lockWait := singleLockWait
+		if first {
+			lockWait = batchLockWait
+		}
 		if dl, ok := ctx.Deadline(); ok {
 			lockWait = min(lockWait, time.Until(dl))
 		}
@@ -441,6 +450,7 @@ func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.E
 		if !isLockTimeout(err) {
 			return rec, inserted, now, found, classify(err)
 		}
+		s.held.mark(p.ID, time.Now())
 	}
 }
 

@@ -39,3 +39,32 @@ func TestWaitEnd(t *testing.T) {
 		t.Fatalf("wait first: %v", got)
 	}
 }
+
+// A key whose Begin met a lock is remembered as held for heldMemory after
+// the latest mark, and then forgotten.
+func TestHeldKeysRemembersForAMoment(t *testing.T) {
+	var h heldKeys
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	k, other := Identity{Tenant: "t", Scope: "s", Key: "k"}, Identity{Tenant: "u", Scope: "s", Key: "k"}
+	if h.held(k, now) {
+		t.Fatal("held before any mark")
+	}
+	h.mark(k, now)
+	if !h.held(k, now.Add(heldMemory-time.Millisecond)) || h.held(other, now) {
+		t.Fatal("the marked key (and only it) is held")
+	}
+	h.mark(k, now.Add(heldMemory/2))
+	if !h.held(k, now.Add(heldMemory)) {
+		t.Fatal("a new mark extends the memory")
+	}
+	if h.held(k, now.Add(2*heldMemory)) {
+		t.Fatal("held after its memory ran out")
+	}
+	for i := range heldKeysPrune + 1 {
+		h.mark(Identity{Tenant: "t", Scope: "s", Key: string(rune('a'+i%26)) + time.Duration(i).String()}, now)
+	}
+	h.mark(k, now.Add(heldMemory))
+	if n := len(h.until); n != 1 {
+		t.Fatalf("%d keys remembered after the others ran out, want 1", n)
+	}
+}
