@@ -153,3 +153,68 @@ func TestRunTxWaitingLostCommitRunsOnce(t *testing.T) {
 		t.Fatalf("%d charge rows, want 1", n)
 	}
 }
+
+// TestRunTxWaiterOutlastsAnOutage: a RunTx waits for a key held over gRPC
+// while the database stops for a few seconds; its re-reads meanwhile find
+// the database unreachable, which does not end the wait. When the database
+// is back and the holder completes, RunTx replays the holder's result.
+//
+// Before RunTx shared the waiting Begin's wait, its first re-read during
+// the outage ended it with ErrUnavailable.
+func TestRunTxWaiterOutlastsAnOutage(t *testing.T) {
+	t.Parallel()
+	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
+	url := cluster.URL("postgres")
+	if err := ledger.Migrate(context.Background(), url); err != nil {
+		t.Fatal(err)
+	}
+	db := openTxDB(t, url)
+	s := db.store
+	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "outage"}
+	token := beginID(t, s, id, time.Hour, time.Hour)
+	var calls atomic.Int32
+	type result struct {
+		resp     *statemachine.Response
+		replayed bool
+		err      error
+	}
+	done := make(chan result, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		resp, replayed, err := s.RunTx(ctx, id, ledger.TxOptions{Wait: time.Minute}, charge(id.Key, &calls))
+		done <- result{resp, replayed, err}
+	}()
+	waitFor(t, "the waiting RunTx to watch the record", func() (bool, error) {
+		return db.count(t, `SELECT count(*) FROM idempotency_records WHERE key = $1 AND watched`, id.Key) == 1, nil
+	})
+	if err := cluster.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the store to poll", func() (bool, error) { return s.NotificationStats().Polling, nil })
+	time.Sleep(3 * time.Second) // the waiter re-reads, at most a second apart, and fails (not a synchronization)
+	if err := cluster.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// The pool may still hold connections of the stopped server.
+	for end := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		_, err := s.Finish(context.Background(), &ledger.FinishParams{ID: id, Event: statemachine.Event{
+			Kind: statemachine.EventComplete, Token: token, Response: &statemachine.Response{Body: []byte("done")}}})
+		if err == nil {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("Complete after the database came back: %v", err)
+		}
+	}
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(90 * time.Second):
+		t.Fatal("RunTx did not answer within 90 s")
+	}
+	if r.err != nil || !r.replayed || r.resp == nil || string(r.resp.Body) != "done" || calls.Load() != 0 {
+		t.Fatalf("RunTx answered %v, replayed %v, %v with fn called %d times; want the holder's result replayed",
+			r.resp, r.replayed, r.err, calls.Load())
+	}
+}
