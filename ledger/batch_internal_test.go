@@ -166,3 +166,58 @@ func randomKey(n int) string {
 	}
 	return string(b)
 }
+
+// TestBeginBatchDropsGoneCallers runs one batch (no timing involved) in
+// which one caller's context ended while it was queued: that caller is
+// answered with its context's error and its key is not written; the
+// others acquire theirs.
+func TestBeginBatchDropsGoneCallers(t *testing.T) {
+	t.Parallel()
+	url := pgtest.NewDatabase(t)
+	s, err := Open(context.Background(), url, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	gone, cancel := context.WithCancel(context.Background())
+	cancel()
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	var batch []*beginReq
+	for i := range 6 {
+		e := ev
+		e.NewToken = newToken()
+		ctx := context.Background()
+		if i == 2 {
+			ctx = gone
+		}
+		batch = append(batch, &beginReq{ctx: ctx, p: &BeginParams{ID: Identity{Tenant: "t", Scope: "s", Key: fmt.Sprintf("k%d", i)}, Event: e},
+			ev: e, out: make(chan beginRes, 1)})
+	}
+	s.runBeginBatch(context.Background(), batch)
+	for i, r := range batch {
+		out := <-r.out
+		if i == 2 {
+			if !errors.Is(out.err, context.Canceled) || out.found {
+				t.Errorf("the gone caller: %+v, want context.Canceled", out)
+			}
+			continue
+		}
+		if out.err != nil || !out.inserted || out.rec.LeaseToken != r.ev.NewToken {
+			t.Errorf("%v: %+v, want its own acquisition", r.p.ID, out)
+		}
+	}
+	if _, _, err := s.Lookup(context.Background(), batch[2].p.ID); !errors.Is(err, statemachine.ErrNotFound) {
+		t.Fatalf("the gone caller's key: %v, want not found (nothing written)", err)
+	}
+	// A Begin whose context ended before it was sent writes nothing either,
+	// whether it was queued for a batch or refused.
+	for range 20 {
+		id := Identity{Tenant: "t", Scope: "s", Key: "late-" + newToken()}
+		if _, err := s.Begin(gone, &BeginParams{ID: id, Event: ev}); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Begin with an ended context: %v, want context.Canceled", err)
+		}
+		if _, _, err := s.Lookup(context.Background(), id); !errors.Is(err, statemachine.ErrNotFound) {
+			t.Fatalf("Begin with an ended context wrote its key: %v", err)
+		}
+	}
+}

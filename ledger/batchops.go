@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"time"
@@ -16,6 +17,16 @@ const (
 	batchWorkers = 4
 	batchMax     = 64
 )
+
+// batchLockWait bounds how long a batch of Begins waits on another
+// transaction's insert or change of one of its keys (a RunTx running fn, a
+// locked decision). The waits of a healthy coordinator last one commit;
+// a longer one fails the statement, which writes nothing, and every caller
+// of the batch runs on its own (see beginRead), where only a Begin of the
+// held key waits, within its caller's deadline. So a held key never delays
+// the Begins of other keys and tenants that shared its batch by more than
+// this, nor holds a batch worker longer.
+const batchLockWait = 200 * time.Millisecond
 
 // errStoreClosed answers the requests a closing store will not run.
 var errStoreClosed = fmt.Errorf("%w: the store is closed", ErrUnavailable)
@@ -52,11 +63,13 @@ type beginRes struct {
 // reads every one that does, in one statement: beginSQL for many records.
 // $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
 // attempt_id, ttl µs, failure ttl µs, lease µs, one element per distinct
-// record; $11 enc_key_id, $12 seal_version. The first column says whether
-// the row was created; created rows carry the creator's token. The INSERT
-// takes its rows in the global lock order (see compareIdentity), whatever
-// order the arrays come in.
+// record; $11 enc_key_id, $12 seal_version, $13 the statement's
+// lock_timeout (see lockWaitSQL). The first column says whether the row
+// was created; created rows carry the creator's token. The INSERT takes its
+// rows in the global lock order (see compareIdentity), whatever order the
+// arrays come in.
 var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+` + lockWaitSQL("$13") + `,
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
 		$8::int8[], $9::int8[], $10::int8[])
@@ -67,7 +80,7 @@ ins AS (
 		enc_key_id, seal_version)
 	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
 		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond', $11, $12
-	FROM input i, clock
+	FROM input i, clock, lock_wait
 	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
 	ON CONFLICT DO NOTHING
 	RETURNING tenant, scope, key, ` + recordColumns + `)
@@ -97,12 +110,17 @@ func liveBatch[T any](batch []T, ctxOf func(T) context.Context, idOf func(T) Ide
 // each caller is run again on its own (retry), where it gets its own
 // answer. A batch that committed before it failed is no loss: a Begin run
 // again finds the record its own token created (see Store.Begin), and a
-// Complete run again is a repeat, which answers OK.
+// Complete run again is a repeat, which answers OK. A batch that met a
+// held key (batchLockWait) is no fault and is not logged as one.
 func (s *Store) batchFailed(kind string, n int, err error, closing bool) bool {
 	if closing {
 		return false
 	}
-	s.logger.Warn("batch statement failed; running its callers one by one", "kind", kind, "callers", n, "err", err)
+	level := slog.LevelWarn
+	if isLockTimeout(err) {
+		level = slog.LevelDebug
+	}
+	s.logger.Log(context.Background(), level, "batch statement failed; running its callers one by one", "kind", kind, "callers", n, "err", err)
 	return true
 }
 
@@ -111,13 +129,31 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	live := liveBatch(batch, func(r *beginReq) context.Context { return r.ctx },
 		func(r *beginReq) Identity { return r.p.ID },
 		func(r *beginReq, err error) { r.out <- beginRes{err: err} })
+	// A key another transaction was just seen holding waits on its own,
+	// not in the batch.
+	now := time.Now()
+	unheld := live[:0]
+	for _, r := range live {
+		if s.held.held(r.p.ID, now) {
+			r.out <- beginRes{}
+			continue
+		}
+		unheld = append(unheld, r)
+	}
+	live = unheld
 	switch len(live) {
 	case 0:
 		return
 	case 1:
 		// Alone: the single-record statement plans faster than unnest.
 		r := live[0]
-		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev)
+		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev, batchLockWait)
+		if isLockTimeout(err) {
+			// Its key is held: it waits on its own, not in a worker.
+			s.held.mark(r.p.ID, time.Now())
+			r.out <- beginRes{}
+			return
+		}
 		if err != nil && s.begins.closing() {
 			err = errStoreClosed
 		}
@@ -154,7 +190,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	}
 	found := make(map[Identity]row, n)
 	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
-		s.newRowKeyID(), int16(sealVersion))
+		s.newRowKeyID(), int16(sealVersion), lockTimeoutArg(batchLockWait))
 	if err == nil {
 		for rows.Next() {
 			var id Identity

@@ -72,6 +72,17 @@ func checkIdentity(id Identity) error {
 	return nil
 }
 
+// lockTimeoutCode is SQLSTATE lock_not_available, which a lock wait ended
+// by lock_timeout raises.
+const lockTimeoutCode = "55P03"
+
+// isLockTimeout reports whether err is a statement's lock wait ended by its
+// lock_timeout (the statement wrote nothing).
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == lockTimeoutCode
+}
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {

@@ -63,15 +63,17 @@ func wholeRecordSQL(insert bool) string {
 //
 // Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint (in its stored
 // form), $5 lease token, $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9
-// lease µs, $10 now or NULL, $11 enc_key_id, $12 seal_version.
+// lease µs, $10 now or NULL, $11 enc_key_id, $12 seal_version, $13 the
+// statement's lock_timeout (see lockWaitSQL).
 var beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
+` + lockWaitSQL("$13") + `,
 ins AS (
 	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
 		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
 		enc_key_id, seal_version)
 	SELECT $1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, clock.now, clock.now,
 		clock.now + $9 * interval '1 microsecond', $11, $12
-	FROM clock
+	FROM clock, lock_wait
 	ON CONFLICT DO NOTHING
 	RETURNING ` + recordColumns + `
 )
@@ -80,8 +82,27 @@ UNION ALL
 SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
 	WHERE tenant = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)`
 
-// insertOrRead runs beginSQL. found is false when no row came back.
-func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+// lockWaitSQL is a CTE, lock_wait, that bounds the lock waits of the
+// statement it is part of to the lock_timeout given in param (as
+// lockTimeoutArg formats it). A statement's INSERT reads lock_wait with its
+// rows, so the bound is set before the first row is inserted, and with it
+// before any wait on another transaction's insert or change of the same
+// key (such as a RunTx running fn); it ends with the statement's
+// transaction. A wait that reaches it fails the statement with
+// lock_not_available (isLockTimeout), having written nothing.
+func lockWaitSQL(param string) string {
+	return `lock_wait AS MATERIALIZED (SELECT set_config('lock_timeout', ` + param + `, true) AS lock_timeout)`
+}
+
+// lockTimeoutArg formats d for lockWaitSQL: whole milliseconds, at least
+// one (0 would mean no bound).
+func lockTimeoutArg(d time.Duration) string {
+	return strconv.FormatInt(max(d.Milliseconds(), 1), 10) + "ms"
+}
+
+// insertOrRead runs beginSQL; a lock wait longer than lockWait fails it
+// (isLockTimeout). found is false when no row came back.
+func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	// The INSERT commits by itself: never cancelled by ctx (see
 	// commitTimeout).
 	type row struct {
@@ -92,20 +113,20 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 	r, err := detached(ctx, func(cctx context.Context) (row, error) {
 		var r row
 		var err error
-		r.rec, r.inserted, r.now, r.found, err = s.insertOrReadOnce(cctx, id, ev)
+		r.rec, r.inserted, r.now, r.found, err = s.insertOrReadOnce(cctx, id, ev, lockWait)
 		return r, err
 	})
 	return r.rec, r.inserted, r.now, r.found, err
 }
 
-func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	fp := ev.Fingerprint
 	if fp == nil {
 		fp = []byte{}
 	}
 	rows, err := s.pool.Query(ctx, beginSQL, id.Tenant, id.Scope, id.Key, fp, ev.NewToken, ev.AttemptID,
 		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now(),
-		s.newRowKeyID(), int16(sealVersion))
+		s.newRowKeyID(), int16(sealVersion), lockTimeoutArg(lockWait))
 	if err != nil {
 		return rec, false, now, false, err
 	}

@@ -10,7 +10,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemcoord/idemcoord/statemachine"
 )
@@ -95,7 +94,9 @@ type TxOptions struct {
 	TTL time.Duration
 	// Wait is how long a duplicate waits for a running attempt before it
 	// returns ErrInProgress; 0 means DefaultTxWait, a negative value does
-	// not wait.
+	// not wait. As a waiting Begin's, the wait ends 50 ms before ctx's
+	// deadline at the latest, so that ErrInProgress comes before the
+	// deadline does.
 	Wait time.Duration
 }
 
@@ -124,7 +125,11 @@ type TxOptions struct {
 //     again) and RunTx returns fn's error as is (or re-panics);
 //   - an IN_PROGRESS record under a live lease (a gRPC caller of the
 //     coordinator holds it) is waited for, without a lock or connection
-//     held, until it changes or opts.Wait runs out (ErrInProgress);
+//     held, until it changes or opts.Wait runs out (ErrInProgress), in
+//     the wait of Store.BeginWait: a database outage while waiting is the
+//     answer only if it outlasts the wait, and a try whose commit's answer
+//     was lost is recognised by the next (one lease token across tries),
+//     which answers fn's committed outcome instead of replaying it;
 //   - an UNKNOWN or uncertain record (an attempt over gRPC may have done
 //     its side effect) is not taken over: RunTx returns ErrUnknownHeld at
 //     once.
@@ -161,9 +166,11 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 	case wait < 0:
 		wait = 0
 	}
-	giveUp := time.Now().Add(wait)
+	giveUp := waitEnd(ctx, time.Now(), wait)
+	// One lease token for every try: a try whose commit's answer was lost
+	// may have committed, and the next then finds that record its own.
 	ev := statemachine.Event{Kind: statemachine.EventBegin, Fingerprint: opts.Fingerprint,
-		TTL: ttl, FailureTTL: ttl, Lease: txLease}
+		TTL: ttl, FailureTTL: ttl, Lease: txLease, NewToken: newToken()}
 
 	// A finished record replays from a plain read, as a Begin's does: it
 	// changes only by expiry, Forget or an operator, and a duplicate of a
@@ -174,68 +181,40 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 		return out.resp, out.replayed, out.err
 	}
 
-	var changed <-chan struct{}
-	var timer *time.Timer
-	for races := 0; ; {
-		ev.NewToken = newToken()
-		out, err := s.runTxOnce(ctx, id, ev, giveUp, fn)
-		if err != nil {
-			return nil, false, err
-		}
-		switch {
-		case out.done:
-			return out.resp, out.replayed, out.err
-		case out.vanished:
-			// The row was deleted between our insert and our lock.
-			if races++; races >= maxRaceRetries {
-				return nil, false, fmt.Errorf("%w: record %q changed too often under contention", ErrUnavailable, id.Key)
+	// Held by someone who does not hold the row lock (a gRPC caller):
+	// wait as a waiting Begin does.
+	var out runTxResult
+	held, err := s.waitWhileHeld(ctx, id, giveUp, func(ctx context.Context) (holding, error) {
+		for races := 0; ; {
+			o, err := s.runTxOnce(ctx, id, ev, giveUp, fn)
+			if err != nil {
+				return holding{}, err
 			}
-			continue
+			if o.vanished {
+				// The row was deleted between our insert and our lock.
+				if races++; races >= maxRaceRetries {
+					return holding{}, fmt.Errorf("%w: record %q changed too often under contention", ErrUnavailable, id.Key)
+				}
+				continue
+			}
+			out = o
+			if o.done || o.unknown {
+				return holding{}, nil
+			}
+			return holding{held: true, leaseLeft: o.leaseLeft, attempt: o.attempt}, nil
 		}
-		// Held by someone who does not hold the row lock: a gRPC caller.
+	})
+	switch {
+	case err != nil:
+		return nil, false, err
+	case held:
+		return nil, false, ErrInProgress
+	case out.unknown:
 		// An UNKNOWN record waits for an operator, not for an attempt
 		// (as a waiting Begin under on_unknown: hold): answer at once.
-		if out.unknown {
-			return nil, false, ErrUnknownHeld
-		}
-		left := time.Until(giveUp)
-		if left <= 0 {
-			return nil, false, ErrInProgress
-		}
-		if changed == nil {
-			// Subscribe, then read again, so no change is missed.
-			var unsubscribe func()
-			changed, unsubscribe = s.Subscribe(id)
-			defer unsubscribe()
-			continue
-		}
-		// Only changes someone waits for are notified: say so, then read
-		// again if the attempt ended meanwhile.
-		if held, err := s.Watch(ctx, id); err != nil {
-			return nil, false, err
-		} else if !held {
-			continue
-		}
-		sleep := left
-		if out.leaseLeft > 0 {
-			sleep = min(sleep, out.leaseLeft+5*time.Millisecond)
-		}
-		if timer == nil {
-			timer = time.NewTimer(sleep)
-			defer timer.Stop()
-		} else {
-			timer.Reset(sleep)
-		}
-		select {
-		case <-changed:
-			if !timer.Stop() {
-				<-timer.C
-			}
-		case <-timer.C:
-		case <-ctx.Done():
-			return nil, false, ctx.Err()
-		}
+		return nil, false, ErrUnknownHeld
 	}
+	return out.resp, out.replayed, out.err
 }
 
 // txPolicy is how RunTx decides on an existing record: it never takes over
@@ -294,14 +273,12 @@ type runTxResult struct {
 	// vanished: the record was deleted under us; try again.
 	vanished bool
 	// Otherwise a holder without the row lock keeps the key: unknown says
-	// the record is UNKNOWN; leaseLeft is the time to its lease expiry.
+	// the record is UNKNOWN; leaseLeft is the time to its lease expiry,
+	// attempt the holder's generation and attempt.
 	unknown   bool
 	leaseLeft time.Duration
+	attempt   [2]int32
 }
-
-// lockTimeoutCode is SQLSTATE lock_not_available, which a lock wait ended
-// by lock_timeout raises.
-const lockTimeoutCode = "55P03"
 
 // runTxOnce makes one attempt of RunTx in one transaction. An error return
 // is the database's failure (classified); fn's error comes in the result.
@@ -320,8 +297,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		}
 	}()
 	dbErr := func(err error) (runTxResult, error) {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == lockTimeoutCode {
+		if isLockTimeout(err) {
 			// The running attempt kept its lock for all of Wait.
 			return runTxResult{done: true, err: ErrInProgress}, nil
 		}
@@ -361,6 +337,16 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		if err != nil {
 			return dbErr(err)
 		}
+		if cur.LeaseToken == ev.NewToken {
+			// This call's own record (tokens are unique), committed by an
+			// earlier try whose answer was lost: fn ran in this call, and
+			// its outcome is answered as it was made, not replayed.
+			if eff := statemachine.Effective(cur, now); eff.State == statemachine.StateCompleted || eff.State == statemachine.StateFailedReplayable {
+				out = replayOf(eff)
+				out.replayed = false
+				return out, nil
+			}
+		}
 		d = statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
 		switch {
 		case d.Err != nil:
@@ -373,7 +359,8 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 			// is uncertain): not ours to run. Nothing is written here.
 			out = runTxResult{unknown: d.Record.State == statemachine.StateUnknown || d.PreviousState == statemachine.StateUnknown}
 			if d.Record.State == statemachine.StateInProgress {
-				out.leaseLeft = d.Record.LeaseExpiresAt.Sub(now)
+				out.leaseLeft = max(d.Record.LeaseExpiresAt.Sub(now), time.Nanosecond)
+				out.attempt = [2]int32{d.Record.Generation, d.Record.Attempt}
 			}
 			return out, nil
 		}

@@ -32,6 +32,9 @@ type Store struct {
 	// (nil when batching is off).
 	begins    *coalescer[*beginReq]
 	completes *coalescer[*completeReq]
+	// held remembers keys whose Begins met another transaction's lock,
+	// which batches then leave to run on their own.
+	held heldKeys
 
 	// cache serves replays without a round trip (nil when off); stopPing
 	// ends its ping loop. clockOffset is the database clock minus the
@@ -283,6 +286,14 @@ func newToken() string {
 // refused with ErrIdentityTooLong. A new key takes one round trip (an INSERT …
 // ON CONFLICT DO NOTHING that also reads the existing row); a decision that
 // changes an existing record is taken again under its row lock.
+//
+// A key whose row another transaction is inserting or changing (a RunTx
+// running fn, for instance) delays only Begins of that key: they wait for
+// it within ctx, each on its own connection, while the Begins batched with
+// them go on. A Begin whose ctx has ended before its write is sent writes
+// nothing; one whose ctx ends while it waits for such a key does not
+// acquire it afterwards (after a cancel without a deadline, not later than
+// 500 ms after it).
 func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	if err := checkIdentity(p.ID); err != nil {
 		return nil, err
@@ -387,8 +398,21 @@ func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemac
 	return ev
 }
 
+// singleLockWait bounds each statement of a Begin on its own that waits on
+// another transaction's insert or change of its key (a RunTx running fn):
+// the wait goes on in statements of at most this, and of no more than what
+// is left of the caller's deadline, until the key is free or the caller's
+// context ends. The statement commits by itself and is never cancelled
+// (see commitTimeout), so these bounds are what keep a caller that gave up
+// from acquiring the key afterwards: past its deadline never, after a
+// cancel at most singleLockWait later.
+const singleLockWait = 500 * time.Millisecond
+
 // beginRead creates the key with ev's token, or reads its record: in a
-// batch with concurrent Begins when batching is on, else on its own.
+// batch with concurrent Begins when batching is on, else on its own. A
+// caller whose context has ended writes nothing: a queued request is
+// dropped before its batch's statement runs, and the statement on its own
+// does not start.
 func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	if s.begins != nil {
 		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
@@ -405,8 +429,29 @@ func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.E
 			return out.rec, out.inserted, out.now, out.found, out.err
 		}
 	}
-	rec, inserted, now, found, err = s.insertOrRead(ctx, p.ID, &ev)
-	return rec, inserted, now, found, classify(err)
+	for first := true; ; first = false {
+		// The first statement waits no longer than a batch would, so a
+		// held key is soon remembered (s.held) and later Begins of it
+		// leave their batches at once.
+		lockWait := singleLockWait
+		if first {
+			lockWait = batchLockWait
+		}
+		if dl, ok := ctx.Deadline(); ok {
+			lockWait = min(lockWait, time.Until(dl))
+		}
+		if err := ctx.Err(); err != nil || lockWait <= 0 {
+			if err == nil {
+				err = context.DeadlineExceeded
+			}
+			return rec, false, now, false, err
+		}
+		rec, inserted, now, found, err = s.insertOrRead(ctx, p.ID, &ev, lockWait)
+		if !isLockTimeout(err) {
+			return rec, inserted, now, found, classify(err)
+		}
+		s.held.mark(p.ID, time.Now())
+	}
 }
 
 // submitErr explains why a request could not be queued.

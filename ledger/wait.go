@@ -1,0 +1,206 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// waitMargin is kept free before a caller's deadline when it waits for a
+// held key, so that its answer (IN_PROGRESS, ErrInProgress) arrives before
+// the deadline does.
+const waitMargin = 50 * time.Millisecond
+
+// leaseSlack is added to a lease expiry a waiter wakes up at, so the lease
+// has surely run out when it looks again.
+const leaseSlack = 5 * time.Millisecond
+
+// While the store does not trust change notifications (WithoutNotifications,
+// a listener that fell behind or lost its connection), a waiter re-reads
+// the record on a backoff: pollFirst after its first read, doubling up to
+// pollMax. A holder that finishes quickly is seen quickly, and a long wait
+// costs about one read a second.
+const (
+	pollFirst = 50 * time.Millisecond
+	pollMax   = time.Second
+)
+
+// nextPoll returns the delay before the re-read that follows one waited
+// for prev (0 before the first wait).
+func nextPoll(prev time.Duration) time.Duration {
+	if prev <= 0 {
+		return pollFirst
+	}
+	return min(2*prev, pollMax)
+}
+
+// waitEnd is when a call that may wait up to wait for a held key gives up:
+// wait from now, but no later than waitMargin before ctx's deadline. The
+// result is not after now when the call must not wait.
+func waitEnd(ctx context.Context, now time.Time, wait time.Duration) time.Time {
+	end := now.Add(max(wait, 0))
+	if dl, ok := ctx.Deadline(); ok {
+		if byDeadline := dl.Add(-waitMargin); byDeadline.Before(end) {
+			end = byDeadline
+		}
+	}
+	return end
+}
+
+// holding is what one try of a waiting call found about the key.
+type holding struct {
+	// held: another attempt holds the key under a lease (IN_PROGRESS),
+	// so the call waits. Otherwise the try's answer stands (a record
+	// held UNKNOWN waits for an operator, not for an attempt, and is an
+	// answer too).
+	held bool
+	// leaseLeft is the holder's lease left as of the try (0: unknown).
+	leaseLeft time.Duration
+	// attempt is the holder's generation and attempt.
+	attempt [2]int32
+}
+
+// holdingOf is what a Begin's result says about the key.
+func holdingOf(res *Result) holding {
+	rec := res.Record
+	if res.Outcome != statemachine.OutcomeInProgress || rec.State == statemachine.StateUnknown {
+		return holding{}
+	}
+	h := holding{held: true, attempt: [2]int32{rec.Generation, rec.Attempt}}
+	if rec.State == statemachine.StateInProgress {
+		h.leaseLeft = max(rec.LeaseExpiresAt.Sub(res.Now), time.Nanosecond)
+	}
+	return h
+}
+
+// waitWhileHeld is the one wait for a held key, of a waiting Begin and of
+// RunTx. It calls try until try finds the key not held, or giveUp passes
+// (heldAtEnd: the last try found it held), or try or ctx fails. Between
+// tries it holds no row lock or connection: it wakes on every committed
+// change of the record id (Subscribe), at the holder's lease expiry, and,
+// while notifications are not trusted, on a poll backoff (nextPoll).
+//
+// Each attempt that holds the key is marked watched once (Watch), so that
+// the change that ends it is notified.
+//
+// A try that finds the database unavailable, after an earlier try found
+// the key held, does not end the wait: the call waits on what that try
+// found, and the outage is the answer only if it outlasts the wait. The
+// exception is ErrLostAcquisition: the caller's own acquisition, lapsed,
+// which waiting on could only take the key a second time. Callers make
+// their tries recognise their own acquisition (one lease token across all
+// tries), since a try whose answer was lost may have committed one.
+//
+// try's own answer is kept by the caller from its last successful call.
+func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time,
+	try func(context.Context) (holding, error),
+) (heldAtEnd bool, err error) {
+	changed, unsubscribe := s.Subscribe(id)
+	defer unsubscribe()
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	var last *holding
+	var poll time.Duration
+	var watched [2]int32 // generation and attempt last marked watched
+	for {
+		h, err := try(ctx)
+		fresh := err == nil
+		left := time.Until(giveUp)
+		if err != nil {
+			if last == nil || left <= 0 || !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrLostAcquisition) {
+				return false, err
+			}
+			h = *last
+		}
+		last = &h
+		if !h.held {
+			return false, nil
+		}
+		if left <= 0 {
+			return true, nil
+		}
+		sleep := left
+		if h.leaseLeft > 0 {
+			sleep = min(sleep, h.leaseLeft+leaseSlack)
+			// Only changes someone waits for are notified: say so, then
+			// read again if the attempt ended meanwhile. (With the
+			// database unreachable, wait on the last read, as above.)
+			// Each attempt is marked once: every re-read (a poll, a
+			// wake-up) would otherwise write the row again.
+			if fresh && h.attempt != watched {
+				held, err := s.Watch(ctx, id)
+				if err != nil && !errors.Is(err, ErrUnavailable) {
+					return false, err
+				}
+				if err == nil && !held {
+					continue
+				}
+				if err == nil {
+					watched = h.attempt
+				}
+			}
+		}
+		if s.notifier.polling() {
+			poll = nextPoll(poll)
+			sleep = min(sleep, poll)
+		}
+		sleep = max(sleep, 0)
+		if timer == nil {
+			timer = time.NewTimer(sleep)
+		} else {
+			timer.Reset(sleep) // no stale tick survives Reset (Go ≥ 1.23)
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
+}
+
+// BeginWait is Begin for a caller that, while another attempt holds the
+// key, waits for it (DESIGN: `wait` on Begin): up to wait, but no later than
+// 50 ms before ctx's deadline, without holding a row lock or a connection,
+// waking on every committed change of the record and at its lease expiry,
+// and then answers as Begin would. When the wait runs out with the key
+// still held, the answer is Begin's OutcomeInProgress; a record held
+// UNKNOWN is answered at once. A wait of 0 (or a deadline too close) is a
+// plain Begin.
+//
+// Its re-reads are Begins: one whose answer was lost (the database
+// unreachable after its commit) may have acquired the key. They all offer
+// one lease token (p.Event.NewToken, or a fresh one), so the next finds that
+// acquisition its own and answers it, instead of waiting for it to lapse
+// and taking the key a second time; if it has lapsed already, BeginWait
+// returns ErrLostAcquisition. A re-read that finds the database unavailable
+// does not end the wait; the outage is the answer only if it outlasts it.
+func (s *Store) BeginWait(ctx context.Context, p *BeginParams, wait time.Duration) (*Result, error) {
+	giveUp := waitEnd(ctx, time.Now(), wait)
+	if !time.Now().Before(giveUp) {
+		return s.Begin(ctx, p)
+	}
+	q := *p
+	if q.Event.NewToken == "" {
+		q.Event.NewToken = newToken()
+	}
+	var res *Result
+	_, err := s.waitWhileHeld(ctx, p.ID, giveUp, func(ctx context.Context) (holding, error) {
+		r, err := s.Begin(ctx, &q)
+		if err != nil {
+			return holding{}, err
+		}
+		res = r
+		return holdingOf(r), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return res, nil
+}
