@@ -23,7 +23,7 @@ const (
 // violations collects field violations of one request.
 type violations struct {
 	list   []*errdetails.BadRequest_FieldViolation
-	reason string
+	reason idempotencyv1.ErrorReason
 }
 
 func (v *violations) add(field, format string, args ...any) {
@@ -100,7 +100,7 @@ func checkResponse(v *violations, field string, r *idempotencyv1.StoredResponse,
 	}
 	if n := proto.Size(r); n > lim.MaxResponseBytes {
 		v.add(field, "stored response must be at most %d bytes, got %d", lim.MaxResponseBytes, n)
-		v.reason = ReasonResponseTooLarge
+		v.reason = idempotencyv1.ErrorReason_ERROR_REASON_RESPONSE_TOO_LARGE
 	}
 }
 
