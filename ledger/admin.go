@@ -12,14 +12,13 @@ import (
 )
 
 // effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
-// over a record row and clock.now: an IN_PROGRESS (1) record at or past its
-// lease reads UNKNOWN (6), a COMPLETED or FAILED_* (2, 3, 4) record at or
-// past expires_at reads EXPIRED (5). TestEffectiveStateSQL holds the two
-// together.
-const effectiveStateSQL = `CASE
-	WHEN state = 1 AND lease_expires_at <= clock.now THEN 6
-	WHEN state IN (2, 3, 4) AND expires_at <= clock.now THEN 5
-	ELSE state END`
+// over a record row and clock.now: an IN_PROGRESS record at or past its
+// lease reads UNKNOWN, a COMPLETED or FAILED_* record at or past expires_at
+// reads EXPIRED. TestEffectiveStateSQL holds the two together.
+var effectiveStateSQL = stateSQL(`CASE
+	WHEN state = {IN_PROGRESS} AND lease_expires_at <= clock.now THEN {UNKNOWN}
+	WHEN state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= clock.now THEN {EXPIRED}
+	ELSE state END`)
 
 // listColumns are recordColumns with the stored response left out
 // (has_response false, no body or metadata), so listing never reads bodies.

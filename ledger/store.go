@@ -484,14 +484,14 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 // statemachine.Next does for a Complete with the latest token) in one
 // statement; a COMPLETED generation is no longer uncertain. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
 // response columns $6-$12 as responseArgs returns them.
-var completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
-UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = $6, schema_version = $7,
+var completeHeldSQL = stateSQL(`WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = $6, schema_version = $7,
 	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
 	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM clock
-WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN (1, 6)
-RETURNING ` + recordColumns + `, clock.now`
+WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING ` + recordColumns + `, clock.now`)
 
 // completeHeld applies a Complete to a record its token holds, or returns
 // (nil, nil) when the record is not held by that token.
