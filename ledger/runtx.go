@@ -16,9 +16,6 @@ import (
 
 // Defaults and limits of RunTx.
 const (
-	// DefaultTenant is the tenant RunTx uses when Identity.Tenant is empty:
-	// the tenant of every gRPC caller of a coordinator with auth disabled.
-	DefaultTenant = "default"
 	// DefaultTxTTL is the retention of a RunTx result when TxOptions.TTL
 	// is 0.
 	DefaultTxTTL = 24 * time.Hour

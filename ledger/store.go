@@ -237,6 +237,10 @@ type Identity struct {
 	Key    string
 }
 
+// DefaultTenant is the tenant of every caller of a coordinator with auth
+// disabled, and the tenant RunTx uses when Identity.Tenant is empty.
+const DefaultTenant = "default"
+
 // BeginParams are the inputs of Begin. Event.Kind is set by Begin, and
 // Event.NewToken too unless the caller set one (NewLeaseToken): a caller
 // that repeats a Begin after a lost answer passes the same token again, so
