@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"time"
@@ -283,7 +284,7 @@ func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Recor
 		return d, err
 	})
 	rec, now := d.rec, d.now
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, statemachine.ErrNotFound
 	}
 	if err != nil {

@@ -358,6 +358,6 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 	}
 	for _, r := range live {
 		d := done[r.id]
-		r.out <- completeRes{res: d.res, err: d.err}
+		r.out <- completeRes(d)
 	}
 }

@@ -227,7 +227,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
 		id.Tenant, id.Scope, id.Key, s.now())
 	cur, now, err := s.scanRecordNow(row, id)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return out, false, nil
 	}
 	if err != nil {
@@ -328,7 +328,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
 			id.Tenant, id.Scope, id.Key, s.now())
 		cur, now, err := s.scanRecordNow(row, id)
-		if err == pgx.ErrNoRows {
+		if errors.Is(err, pgx.ErrNoRows) {
 			return runTxResult{vanished: true}, nil
 		}
 		if err != nil {

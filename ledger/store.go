@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -330,7 +331,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		return nil, err
 	}
 	if s.clock == nil {
-		s.clockOffset.Store(int64(now.Sub(time.Now())))
+		s.clockOffset.Store(int64(time.Until(now)))
 	}
 	if found && !inserted && rec.LeaseToken == ev.NewToken {
 		// This Begin's own acquisition (tokens are unique), committed by a
@@ -532,7 +533,7 @@ func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, 
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
 	return detached(ctx, func(cctx context.Context) (*Result, error) {
 		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
-		if err == pgx.ErrNoRows {
+		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, nil
 		}
 		if err != nil {
@@ -548,7 +549,7 @@ func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, t
 		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
 		id.Tenant, id.Scope, id.Key, s.now())
 	rec, now, err := s.scanRecordNow(row, id)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
 	if err != nil {
@@ -589,7 +590,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		cur, now, err := s.scanRecordNow(row, id)
 		var curp *statemachine.Record
 		switch {
-		case err == pgx.ErrNoRows:
+		case errors.Is(err, pgx.ErrNoRows):
 			if now, err = s.txNow(ctx, tx); err != nil {
 				return err
 			}
