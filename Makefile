@@ -5,6 +5,7 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.5.1
 GRPCURL_VERSION            := v1.9.3
 GHZ_VERSION                := v0.121.0
 TOXIPROXY_VERSION          := v2.5.0
+GOLANGCI_LINT_VERSION      := v2.15.0
 
 BIN    := $(CURDIR)/bin
 export PATH := $(BIN):$(PATH)
@@ -92,11 +93,12 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzAuthenticate$$'
 	go test ./clients $(FUZZFLAGS) -fuzztime $(FUZZ_PARSE) -fuzz '^FuzzParseIdempotencyKey$$'
 
-## lint: gofmt, go vet, buf lint, generated code up to date
+## lint: gofmt, go vet, golangci-lint (.golangci.yml: staticcheck, errorlint, ...), buf lint, generated code up to date
 lint: tools check-generated
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/') 2>&1); \
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	go vet $(GO_PACKAGES)
+	$(BIN)/golangci-lint run $(GO_PACKAGES)
 	$(BIN)/buf lint
 
 # The Node and Python client libraries load the API at run time from a
@@ -124,7 +126,7 @@ check-generated: tools
 
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
-       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION)
+       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)
 
 $(BIN)/.buf-$(BUF_VERSION):
 	GOBIN=$(BIN) go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
@@ -134,6 +136,9 @@ $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION):
 	@touch $@
 $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION):
 	GOBIN=$(BIN) go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	@touch $@
+$(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION):
+	GOBIN=$(BIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	@touch $@
 $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 	GOBIN=$(BIN) go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)

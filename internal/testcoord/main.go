@@ -104,10 +104,10 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 	defer func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case <-exited:
+		case <-exited: //nolint:errcheck // after SIGTERM the exit status is an error by design
 		case <-time.After(30 * time.Second):
 			_ = cmd.Process.Kill()
-			<-exited
+			<-exited //nolint:errcheck // killed: the exit status is an error by design
 		}
 	}()
 	if err := waitReady(ctx, httpAddr, exited); err != nil {
