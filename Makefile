@@ -13,9 +13,15 @@ export GOTOOLCHAIN := local
 
 GO_PACKAGES := ./...
 
-.PHONY: all run test lint generate check-generated tools build bench clean-data
+.PHONY: all help run test lint generate check-generated tools build bench clean-data
 
 all: test
+
+## help: list the targets and what each does (these `## target:` comments)
+help:
+	@awk '/^## [A-Za-z0-9_-]+:/ { line = substr($$0, 4); name = line; sub(/:.*/, "", name); sub(/^[^:]*: */, "", line); \
+	    printf "  %-22s %s\n", name, line; next } \
+	  /^## / { printf "  %-22s %s\n", "", substr($$0, 4) }' $(MAKEFILE_LIST)
 
 ## run: start the coordinator on 127.0.0.1:50051 (with a local PostgreSQL under .data/ unless DATABASE_URL is set)
 run: build
