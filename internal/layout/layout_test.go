@@ -62,13 +62,13 @@ var layout = map[string]rule{
 	"bench": {own: []string{"gen", "ledger", "internal/pgtest"}},
 	"chaos": {own: []string{}}, // tests only
 	// Test helpers.
-	"internal/pgtest":    {},
-	"internal/coordtest": {own: []string{"internal/pgtest", "ledger", "server"}},
-	"internal/testcoord": {own: []string{"internal/pgtest"}},
-	"internal/crashfs":   {},
-	"internal/doccheck":  {stdOnly: true}, // tests only
-	"internal/errorinfo": {own: []string{"gen"}, third: []string{"google.golang.org/genproto/googleapis/rpc/errdetails"}},
-	"internal/layout":    {stdOnly: true}, // tests only
+	"internal/pgtest":                    {},
+	"internal/coordtest":                 {own: []string{"internal/pgtest", "ledger", "server"}},
+	"internal/cmd/throwaway-coordinator": {own: []string{"internal/pgtest"}},
+	"internal/crashfs":                   {},
+	"internal/doccheck":                  {stdOnly: true}, // tests only
+	"internal/errorinfo":                 {own: []string{"gen"}, third: []string{"google.golang.org/genproto/googleapis/rpc/errdetails"}},
+	"internal/layout":                    {stdOnly: true}, // tests only
 }
 
 // TestImports parses the imports of every non-test Go file of the module
