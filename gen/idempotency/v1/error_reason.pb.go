@@ -50,8 +50,8 @@ const (
 	ErrorReason_ERROR_REASON_ATTEMPTS_EXHAUSTED ErrorReason = 6
 	// INVALID_ARGUMENT: the stored response is larger than the limit.
 	ErrorReason_ERROR_REASON_RESPONSE_TOO_LARGE ErrorReason = 7
-	// FAILED_PRECONDITION: Admin.Resolve found a record that does not read
-	// STATE_UNKNOWN.
+	// FAILED_PRECONDITION: Admin.Resolve found a record that needs no
+	// decision: neither UNKNOWN nor an uncertain FAILED_RETRYABLE.
 	ErrorReason_ERROR_REASON_NOT_UNKNOWN ErrorReason = 8
 	// DATA_LOSS: the stored record cannot be opened (a key no longer
 	// configured, a row altered in the table, or a row in clear where
