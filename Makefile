@@ -122,11 +122,15 @@ deploy-check: $(BIN)/.helm-$(HELM_VERSION) build
 ## helm: install only the pinned helm into ./bin (built from tools/helm)
 .PHONY: helm
 helm: $(BIN)/.helm-$(HELM_VERSION)
+# The ldflags are those of helm's own release build: its version, and the Kubernetes version
+# (that of its client-go, v0.34) that `helm template` and `helm lint` assume without --kube-version.
+HELM_LDFLAGS := -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION) \
+  -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=34 \
+  -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=34
 $(BIN)/.helm-$(HELM_VERSION): tools/helm/go.mod
-	@grep -q '^require helm.sh/helm/v3 $(HELM_VERSION)$$' tools/helm/go.mod || \
+	@grep -Fqw 'helm.sh/helm/v3 $(HELM_VERSION)' tools/helm/go.mod || \
 	  { echo "tools/helm/go.mod does not require helm.sh/helm/v3 $(HELM_VERSION)"; exit 1; }
-	cd tools/helm && GOBIN=$(BIN) go install \
-	  -ldflags "-X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION)" helm.sh/helm/v3/cmd/helm
+	cd tools/helm && GOBIN=$(BIN) go install -ldflags "$(HELM_LDFLAGS)" helm.sh/helm/v3/cmd/helm
 	@touch $@
 
 ## lint: gofmt, go vet, buf lint, generated code up to date

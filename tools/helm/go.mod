@@ -2,7 +2,7 @@ module github.com/idemcoord/idemcoord/tools/helm
 
 go 1.26.0
 
-require helm.sh/helm/v3 v3.19.0
+require helm.sh/helm/v3 v3.19.0 // indirect
 
 require (
 	dario.cat/mergo v1.0.1 // indirect
@@ -121,3 +121,5 @@ require (
 	sigs.k8s.io/structured-merge-diff/v6 v6.3.0 // indirect
 	sigs.k8s.io/yaml v1.6.0 // indirect
 )
+
+tool helm.sh/helm/v3/cmd/helm
