@@ -332,6 +332,8 @@ func (s *Server) reapPass(ctx context.Context) (more bool, err error) {
 		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention})
 	s.metrics.observeReap(res)
 	if err == nil && !res.More {
+		// Wall-clock time, not the server's clock: Prometheus compares it
+		// with its own time().
 		s.metrics.reaperCaughtUp.SetToCurrentTime()
 	}
 	if res.Unknown+res.Expired+res.Deleted+res.Archived > 0 {
