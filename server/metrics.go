@@ -35,6 +35,7 @@ type metrics struct {
 	archived     *prometheus.CounterVec
 
 	reloadFailures prometheus.Counter
+	reaperCaughtUp prometheus.Gauge
 
 	scopes scopeLabels
 }
@@ -90,12 +91,14 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
 		reloadFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "idempotency_config_reload_failures_total",
 			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
+		reaperCaughtUp: prometheus.NewGauge(prometheus.GaugeOpts{Name: "idempotency_reaper_caught_up_timestamp_seconds",
+			Help: "Unix time at which this replica's reaper last finished a pass without error and with no work left (0: not yet)."}),
 		archived: counter("idempotency_archived_total",
 			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures, m.reaperCaughtUp,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
@@ -153,6 +156,19 @@ func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
 	case err == nil && res.EnteredUnknown:
 		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
+}
+
+// registerReady exports ready (the answer of gRPC health and /readyz) as
+// idempotency_database_reachable.
+func (m *metrics) registerReady(ready func() bool) {
+	m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_database_reachable",
+		Help: "1 while the latest health check reached the database (gRPC health SERVING, /readyz 200), else 0."},
+		func() float64 {
+			if ready() {
+				return 1
+			}
+			return 0
+		}))
 }
 
 // observeReap counts the leases a reaper pass found lapsed and the records

@@ -196,6 +196,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
+	s.metrics.registerReady(s.Ready)
 	if s.api, err = newAPIHandler(s.grpc, uint32(o.httpMaxBody)); err != nil {
 		return nil, err
 	}
@@ -330,6 +331,11 @@ func (s *Server) reapPass(ctx context.Context) (more bool, err error) {
 	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention,
 		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention})
 	s.metrics.observeReap(res)
+	if err == nil && !res.More {
+		// Wall-clock time, not the server's clock: Prometheus compares it
+		// with its own time().
+		s.metrics.reaperCaughtUp.SetToCurrentTime()
+	}
 	if res.Unknown+res.Expired+res.Deleted+res.Archived > 0 {
 		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted,
 			"archived", res.Archived, "more", res.More)
