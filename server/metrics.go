@@ -33,6 +33,9 @@ type metrics struct {
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
 	archived     *prometheus.CounterVec
+	// archivePruned counts archived records deleted after
+	// reaper.archive_retention.
+	archivePruned *prometheus.CounterVec
 
 	reloadFailures prometheus.Counter
 
@@ -92,10 +95,12 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
 		archived: counter("idempotency_archived_total",
 			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
+		archivePruned: counter("idempotency_archive_pruned_total",
+			"Archived records the reaper deleted for good after reaper.archive_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.archivePruned, m.reloadFailures,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
@@ -155,14 +160,17 @@ func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
 	}
 }
 
-// observeReap counts the leases a reaper pass found lapsed and the records
-// it archived.
+// observeReap counts the leases a reaper pass found lapsed, the records it
+// archived and the archived records it deleted.
 func (m *metrics) observeReap(res ledger.ReapResult) {
 	for _, scope := range res.UnknownScopes {
 		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
 	for _, scope := range res.ArchivedScopes {
 		m.archived.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+	for _, scope := range res.ArchivePrunedScopes {
+		m.archivePruned.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
 }
 
