@@ -135,6 +135,9 @@ func TestBrowserResolvesUnknown(t *testing.T) {
 	}
 	if docs != "" {
 		screenshot(t, ctx, filepath.Join(docs, "console-dashboard.png"))
+	} else if got := text(t, ctx, "#chart-collecting"); !strings.HasPrefix(got, "Collecting:") {
+		// No counter samples yet: the chart says so, visibly.
+		t.Fatalf("activity chart before any samples: %q", got)
 	}
 	step(t, ctx, "list the records that need a decision",
 		chromedp.Click(chromedp.CSS(`nav a[href="/console/records?uncertain=1"]`)),

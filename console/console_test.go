@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/metadata"
 
@@ -37,8 +38,17 @@ func TestOperatorResolvesUnknown(t *testing.T) {
 	}
 	r = b.get("/console/")
 	if r.code != http.StatusOK || !strings.Contains(r.body, `id="tenant">ops<`) || !strings.Contains(r.body, chargeScope) ||
-		!strings.Contains(r.body, "<svg") {
-		t.Fatalf("dashboard: %d %s", r.code, r.body)
+		!strings.Contains(r.body, `id="chart-collecting" role="status">Collecting:`) || strings.Contains(r.body, "<polyline") {
+		t.Fatalf("dashboard before any counter samples: %d %s", r.code, r.body)
+	}
+	// Once the counters have two intervals, the chart draws instead.
+	now := time.Now()
+	for i := range 3 {
+		console.SampleAt(e.console, now.Add(time.Duration(i-3)*time.Minute))
+	}
+	r = b.get("/console/")
+	if r.code != http.StatusOK || strings.Contains(r.body, "chart-collecting") || !strings.Contains(r.body, "<polyline") {
+		t.Fatalf("dashboard with three samples: %d %s", r.code, r.body)
 	}
 	r = b.get("/console/records?state=unknown")
 	if r.code != http.StatusOK || !strings.Contains(r.body, "order-42") {
