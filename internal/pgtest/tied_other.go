@@ -21,3 +21,9 @@ func startTied(cmd *exec.Cmd, _ syscall.Signal) (<-chan struct{}, error) {
 	}()
 	return done, nil
 }
+
+// StartTied starts cmd; without Linux's parent-death signal it does not end
+// with this process. release is ignored.
+func StartTied(cmd *exec.Cmd, _ syscall.Signal, _ <-chan struct{}) error {
+	return cmd.Start()
+}

@@ -15,8 +15,9 @@ import (
 )
 
 // tiedHelperEnv makes the test binary a helper for TestChildrenEndWithTestBinary
-// (see TestMain): it starts a cluster and a PgBouncer in front of it, prints
-// the cluster's directory, and waits to be killed.
+// (see TestMain): it starts a cluster, a PgBouncer in front of it and a
+// long sleep through StartTied (as coordtest.StartTied starts coordinator
+// binaries), prints the cluster's directory, and waits to be killed.
 const tiedHelperEnv = "PGTEST_TIED_HELPER"
 
 // helperTB is the testing.TB that the helper hands StartPgBouncer: Skip and
@@ -55,12 +56,17 @@ func runTiedHelper() int {
 		fmt.Fprintln(os.Stderr, tb.msg)
 		return 1
 	}
+	if err := StartTied(exec.Command("sleep", "1000"), syscall.SIGKILL, make(chan struct{})); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
 	fmt.Printf("root %s\npgbouncer %v\n", c.root, tb.msg == "")
 	select {} // until killed
 }
 
 // TestChildrenEndWithTestBinary: the processes pgtest starts (a cluster's
-// postmaster and its server processes, a PgBouncer) end within a few
+// postmaster and its server processes, a PgBouncer, any StartTied process)
+// end within a few
 // seconds of the test binary that started them being killed with SIGKILL,
 // which leaves it no chance to clean up, and the cluster's files go too.
 func TestChildrenEndWithTestBinary(t *testing.T) {
@@ -99,7 +105,7 @@ func TestChildrenEndWithTestBinary(t *testing.T) {
 	for _, pid := range children {
 		names[pid] = command(pid)
 	}
-	want := []string{"postgres"}
+	want := []string{"postgres", "sleep"}
 	if report["pgbouncer"] == "true" {
 		want = append(want, "pgbouncer")
 	}
