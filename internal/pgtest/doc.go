@@ -25,7 +25,9 @@
 // cleaning up, a watchdog process also stops its clusters (where there is
 // no parent-death signal) and deletes their files. When the process runs as
 // root, the server programs run as the "postgres" system user, switched to
-// as they start.
+// as they start. StartTied ties a process a test starts itself (a
+// coordinator binary, through coordtest.StartTied) to the test binary the
+// same way.
 //
 // pgtest is imported by tests and by the benchmark driver (bench/, through
 // Launch, for a durable cluster). It imports pgx and the standard library,
