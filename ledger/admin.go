@@ -40,6 +40,11 @@ type ListParams struct {
 	// State keeps only records whose state in effect now is this one;
 	// StateNone keeps all.
 	State statemachine.State
+	// NeedsDecision keeps only records that need an operator's decision
+	// (see statemachine.Record.NeedsDecision): UNKNOWN in effect now (a
+	// lapsed IN_PROGRESS lease included) and uncertain FAILED_RETRYABLE.
+	// It combines with State.
+	NeedsDecision bool
 	// ScopeGlob keeps only records whose scope matches it (`*` matches any
 	// run of bytes, every other byte itself); empty keeps all.
 	ScopeGlob string
@@ -99,6 +104,9 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 	}
 	if p.State != statemachine.StateNone {
 		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
+	}
+	if p.NeedsDecision {
+		where.WriteString(" AND (" + effectiveStateSQL + " = 6 OR (" + effectiveStateSQL + " = 3 AND uncertain))")
 	}
 	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
 		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))

@@ -33,6 +33,9 @@ type metrics struct {
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
 	archived     *prometheus.CounterVec
+	// archivePruned counts archived records deleted after
+	// reaper.archive_retention.
+	archivePruned *prometheus.CounterVec
 
 	reloadFailures prometheus.Counter
 	reaperCaughtUp prometheus.Gauge
@@ -95,10 +98,12 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			Help: "Unix time at which this replica's reaper last finished a pass without error and with no work left (0: not yet)."}),
 		archived: counter("idempotency_archived_total",
 			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
+		archivePruned: counter("idempotency_archive_pruned_total",
+			"Archived records the reaper deleted for good after reaper.archive_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures, m.reaperCaughtUp,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.archivePruned, m.reloadFailures, m.reaperCaughtUp,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
@@ -179,6 +184,9 @@ func (m *metrics) observeReap(res ledger.ReapResult) {
 	}
 	for _, scope := range res.ArchivedScopes {
 		m.archived.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+	for _, scope := range res.ArchivePrunedScopes {
+		m.archivePruned.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
 }
 
