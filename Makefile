@@ -6,6 +6,9 @@ GRPCURL_VERSION            := v1.9.3
 GHZ_VERSION                := v0.121.0
 TOXIPROXY_VERSION          := v2.5.0
 GOLANGCI_LINT_VERSION      := v2.15.0
+# helm is built from tools/helm, a module of its own (its dependencies stay out of go.mod);
+# HELM_VERSION must be the version tools/helm/go.mod requires.
+HELM_VERSION               := v3.19.0
 
 BIN    := $(CURDIR)/bin
 export PATH := $(BIN):$(PATH)
@@ -47,7 +50,7 @@ build:
 ## test: lint, check generated code, check the docs, run every test with the race detector; tests' artifacts
 ## (the console's browser screenshot) land under .artifacts/_artifacts/
 ARTIFACTS := $(CURDIR)/.artifacts
-test: lint check-docs
+test: lint check-docs deploy-check
 	@mkdir -p $(ARTIFACTS)
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 
@@ -99,6 +102,44 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzAuthenticate$$'
 	go test ./clients $(FUZZFLAGS) -fuzztime $(FUZZ_PARSE) -fuzz '^FuzzParseIdempotencyKey$$'
 
+## image: build the OCI image idemcoord:$(VERSION) with buildah, from scratch (static binary, UID 65532,
+## CA certificates, OCI labels; no registry needed), then inspect it (deploy/image_test.go)
+VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+COMMIT        ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+BUILDAH_FLAGS ?= --storage-driver vfs
+export BUILDAH_FLAGS
+.PHONY: image
+image:
+	VERSION=$(VERSION) COMMIT=$(COMMIT) scripts/build-image.sh
+	IDEMCOORD_IMAGE=idemcoord:$(VERSION) IDEMCOORD_IMAGE_VERSION=$(VERSION) IDEMCOORD_IMAGE_COMMIT=$(COMMIT) \
+	  go test -count=1 -run '^TestImage$$' ./deploy/
+
+## deploy-check: lint the Helm chart with the pinned helm (every value set of deploy/testdata/helm), then
+## render it and check it against the binary's flags, run promtool on the alerts and their tests, and check
+## that alerts and dashboard name only exported metrics (go test ./deploy/)
+.PHONY: deploy-check
+deploy-check: $(BIN)/.helm-$(HELM_VERSION) build
+	@command -v promtool >/dev/null || { echo "deploy-check: no promtool (Debian: apt-get install prometheus)"; exit 1; }
+	@for f in deploy/testdata/helm/*.yaml; do \
+	  $(BIN)/helm lint --quiet --strict --kube-version 1.31.0 deploy/helm/idemcoord -f $$f >/dev/null || \
+	    { $(BIN)/helm lint --strict --kube-version 1.31.0 deploy/helm/idemcoord -f $$f; exit 1; }; \
+	done
+	HELM=$(BIN)/helm IDEMCOORD_BIN=$(BIN)/idemcoord go test -count=1 ./deploy/
+
+## helm: install only the pinned helm into ./bin (built from tools/helm)
+.PHONY: helm
+helm: $(BIN)/.helm-$(HELM_VERSION)
+# The ldflags are those of helm's own release build: its version, and the Kubernetes version
+# (that of its client-go, v0.34) that `helm template` and `helm lint` assume without --kube-version.
+HELM_LDFLAGS := -X helm.sh/helm/v3/internal/version.version=$(HELM_VERSION) \
+  -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=34 \
+  -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=34
+$(BIN)/.helm-$(HELM_VERSION): tools/helm/go.mod
+	@grep -Fqw 'helm.sh/helm/v3 $(HELM_VERSION)' tools/helm/go.mod || \
+	  { echo "tools/helm/go.mod does not require helm.sh/helm/v3 $(HELM_VERSION)"; exit 1; }
+	cd tools/helm && GOBIN=$(BIN) go install -ldflags "$(HELM_LDFLAGS)" helm.sh/helm/v3/cmd/helm
+	@touch $@
+
 ## lint: gofmt, go vet, golangci-lint (.golangci.yml: staticcheck, errorlint, ...), buf lint, generated code up to date
 lint: tools check-generated
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/') 2>&1); \
@@ -132,7 +173,7 @@ check-generated: tools
 
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
-       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)
+       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.helm-$(HELM_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)
 
 $(BIN)/.buf-$(BUF_VERSION):
 	GOBIN=$(BIN) go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)

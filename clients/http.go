@@ -111,6 +111,7 @@ type httpOptions struct {
 	requireKey    bool
 	failOpen      bool
 	principal     HTTPPrincipalFunc
+	principalSet  bool // WithHTTPPrincipal or WithoutHTTPPrincipal was given
 	methods       map[string]bool
 	fingerprint   HTTPFingerprintFunc
 	replayHeaders []string // canonical names, Content-Type handled apart
@@ -160,8 +161,21 @@ func WithHTTPFailOpen() HTTPOption {
 // send the same key never share a record. Install the middleware after the
 // authentication that f relies on. An error from f answers 400. The folded
 // key must stay within 255 bytes, so keys are then at most 211 bytes.
+//
+// Whom a key belongs to is a decision, not a default: HTTPMiddleware logs a
+// warning through its Client's logger when it is built with neither
+// WithHTTPPrincipal nor WithoutHTTPPrincipal.
 func WithHTTPPrincipal(f HTTPPrincipalFunc) HTTPOption {
-	return func(o *httpOptions) { o.principal = f }
+	return func(o *httpOptions) { o.principal, o.principalSet = f, true }
+}
+
+// WithoutHTTPPrincipal says on purpose that keys are not per end user:
+// every request with the same Idempotency-Key (and request) shares one
+// record, whoever sends it (a service with one caller, or keys already
+// unique per user). It is the explicit opposite of WithHTTPPrincipal and
+// silences the warning HTTPMiddleware logs when neither is given.
+func WithoutHTTPPrincipal() HTTPOption {
+	return func(o *httpOptions) { o.principal, o.principalSet = nil, true }
 }
 
 // WithHTTPMethods sets the HTTP methods the middleware guards (default
@@ -323,6 +337,9 @@ func HTTPMiddleware(c *Client, opts ...HTTPOption) func(http.Handler) http.Handl
 	o := defaultHTTPOptions()
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if !o.principalSet {
+		c.warnUndecidedPrincipal("HTTPMiddleware", "WithHTTPPrincipal", "WithoutHTTPPrincipal")
 	}
 	return func(next http.Handler) http.Handler {
 		return &httpMiddleware{c: c, o: o, next: next}

@@ -28,7 +28,9 @@ func ExampleHTTPMiddleware() {
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, "project prj_%d\n", projects)
 	})
-	srv := httptest.NewServer(clients.HTTPMiddleware(idem)(mux))
+	// One client and no end users here: keys are shared on purpose. A service
+	// with users folds each one into its keys with WithHTTPPrincipal.
+	srv := httptest.NewServer(clients.HTTPMiddleware(idem, clients.WithoutHTTPPrincipal())(mux))
 	defer srv.Close()
 
 	// A client retries the same request with the same key.

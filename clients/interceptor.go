@@ -108,9 +108,7 @@ func UnaryServerInterceptor(c *Client, opts ...InterceptorOption) grpc.UnaryServ
 		opt(&ic.o)
 	}
 	if !ic.o.principalSet {
-		c.logger.Warn("idempotency: UnaryServerInterceptor built without WithPrincipal or WithoutPrincipal: " +
-			"two end users who send the same idempotency key and request share one record; " +
-			"fold the end user in with WithPrincipal, or say WithoutPrincipal")
+		c.warnUndecidedPrincipal("UnaryServerInterceptor", "WithPrincipal", "WithoutPrincipal")
 	}
 	return ic.intercept
 }

@@ -281,3 +281,13 @@ func defaultFailureKinds() map[codes.Code]idempotencyv1.FailureKind {
 		codes.AlreadyExists: replayable, codes.OutOfRange: replayable,
 	}
 }
+
+// warnUndecidedPrincipal logs, through c's logger, that guard (the
+// interceptor or the HTTP middleware) was built without deciding whom keys
+// belong to: with neither the option with, which folds the end user into
+// every key, nor without, which says on purpose that keys are shared.
+func (c *Client) warnUndecidedPrincipal(guard, with, without string) {
+	c.logger.Warn("idempotency: " + guard + " built without " + with + " or " + without + ": " +
+		"two end users who send the same idempotency key and request share one record; " +
+		"fold the end user in with " + with + ", or say " + without)
+}

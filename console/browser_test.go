@@ -135,12 +135,15 @@ func TestBrowserResolvesUnknown(t *testing.T) {
 	}
 	if docs != "" {
 		screenshot(t, ctx, filepath.Join(docs, "console-dashboard.png"))
+	} else if got := text(t, ctx, "#chart-collecting"); !strings.HasPrefix(got, "Collecting:") {
+		// No counter samples yet: the chart says so, visibly.
+		t.Fatalf("activity chart before any samples: %q", got)
 	}
-	step(t, ctx, "list UNKNOWN records",
-		chromedp.Click(chromedp.CSS(`nav a[href="/console/records?state=unknown"]`)),
+	step(t, ctx, "list the records that need a decision",
+		chromedp.Click(chromedp.CSS(`nav a[href="/console/records?uncertain=1"]`)),
 		chromedp.WaitVisible(chromedp.ID("records")))
 	if list := text(t, ctx, "#records"); !strings.Contains(list, key) || !strings.Contains(list, chargeScope) {
-		t.Fatalf("the UNKNOWN list does not show %s: %s", key, list)
+		t.Fatalf("the decision list does not show %s: %s", key, list)
 	}
 	step(t, ctx, "open the record",
 		chromedp.Click(chromedp.Search(`//table[@id="records"]//a[normalize-space(.)="`+key+`"]`)),

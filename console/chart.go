@@ -60,10 +60,19 @@ type chart struct {
 	Intervals                        int
 	Every                            time.Duration
 	Since                            string
+	// Collecting reports that there are too few intervals to draw a line
+	// (a line needs two points): the dashboard says it is collecting, and
+	// from when it will have a line (ReadyAt), instead of an empty box.
+	Collecting bool
+	ReadyAt    string
 }
 
-// chart draws the samples so far; with fewer than two samples it has no
-// lines yet but still says so.
+// chartMinIntervals is how many intervals the chart needs before it draws:
+// two points make the first line.
+const chartMinIntervals = 2
+
+// chart draws the samples so far; with fewer than chartMinIntervals
+// intervals it has no lines yet and says it is collecting.
 func (r *ring) chart(every time.Duration) *chart {
 	r.mu.Lock()
 	samples := append([]sample(nil), r.samples...)
@@ -89,8 +98,10 @@ func (r *ring) chart(every time.Duration) *chart {
 	}
 	if len(samples) > 0 {
 		ch.Since = samples[0].at.UTC().Format("15:04 MST")
+		ch.ReadyAt = samples[0].at.Add(chartMinIntervals * every).UTC().Format("15:04 MST")
 	}
 	ch.Intervals = max(len(samples)-1, 0)
+	ch.Collecting = ch.Intervals < chartMinIntervals
 	scale := max(ch.Max, 1)
 	step := float64(chartWidth-chartLeft) / float64(chartBuckets-1)
 	for i, d := range defs {

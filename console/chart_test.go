@@ -6,6 +6,27 @@ import (
 	"time"
 )
 
+// TestChartCollecting: until the counters have two intervals (a line needs
+// two points) the chart says it is collecting and when it will draw,
+// instead of drawing an empty box.
+func TestChartCollecting(t *testing.T) {
+	r := newRing(chartBuckets + 1)
+	start := time.Date(2026, 1, 2, 3, 4, 0, 0, time.UTC)
+	if ch := r.chart(time.Minute); !ch.Collecting || ch.Since != "" {
+		t.Fatalf("no samples: %+v", ch)
+	}
+	for i := range 2 {
+		r.add(start.Add(time.Duration(i)*time.Minute), Counters{Acquired: float64(i)})
+		if ch := r.chart(time.Minute); !ch.Collecting || ch.Since != "03:04 UTC" || ch.ReadyAt != "03:06 UTC" {
+			t.Fatalf("%d samples: collecting %v since %q ready at %q", i+1, ch.Collecting, ch.Since, ch.ReadyAt)
+		}
+	}
+	r.add(start.Add(2*time.Minute), Counters{Acquired: 5})
+	if ch := r.chart(time.Minute); ch.Collecting || len(strings.Fields(ch.Series[0].Points)) != 2 {
+		t.Fatalf("3 samples: collecting %v, points %q", ch.Collecting, ch.Series[0].Points)
+	}
+}
+
 // TestChartRing draws per-interval increases of the counters, newest at the
 // right edge, and keeps only the last hour of samples.
 func TestChartRing(t *testing.T) {

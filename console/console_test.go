@@ -2,7 +2,9 @@ package console_test
 
 import (
 	"bytes"
+	"context"
 	"crypto/tls"
+	"fmt"
 	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
@@ -10,6 +12,9 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
+
+	"google.golang.org/grpc/metadata"
 
 	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -33,8 +38,17 @@ func TestOperatorResolvesUnknown(t *testing.T) {
 	}
 	r = b.get("/console/")
 	if r.code != http.StatusOK || !strings.Contains(r.body, `id="tenant">ops<`) || !strings.Contains(r.body, chargeScope) ||
-		!strings.Contains(r.body, "<svg") {
-		t.Fatalf("dashboard: %d %s", r.code, r.body)
+		!strings.Contains(r.body, `id="chart-collecting" role="status">Collecting:`) || strings.Contains(r.body, "<polyline") {
+		t.Fatalf("dashboard before any counter samples: %d %s", r.code, r.body)
+	}
+	// Once the counters have two intervals, the chart draws instead.
+	now := time.Now()
+	for i := range 3 {
+		console.SampleAt(e.console, now.Add(time.Duration(i-3)*time.Minute))
+	}
+	r = b.get("/console/")
+	if r.code != http.StatusOK || strings.Contains(r.body, "chart-collecting") || !strings.Contains(r.body, "<polyline") {
+		t.Fatalf("dashboard with three samples: %d %s", r.code, r.body)
 	}
 	r = b.get("/console/records?state=unknown")
 	if r.code != http.StatusOK || !strings.Contains(r.body, "order-42") {
@@ -336,6 +350,66 @@ func TestListFiltersAndPaging(t *testing.T) {
 	}
 	if r := b.get("/console/records?scope=" + url.QueryEscape("a\x01")); r.code != http.StatusBadRequest {
 		t.Errorf("control character in the glob: %d", r.code)
+	}
+}
+
+// TestDecisionList: the navigation's "Needs a decision" list shows the
+// records that need an operator's decision through the API's uncertain
+// filter: an UNKNOWN record and an uncertain FAILED_RETRYABLE one (marked
+// uncertain), not a COMPLETED one; it pages with the filter kept.
+func TestDecisionList(t *testing.T) {
+	t.Parallel()
+	e := newConsoleEnv(t, false)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+opsToken)
+	end := func(key string, fail idempotencyv1.FailureKind) {
+		t.Helper()
+		b, err := e.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "s", Key: key})
+		if err == nil && fail == idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED {
+			_, err = e.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken()})
+		} else if err == nil {
+			_, err = e.client.Fail(ctx, &idempotencyv1.FailRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken(), Kind: fail})
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.unknownRecord(opsToken, "s", "lapsed")
+	end("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN)
+	end("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE)
+	end("completed", idempotencyv1.FailureKind_FAILURE_KIND_UNSPECIFIED)
+	b := e.browser()
+	b.login(opsToken)
+
+	r := b.get("/console/")
+	if !strings.Contains(r.body, `<a href="/console/records?uncertain=1"`) {
+		t.Fatalf("no link to the decision list: %s", r.body)
+	}
+	r = b.get("/console/records?uncertain=1")
+	if r.code != http.StatusOK || !strings.Contains(r.body, "<code>lapsed</code>") || !strings.Contains(r.body, "<code>uncertain-retryable</code>") ||
+		strings.Contains(r.body, "<code>completed</code>") || !strings.Contains(r.body, `<span class="uncertain">uncertain</span>`) ||
+		!strings.Contains(r.body, `id="filter-uncertain" checked`) || !strings.Contains(r.body, "need a decision") {
+		t.Fatalf("decision list: %d %s", r.code, r.body)
+	}
+	if r := b.get("/console/records?uncertain=1&state=failed_retryable"); strings.Contains(r.body, "<code>lapsed</code>") ||
+		!strings.Contains(r.body, "<code>uncertain-retryable</code>") {
+		t.Fatalf("decision list of failed_retryable records: %d %s", r.code, r.body)
+	}
+	for i := range 60 {
+		e.unknownRecord(opsToken, "t", fmt.Sprintf("k%02d", i))
+	}
+	r = b.get("/console/records?uncertain=1")
+	m := nextLink.FindStringSubmatch(r.body)
+	if m == nil || !strings.Contains(m[1], "uncertain=1") {
+		t.Fatalf("the next page of the decision list loses the filter: %v", m)
+	}
+	if r := b.get(strings.ReplaceAll(m[1], "&amp;", "&")); r.code != http.StatusOK || !strings.Contains(r.body, "<code>k59</code>") {
+		t.Fatalf("second page: %d %s", r.code, r.body)
+	}
+	if r := b.get("/console/records?uncertain=yes"); r.code != http.StatusBadRequest {
+		t.Errorf("uncertain=yes: %d", r.code)
+	}
+	if r := b.get("/console/records?uncertain=1&state=completed"); r.code != http.StatusBadRequest {
+		t.Errorf("uncertain=1&state=completed: %d", r.code)
 	}
 }
 

@@ -94,11 +94,19 @@ func recordURL(scope, key string) template.URL {
 // listFilter are the record list's filters, as in its URL.
 type listFilter struct {
 	State, Scope, Prefix string
+	// Uncertain keeps only the records that need a decision (UNKNOWN, and
+	// uncertain FAILED_RETRYABLE): ListRecordsRequest.uncertain. In the
+	// URL it is uncertain=1.
+	Uncertain bool
 }
 
 func listURL(f listFilter, page string) template.URL {
 	q := url.Values{}
-	for k, v := range map[string]string{"state": f.State, "scope": f.Scope, "prefix": f.Prefix, "page": page} {
+	uncertain := ""
+	if f.Uncertain {
+		uncertain = "1"
+	}
+	for k, v := range map[string]string{"state": f.State, "scope": f.Scope, "prefix": f.Prefix, "uncertain": uncertain, "page": page} {
 		if v != "" {
 			q.Set(k, v)
 		}
@@ -263,9 +271,17 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 		c.renderError(w, r, http.StatusBadRequest, fmt.Sprintf("Unknown state %q.", f.State))
 		return
 	}
+	switch q.Get("uncertain") {
+	case "", "0":
+	case "1":
+		f.Uncertain = true
+	default:
+		c.renderError(w, r, http.StatusBadRequest, "uncertain is 1 (only the records that need a decision) or absent.")
+		return
+	}
 	var md metadata.MD
 	resp, err := c.admin.ListRecords(callContext(r), &idempotencyv1.ListRecordsRequest{State: st, ScopeGlob: f.Scope,
-		KeyPrefix: f.Prefix, PageSize: listPageSize, PageToken: q.Get("page")}, grpc.Header(&md))
+		KeyPrefix: f.Prefix, Uncertain: f.Uncertain, PageSize: listPageSize, PageToken: q.Get("page")}, grpc.Header(&md))
 	if err != nil {
 		c.fail(w, r, err)
 		return
@@ -274,7 +290,11 @@ func (c *Console) records(w http.ResponseWriter, r *http.Request) {
 	if resp.GetNextPageToken() != "" {
 		p.Next = listURL(f, resp.GetNextPageToken())
 	}
-	c.render(w, r, http.StatusOK, "records", view{Title: "Records", Tenant: tenantOf(md), Flash: flashes[q.Get("done")], Page: p})
+	title := "Records"
+	if f.Uncertain {
+		title = "Records that need a decision"
+	}
+	c.render(w, r, http.StatusOK, "records", view{Title: title, Tenant: tenantOf(md), Flash: flashes[q.Get("done")], Page: p})
 }
 
 // recordPage is the record page's data.

@@ -21,6 +21,10 @@ var effectiveStateSQL = stateSQL(`CASE
 	WHEN state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= clock.now THEN {EXPIRED}
 	ELSE state END`)
 
+// needsDecisionSQL keeps the records that need an operator's decision:
+// UNKNOWN in effect now, or an uncertain FAILED_RETRYABLE.
+var needsDecisionSQL = stateSQL(`(` + effectiveStateSQL + ` = {UNKNOWN} OR (` + effectiveStateSQL + ` = {FAILED_RETRYABLE} AND uncertain))`)
+
 // listColumns are recordColumns with the stored response left out
 // (has_response false, no body or metadata), so listing never reads bodies.
 var listColumns = strings.NewReplacer("has_response", "false",
@@ -40,6 +44,11 @@ type ListParams struct {
 	// State keeps only records whose state in effect now is this one;
 	// StateNone keeps all.
 	State statemachine.State
+	// NeedsDecision keeps only records that need an operator's decision
+	// (see statemachine.Record.NeedsDecision): UNKNOWN in effect now (a
+	// lapsed IN_PROGRESS lease included) and uncertain FAILED_RETRYABLE.
+	// It combines with State.
+	NeedsDecision bool
 	// ScopeGlob keeps only records whose scope matches it (`*` matches any
 	// run of bytes, every other byte itself); empty keeps all.
 	ScopeGlob string
@@ -99,6 +108,9 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 	}
 	if p.State != statemachine.StateNone {
 		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
+	}
+	if p.NeedsDecision {
+		where.WriteString(" AND " + needsDecisionSQL)
 	}
 	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
 		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))

@@ -339,3 +339,59 @@ func TestForget(t *testing.T) {
 		t.Fatalf("Begin after Forget: %+v %v", b, err)
 	}
 }
+
+// TestListRecordsNeedsDecision lists only the records that wait for an
+// operator: UNKNOWN in effect now (a lapsed lease included) and uncertain
+// FAILED_RETRYABLE (which never expires, so it stays listed past its
+// failure_ttl), never a plain FAILED_RETRYABLE, a live lease or a COMPLETED
+// record.
+func TestListRecordsNeedsDecision(t *testing.T) {
+	t.Parallel()
+	s, clock, _ := newClockedStore(t)
+	ctx := context.Background()
+	id := func(key string) ledger.Identity { return ledger.Identity{Tenant: "t", Scope: "s", Key: key} }
+	fail := func(key, token string, kind statemachine.FailureKind) {
+		t.Helper()
+		if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id(key), Event: statemachine.Event{
+			Kind: statemachine.EventFail, Token: token, FailureKind: kind}}); err != nil {
+			t.Fatalf("Fail %s: %v", key, err)
+		}
+	}
+	// uncertainRetryable: Fail UNKNOWN, a takeover, then Fail RETRYABLE
+	// with failure_ttl ttl/2.
+	uncertainRetryable := func(key string, ttl time.Duration) {
+		t.Helper()
+		fail(key, beginID(t, s, id(key), time.Hour, ttl), statemachine.FailureUnknown)
+		fail(key, beginID(t, s, id(key), time.Hour, ttl), statemachine.FailureRetryable)
+	}
+	uncertainRetryable("past-failure-ttl", 20*time.Second)
+	beginID(t, s, id("lapsed"), 10*time.Second, time.Hour)
+	fail("failed-unknown", beginID(t, s, id("failed-unknown"), time.Hour, time.Hour), statemachine.FailureUnknown)
+	uncertainRetryable("uncertain-retryable", time.Hour)
+	fail("retryable", beginID(t, s, id("retryable"), time.Hour, time.Hour), statemachine.FailureRetryable)
+	completeID(t, s, id("completed"), beginID(t, s, id("completed"), time.Hour, time.Hour))
+	beginID(t, s, id("held"), time.Hour, time.Hour)
+	beginID(t, s, ledger.Identity{Tenant: "other", Scope: "s", Key: "lapsed"}, 10*time.Second, time.Hour)
+	clock.Advance(30 * time.Second)
+
+	want := []string{"s failed-unknown UNKNOWN", "s lapsed UNKNOWN", "s past-failure-ttl FAILED_RETRYABLE",
+		"s uncertain-retryable FAILED_RETRYABLE"}
+	for _, size := range []int{1, 100} {
+		if got := names(listAll(t, s, ledger.ListParams{Tenant: "t", NeedsDecision: true}, size)); !slices.Equal(got, want) {
+			t.Fatalf("page size %d:\n got  %q\n want %q", size, got, want)
+		}
+	}
+	for _, c := range []struct {
+		state statemachine.State
+		want  []string
+	}{
+		{statemachine.StateUnknown, want[:2]},
+		{statemachine.StateFailedRetryable, want[2:]},
+		{statemachine.StateCompleted, nil},
+	} {
+		got := names(listAll(t, s, ledger.ListParams{Tenant: "t", NeedsDecision: true, State: c.state}, 10))
+		if !slices.Equal(got, c.want) {
+			t.Errorf("state %v:\n got  %q\n want %q", c.state, got, c.want)
+		}
+	}
+}

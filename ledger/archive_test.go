@@ -98,3 +98,72 @@ func TestArchivePagesAndBatches(t *testing.T) {
 		t.Fatalf("live records: %+v %v", live, err)
 	}
 }
+
+// TestArchivePruning deletes archived records once they are older than the
+// archive retention, counted from archived_at, in batches, and keeps the
+// younger ones; a zero retention keeps the whole archive.
+func TestArchivePruning(t *testing.T) {
+	t.Parallel()
+	s, clock, _ := newClockedStore(t)
+	ctx := context.Background()
+	unknown := func(scope, k string) {
+		t.Helper()
+		res, err := s.Begin(ctx, &ledger.BeginParams{ID: ledger.Identity{Tenant: "t", Scope: scope, Key: k},
+			Event: statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Second}})
+		if err != nil || res.Outcome != statemachine.OutcomeAcquired {
+			t.Fatalf("Begin %s: %+v %v", k, res, err)
+		}
+	}
+	reap := func(retention time.Duration) ledger.ReapResult {
+		t.Helper()
+		res, err := s.Reap(ctx, &ledger.ReapParams{BatchSize: 2, UnknownRetention: time.Hour, ArchiveRetention: retention})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	archived := func() []string {
+		t.Helper()
+		page, err := s.ListRecords(ctx, &ledger.ListParams{Tenant: "t", Archived: true, Limit: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var keys []string
+		for _, r := range page.Records {
+			keys = append(keys, r.Key)
+		}
+		return keys
+	}
+	for i := range 3 {
+		unknown("old", fmt.Sprintf("old-%d", i))
+	}
+	clock.Advance(2 * time.Hour)
+	if res := reap(0); res.Archived != 3 {
+		t.Fatalf("first archiving: %+v, want 3 archived", res)
+	}
+	unknown("young", "young-0")
+	clock.Advance(2 * time.Hour)
+	if res := reap(0); res.Archived != 1 || res.ArchivePruned != 0 {
+		t.Fatalf("second archiving: %+v, want 1 archived and nothing pruned", res)
+	}
+
+	// Archived at 2h and at 4h; now 4h.
+	clock.Advance(90 * time.Hour) // 94h
+	if res := reap(0); res.ArchivePruned != 0 || len(archived()) != 4 {
+		t.Fatalf("retention 0: %+v, archive %v; want all kept", res, archived())
+	}
+	if res := reap(93 * time.Hour); res.ArchivePruned != 0 {
+		t.Fatalf("at 94h, retention 93h: %+v, want nothing pruned (the oldest were archived 92h ago)", res)
+	}
+	clock.Advance(time.Hour) // 95h: the old three were archived 93h ago, the young one 91h ago
+	res := reap(92 * time.Hour)
+	if res.ArchivePruned != 3 || fmt.Sprint(res.ArchivePrunedScopes) != "[old old old]" {
+		t.Fatalf("at 95h, retention 92h: %+v, want the 3 old records pruned, in batches of 2", res)
+	}
+	if got := fmt.Sprint(archived()); got != "[young-0]" {
+		t.Fatalf("archive after pruning: %s, want [young-0]", got)
+	}
+	if res := reap(92 * time.Hour); res.ArchivePruned != 0 {
+		t.Fatalf("a second pass: %+v, want nothing more pruned", res)
+	}
+}

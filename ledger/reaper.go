@@ -25,6 +25,10 @@ type ReapParams struct {
 	// ScopeRetention overrides UnknownRetention for the scopes its
 	// entries match; the first matching entry wins.
 	ScopeRetention []ScopeRetention
+	// ArchiveRetention is how long an archived record is kept, counted
+	// from its archived_at, before it is deleted from the archive for
+	// good. 0 keeps the archive forever.
+	ArchiveRetention time.Duration
 }
 
 // ScopeRetention is the unknown retention of the scopes matching Glob (in
@@ -50,6 +54,10 @@ type ReapResult struct {
 	// ArchivedScopes lists the scope of each.
 	Archived       int
 	ArchivedScopes []string
+	// ArchivePruned is the number of archived records deleted after
+	// ArchiveRetention; ArchivePrunedScopes lists the scope of each.
+	ArchivePruned       int
+	ArchivePrunedScopes []string
 	// More reports that the pass stopped at MaxBatches with work left: a
 	// caller keeping pace with a backlog runs the next pass at once.
 	More bool
@@ -88,13 +96,22 @@ RETURNING 1`)
 DELETE FROM idempotency_records r USING batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
 RETURNING 1`)
+
+	reapArchivePruneSQL = `WITH batch AS (
+	SELECT tenant, scope, key, archived_at FROM idempotency_archive
+	WHERE archived_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
+	ORDER BY archived_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_archive a USING batch
+WHERE a.tenant = batch.tenant AND a.scope = batch.scope AND a.key = batch.key AND a.archived_at = batch.archived_at
+RETURNING a.scope`
 )
 
 // Reap runs one reaper pass: stale leases become UNKNOWN, terminal records
 // past expires_at become EXPIRED without their response, EXPIRED records
 // older than the retention are deleted, and UNKNOWN records older than
-// their unknown retention are moved to the archive (see ListParams.Archived).
-// IN_PROGRESS and UNKNOWN records are never deleted. Work is done in bounded batches, each its own
+// their unknown retention are moved to the archive (see ListParams.Archived),
+// and archived records older than the archive retention are deleted.
+// IN_PROGRESS and UNKNOWN records are never deleted from the live table. Work is done in bounded batches, each its own
 // transaction; replicas may reap at the same time without doing the same
 // work twice.
 func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
@@ -126,6 +143,14 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 			count  *int
 			scopes *[]string
 		}{{sql, args, &res.Archived, &res.ArchivedScopes}}, steps...)
+	}
+	if p.ArchiveRetention > 0 {
+		steps = append(steps, struct {
+			sql    string
+			args   []any
+			count  *int
+			scopes *[]string
+		}{reapArchivePruneSQL, []any{p.ArchiveRetention.Microseconds()}, &res.ArchivePruned, &res.ArchivePrunedScopes})
 	}
 	for _, st := range steps {
 		full := 0

@@ -40,12 +40,22 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	err := validate(a.s.validator, req, func(v *violations) {
 		checkName(v, "scope_glob", req.GetScopeGlob(), maxScopeGlobBytes)
 		checkName(v, "key_prefix", req.GetKeyPrefix(), maxKeyPrefixBytes)
+		if req.GetUncertain() {
+			switch req.GetState() {
+			case idempotencyv1.State_STATE_UNSPECIFIED, idempotencyv1.State_STATE_UNKNOWN, idempotencyv1.State_STATE_FAILED_RETRYABLE:
+			default:
+				v.add("state", "with uncertain, only STATE_UNKNOWN or STATE_FAILED_RETRYABLE (or none): no other state needs a decision")
+			}
+			if req.GetArchived() {
+				v.add("uncertain", "not with archived: archived records take no decision (the key is new again)")
+			}
+		}
 		if req.GetPageToken() == "" {
 			return
 		}
 		var ok bool
 		if after, ok = decodePageToken(req); !ok {
-			v.add("page_token", "not a next_page_token of a ListRecords call with this state and scope_glob")
+			v.add("page_token", "not a next_page_token of a ListRecords call with these filters")
 		}
 	})
 	if err != nil {
@@ -57,8 +67,8 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	}
 	tenant := tenantFrom(ctx)
 	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
-		State: statemachine.State(req.GetState()), ScopeGlob: req.GetScopeGlob(), KeyPrefix: req.GetKeyPrefix(),
-		After: after, Limit: size, Archived: req.GetArchived()})
+		State: statemachine.State(req.GetState()), NeedsDecision: req.GetUncertain(), ScopeGlob: req.GetScopeGlob(),
+		KeyPrefix: req.GetKeyPrefix(), After: after, Limit: size, Archived: req.GetArchived()})
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
@@ -215,6 +225,9 @@ func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
 	}
 	if req.GetArchived() {
 		h.Write([]byte{1})
+	}
+	if req.GetUncertain() {
+		h.Write([]byte{2})
 	}
 	return h.Sum(nil)[:8]
 }

@@ -216,6 +216,53 @@ func TestAdminListRecords(t *testing.T) {
 	}
 }
 
+// TestAdminListUncertain: ListRecords with uncertain lists the records that
+// need an operator's decision: UNKNOWN ones (a lapsed lease included) and
+// uncertain FAILED_RETRYABLE ones, never a COMPLETED one or a plain
+// FAILED_RETRYABLE one; it combines with state and pages with its own
+// tokens.
+func TestAdminListUncertain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	admin := e.admin()
+	fail := func(key string, kind idempotencyv1.FailureKind) {
+		b := e.mustBegin("s", key, acquired)
+		e.mustFail("s", key, b.GetLeaseToken(), kind, nil)
+	}
+	fail("failed-unknown", idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN)
+	fail("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN)
+	fail("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE) // takes over, then fails
+	fail("retryable", idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE)
+	b := e.mustBegin("s", "completed", acquired)
+	e.mustComplete("s", "completed", b.GetLeaseToken(), sampleResponse())
+	e.mustBegin("s", "lapsed", acquired, withLease(time.Second))
+	e.mustBegin("s", "held", acquired, withLease(time.Hour))
+	e.clock.Advance(2 * time.Second)
+	if rec := e.mustLookup("s", "uncertain-retryable"); rec.GetState() != stRetryable || !rec.GetUncertain() {
+		t.Fatalf("uncertain-retryable: %v", rec)
+	}
+
+	want := []string{"s failed-unknown UNKNOWN", "s lapsed UNKNOWN", "s uncertain-retryable FAILED_RETRYABLE"}
+	for _, size := range []int32{0, 1, 2} {
+		if got := listKeys(t, admin, &idempotencyv1.ListRecordsRequest{Uncertain: true, PageSize: size}); !slices.Equal(got, want) {
+			t.Fatalf("uncertain, page_size %d:\n got  %q\n want %q", size, got, want)
+		}
+	}
+	if got := listKeys(t, admin, &idempotencyv1.ListRecordsRequest{Uncertain: true, State: stRetryable}); !slices.Equal(got, want[2:]) {
+		t.Errorf("uncertain FAILED_RETRYABLE: %q", got)
+	}
+	if got := listKeys(t, admin, &idempotencyv1.ListRecordsRequest{Uncertain: true, State: stUnknown, PageSize: 1}); !slices.Equal(got, want[:2]) {
+		t.Errorf("uncertain UNKNOWN: %q", got)
+	}
+	// A page token of the uncertain list continues only that list.
+	first, err := admin.ListRecords(ctx(t), &idempotencyv1.ListRecordsRequest{Uncertain: true, PageSize: 1})
+	if err != nil || first.GetNextPageToken() == "" {
+		t.Fatalf("first page: %v %v", first, err)
+	}
+	_, err = admin.ListRecords(ctx(t), &idempotencyv1.ListRecordsRequest{PageToken: first.GetNextPageToken()})
+	wantCode(t, err, codes.InvalidArgument, "")
+}
+
 // TestAdminCountRecords counts the caller's records by scope and state in
 // effect now; another tenant's records are not counted.
 func TestAdminCountRecords(t *testing.T) {
@@ -332,6 +379,8 @@ func TestAdminValidation(t *testing.T) {
 		"undefined state":     {State: 42},
 		"glob with a control": {ScopeGlob: "a\tb"},
 		"glob too long":       {ScopeGlob: strings.Repeat("*", 1025)},
+		"uncertain completed": {Uncertain: true, State: stCompleted},
+		"uncertain archived":  {Uncertain: true, Archived: true},
 	} {
 		_, err := admin.ListRecords(ctx(t), req)
 		if err == nil {

@@ -67,7 +67,9 @@ type EncryptionKeyConfig struct {
 
 // ReaperConfig tunes the reaper that every replica runs: it marks stale
 // leases UNKNOWN, expires terminal records past expires_at (dropping their
-// response) and deletes EXPIRED records after a retention period.
+// response), deletes EXPIRED records after a retention period, moves old
+// UNKNOWN records to the archive and deletes archived records after the
+// archive retention.
 type ReaperConfig struct {
 	// Interval between passes (default 10s); "0s" disables the reaper. A
 	// pass that stops with work left (20 full batches of one kind) is
@@ -80,6 +82,11 @@ type ReaperConfig struct {
 	// expires_at before deletion (default 24h). Under on_expired: reject,
 	// the key is new again once its record is deleted.
 	ExpiredRetention *Duration `yaml:"expired_retention"`
+	// ArchiveRetention is how long an archived record (see the policy's
+	// unknown_retention) is kept, counted from when it was archived,
+	// before the reaper deletes it for good (default 2160h, 90 days);
+	// "0s" keeps the archive forever.
+	ArchiveRetention *Duration `yaml:"archive_retention"`
 }
 
 // ReaperSettings are the resolved reaper settings.
@@ -87,7 +94,12 @@ type ReaperSettings struct {
 	Interval         time.Duration
 	BatchSize        int
 	ExpiredRetention time.Duration
+	// ArchiveRetention is 0 when the archive is kept forever.
+	ArchiveRetention time.Duration
 }
+
+// defaultArchiveRetention is reaper.archive_retention's default: 90 days.
+const defaultArchiveRetention = 90 * 24 * time.Hour
 
 // TenantConfig is one tenant. A caller is this tenant when it presents a
 // bearer token whose SHA-256 is TokenSHA256, or a verified TLS client
@@ -276,7 +288,8 @@ func (p *Policies) scopeLabel(scope string) string {
 }
 
 func defaultReaper() ReaperSettings {
-	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour}
+	return ReaperSettings{Interval: 10 * time.Second, BatchSize: 500, ExpiredRetention: 24 * time.Hour,
+		ArchiveRetention: defaultArchiveRetention}
 }
 
 // Keyring returns the keys that encrypt stored responses, or nil when
@@ -454,6 +467,13 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	}
 	if out.reaper.Interval < 0 || out.reaper.ExpiredRetention < 0 || out.reaper.BatchSize < 0 {
 		errs = append(errs, errors.New("reaper: interval, batch_size and expired_retention must not be negative"))
+	}
+	if r.ArchiveRetention != nil {
+		out.reaper.ArchiveRetention = time.Duration(*r.ArchiveRetention)
+		if out.reaper.ArchiveRetention < 0 {
+			errs = append(errs, fmt.Errorf("reaper: archive_retention %v: must not be negative (0s keeps the archive forever)",
+				out.reaper.ArchiveRetention))
+		}
 	}
 	if cfg.Encryption != nil {
 		k, err := cfg.Encryption.keyring()

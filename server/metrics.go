@@ -33,8 +33,12 @@ type metrics struct {
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
 	archived     *prometheus.CounterVec
+	// archivePruned counts archived records deleted after
+	// reaper.archive_retention.
+	archivePruned *prometheus.CounterVec
 
 	reloadFailures prometheus.Counter
+	reaperCaughtUp prometheus.Gauge
 
 	scopes scopeLabels
 }
@@ -90,12 +94,16 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
 		reloadFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "idempotency_config_reload_failures_total",
 			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
+		reaperCaughtUp: prometheus.NewGauge(prometheus.GaugeOpts{Name: "idempotency_reaper_caught_up_timestamp_seconds",
+			Help: "Unix time at which this replica's reaper last finished a pass without error and with no work left (0: not yet)."}),
 		archived: counter("idempotency_archived_total",
 			"UNKNOWN records (and IN_PROGRESS ones whose lease lapsed) the reaper moved to the archive after their unknown_retention.", "scope"),
+		archivePruned: counter("idempotency_archive_pruned_total",
+			"Archived records the reaper deleted for good after reaper.archive_retention.", "scope"),
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.reloadFailures,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.archivePruned, m.reloadFailures, m.reaperCaughtUp,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
@@ -155,6 +163,19 @@ func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
 	}
 }
 
+// registerReady exports ready (the answer of gRPC health and /readyz) as
+// idempotency_database_reachable.
+func (m *metrics) registerReady(ready func() bool) {
+	m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_database_reachable",
+		Help: "1 while the latest health check reached the database (gRPC health SERVING, /readyz 200), else 0."},
+		func() float64 {
+			if ready() {
+				return 1
+			}
+			return 0
+		}))
+}
+
 // observeReap counts the leases a reaper pass found lapsed and the records
 // it archived.
 func (m *metrics) observeReap(res ledger.ReapResult) {
@@ -163,6 +184,9 @@ func (m *metrics) observeReap(res ledger.ReapResult) {
 	}
 	for _, scope := range res.ArchivedScopes {
 		m.archived.WithLabelValues(m.scopes.label(scope)).Inc()
+	}
+	for _, scope := range res.ArchivePrunedScopes {
+		m.archivePruned.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
 }
 

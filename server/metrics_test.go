@@ -224,3 +224,38 @@ func TestScopeLabelCap(t *testing.T) {
 		t.Errorf("the 201st scope got its own label")
 	}
 }
+
+// TestMetricsReportDatabaseAndReaper: /metrics tells whether the database
+// answers the health check (what gRPC health and /readyz report) and when
+// the reaper last caught up, which the deploy/prometheus alerts watch.
+func TestMetricsReportDatabaseAndReaper(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	deadline := time.Now().Add(10 * time.Second)
+	for !e.coord.Server.Ready() {
+		if time.Now().After(deadline) {
+			t.Fatal("the server never became ready")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	before := time.Now()
+	if err := e.coord.Server.ReapOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	rec := httptest.NewRecorder()
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body, _ := io.ReadAll(rec.Body)
+	text := string(body)
+	if !strings.Contains(text, "\nidempotency_database_reachable 1\n") {
+		t.Error("/metrics lacks idempotency_database_reachable 1 while the database answers")
+	}
+	var caughtUp float64
+	for l := range strings.SplitSeq(text, "\n") {
+		if v, ok := strings.CutPrefix(l, "idempotency_reaper_caught_up_timestamp_seconds "); ok {
+			caughtUp, _ = strconv.ParseFloat(v, 64)
+		}
+	}
+	if caughtUp < float64(before.Unix()) {
+		t.Errorf("idempotency_reaper_caught_up_timestamp_seconds = %v after a pass that left no work, want at least %d", caughtUp, before.Unix())
+	}
+}

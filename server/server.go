@@ -196,6 +196,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
+	s.metrics.registerReady(s.Ready)
 	if s.api, err = newAPIHandler(s.grpc, uint32(o.httpMaxBody)); err != nil {
 		return nil, err
 	}
@@ -316,7 +317,8 @@ func (s *Server) RunReaper(ctx context.Context) {
 }
 
 // ReapOnce runs one reaper pass with the current settings and counts the
-// leases it found lapsed and the records it archived.
+// leases it found lapsed, the records it archived and the archived records
+// it deleted.
 func (s *Server) ReapOnce(ctx context.Context) error {
 	_, err := s.reapPass(ctx)
 	return err
@@ -328,11 +330,16 @@ func (s *Server) reapPass(ctx context.Context) (more bool, err error) {
 	rs := pols.Reaper()
 	unknownRetention, scopeRetention := pols.unknownRetention()
 	res, err := s.store.Reap(ctx, &ledger.ReapParams{BatchSize: rs.BatchSize, Retention: rs.ExpiredRetention,
-		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention})
+		UnknownRetention: unknownRetention, ScopeRetention: scopeRetention, ArchiveRetention: rs.ArchiveRetention})
 	s.metrics.observeReap(res)
-	if res.Unknown+res.Expired+res.Deleted+res.Archived > 0 {
+	if err == nil && !res.More {
+		// Wall-clock time, not the server's clock: Prometheus compares it
+		// with its own time().
+		s.metrics.reaperCaughtUp.SetToCurrentTime()
+	}
+	if res.Unknown+res.Expired+res.Deleted+res.Archived+res.ArchivePruned > 0 {
 		s.logger.Debug("reaper pass", "unknown", res.Unknown, "expired", res.Expired, "deleted", res.Deleted,
-			"archived", res.Archived, "more", res.More)
+			"archived", res.Archived, "archive_pruned", res.ArchivePruned, "more", res.More)
 	}
 	return res.More, err
 }

@@ -40,9 +40,17 @@ import (
 // the environment wins.
 const defaultGCPercent = 400
 
+// version and commit name the build; `make image` sets them with
+// -ldflags "-X main.version=… -X main.commit=…", and --version prints them.
+var version, commit = "dev", "unknown"
+
 func main() {
 	if os.Getenv("GOGC") == "" {
 		debug.SetGCPercent(defaultGCPercent)
+	}
+	if len(os.Args) == 2 && (os.Args[1] == "--version" || os.Args[1] == "-version") {
+		fmt.Printf("idemcoord %s (commit %s)\n", version, commit)
+		return
 	}
 	if err := run(os.Args[1:], os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "idemcoord:", err)

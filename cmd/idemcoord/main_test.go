@@ -71,7 +71,7 @@ func startBinaryWith(t *testing.T, creds credentials.TransportCredentials, bin, 
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
 	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}, grpcAddr: grpcAddr}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
-	if err := cmd.Start(); err != nil {
+	if err := coordtest.StartTied(t, cmd); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill() })

@@ -84,7 +84,7 @@ func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-ch
 		case <-hup:
 			reload("SIGHUP")
 		case ev := <-events:
-			if filepath.Clean(ev.Name) == filepath.Clean(path) && ev.Op&(fsnotify.Write|fsnotify.Create|fsnotify.Rename) != 0 {
+			if changesConfig(ev, path) && ev.Op&(fsnotify.Write|fsnotify.Create|fsnotify.Rename) != 0 {
 				debounce = time.After(reloadDebounce)
 			}
 		case err := <-watchErrs:
@@ -94,4 +94,14 @@ func watchConfig(ctx context.Context, logger *slog.Logger, path string, hup <-ch
 			reload("file changed")
 		}
 	}
+}
+
+// changesConfig reports whether ev, an event in the directory of the config
+// file at path, may have changed that file: an event on the file itself, or
+// on the "..data" link beside it, which Kubernetes swaps when it updates a
+// mounted ConfigMap or Secret (the file is a link through "..data" and sees
+// no event of its own).
+func changesConfig(ev fsnotify.Event, path string) bool {
+	name, dir := filepath.Clean(ev.Name), filepath.Dir(filepath.Clean(path))
+	return name == filepath.Clean(path) || name == filepath.Join(dir, "..data")
 }

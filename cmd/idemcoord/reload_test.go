@@ -296,3 +296,47 @@ func TestReloadKeepsHTTPListenExposureRule(t *testing.T) {
 		}
 	}
 }
+
+// TestReloadFollowsKubernetesVolumeUpdate: a ConfigMap or Secret mounted as
+// a directory holds the file as a link through "..data", and Kubernetes
+// updates it by swapping "..data" to a new directory; the file itself sees
+// no event. The coordinator reloads all the same.
+func TestReloadFollowsKubernetesVolumeUpdate(t *testing.T) {
+	dir := t.TempDir()
+	version := func(name, content string) {
+		t.Helper()
+		if err := os.Mkdir(filepath.Join(dir, name), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, name, "config.yaml"), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	version("..2026_11_25_01", "scopes:\n  - { match: build, ttl: 60s }\n")
+	if err := os.Symlink("..2026_11_25_01", filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("..data/config.yaml", filepath.Join(dir, "config.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), coordtest.FreeAddr(t),
+		"--config", filepath.Join(dir, "config.yaml"))
+	defer p.stop()
+
+	// What the kubelet does: a new directory, a new link to it, renamed
+	// over "..data".
+	version("..2026_11_25_02", "scopes:\n  - { match: build, ttl: 120s }\n")
+	if err := os.Symlink("..2026_11_25_02", filepath.Join(dir, "..data_tmp")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for !strings.Contains(p.logs.String(), `msg="config reloaded" why="file changed"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no reload logged after the ..data swap\n%s", p.logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -1,14 +1,15 @@
 // Command idemctl is the operator's CLI for a running idemcoord coordinator:
-// it looks records up, lists them (for instance the UNKNOWN ones whose
-// holder died), resolves UNKNOWN records after reconciliation, and forgets
-// records.
+// it looks records up, lists them (for instance, with list --uncertain,
+// every record that needs a decision: the UNKNOWN ones whose holder died
+// and uncertain FAILED_RETRYABLE ones), resolves those after
+// reconciliation, and forgets records.
 //
 //	idemctl [--addr HOST:PORT] [--token T] [--output table|json]
 //	        [--tls-ca F] [--tls-cert F --tls-key F] [--tls-server-name N] [--tls] [--insecure]
 //	        COMMAND ...
 //
 //	lookup SCOPE KEY
-//	list [--state S] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
+//	list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
 //	resolve SCOPE KEY --as completed|retryable [--body-file F --schema-version V
 //	        --content-type T --status-code N]
 //	forget SCOPE KEY
@@ -81,13 +82,19 @@ const usage = `usage: idemctl [--addr HOST:PORT] [--token T] [--output table|jso
 commands:
   lookup SCOPE KEY
         show a record as in effect now
-  list [--state S] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
+  list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
         list records in (scope, key) order; S is a state without the STATE_
         prefix (unknown, in_progress, completed, failed_retryable,
-        failed_replayable, expired), GLOB matches scopes with * for any run
-        of bytes, N is the most records to show (default 100, 0 for all);
-        --archived lists the archive: UNKNOWN records the reaper moved out
-        after their policy's unknown_retention, with the time it did
+        failed_replayable, expired) as in effect now: --state unknown
+        includes IN_PROGRESS records whose lease lapsed, but not the
+        uncertain failed_retryable ones, which need a decision too;
+        --uncertain lists every record that needs a decision (unknown, and
+        failed_retryable after an attempt that may have acted): the list
+        to work through with resolve. GLOB matches scopes with * for any
+        run of bytes, N is the most records to show (default 100, 0 for
+        all); --archived lists the archive: UNKNOWN records the reaper
+        moved out after their policy's unknown_retention, with the time it
+        did
   resolve SCOPE KEY --as completed|retryable [--body-file F] [--schema-version V]
           [--content-type T] [--status-code N]
         end an UNKNOWN record after checking the outside world: as completed
@@ -285,16 +292,24 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	prefix := fs.String("key-prefix", "", "")
 	limit := fs.Int("limit", 100, "")
 	archived := fs.Bool("archived", false, "")
+	uncertain := fs.Bool("uncertain", false, "")
 	if _, err := parse(fs, args); err != nil {
 		return err
 	}
-	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix, Archived: *archived}
+	if *uncertain && *archived {
+		return usagef("--uncertain lists live records that need a decision; not with --archived")
+	}
+	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix, Archived: *archived, Uncertain: *uncertain}
 	if *state != "" {
 		st, err := parseState(*state)
 		if err != nil {
 			return err
 		}
 		req.State = st
+	}
+	if *uncertain && req.State != idempotencyv1.State_STATE_UNSPECIFIED && req.State != idempotencyv1.State_STATE_UNKNOWN &&
+		req.State != idempotencyv1.State_STATE_FAILED_RETRYABLE {
+		return usagef("--uncertain with --state %s: only unknown and failed_retryable records need a decision", *state)
 	}
 	if *limit < 0 {
 		return usagef("--limit must be 0 (all) or more, got %d", *limit)

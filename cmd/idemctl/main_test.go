@@ -227,6 +227,60 @@ func TestResolveRetryableAndForget(t *testing.T) {
 	}
 }
 
+// TestListUncertain: `idemctl list --uncertain` lists every record that
+// needs a decision: an UNKNOWN one (a lapsed lease included) and an
+// uncertain FAILED_RETRYABLE one, which `--state unknown` does not show;
+// never a COMPLETED or a plain FAILED_RETRYABLE one.
+func TestListUncertain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "")
+	ctx := context.Background()
+	fail := func(key string, kind idempotencyv1.FailureKind) {
+		t.Helper()
+		b := e.begin(ctx, "s", key, time.Minute)
+		if _, err := e.client.Fail(ctx, &idempotencyv1.FailRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken(),
+			Kind: kind}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fail("failed-unknown", idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN)
+	fail("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN)
+	fail("uncertain-retryable", idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE)
+	fail("retryable", idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE)
+	b := e.begin(ctx, "s", "completed", time.Minute)
+	if _, err := e.client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "s", Key: "completed", LeaseToken: b.GetLeaseToken()}); err != nil {
+		t.Fatal(err)
+	}
+	e.begin(ctx, "s", "lapsed", time.Second)
+	e.coord.Clock.Advance(2 * time.Second)
+
+	table := mustRun(t, e.coord.Addr, "list", "--uncertain")
+	for key, state := range map[string]string{"failed-unknown": "unknown", "lapsed": "unknown", "uncertain-retryable": "failed_retryable"} {
+		if row := tableRow(t, table, "s", key); row == nil || row[2] != state {
+			t.Errorf("list --uncertain: %s is not listed as %s", key, state)
+		}
+	}
+	for _, key := range []string{"completed", "retryable"} {
+		if tableRow(t, table, "s", key) != nil {
+			t.Errorf("list --uncertain lists %s", key)
+		}
+	}
+	if n := strings.Count(table, "\ns "); n != 3 {
+		t.Errorf("list --uncertain shows %d records, want 3:\n%s", n, table)
+	}
+	if unknown := mustRun(t, e.coord.Addr, "list", "--state", "unknown"); tableRow(t, unknown, "s", "uncertain-retryable") != nil ||
+		tableRow(t, unknown, "s", "lapsed") == nil {
+		t.Errorf("list --state unknown:\n%s", unknown)
+	}
+	if retryable := mustRun(t, e.coord.Addr, "list", "--uncertain", "--state", "FAILED_RETRYABLE"); tableRow(t, retryable, "s", "uncertain-retryable") == nil ||
+		tableRow(t, retryable, "s", "failed-unknown") != nil || tableRow(t, retryable, "s", "retryable") != nil {
+		t.Errorf("list --uncertain --state failed_retryable:\n%s", retryable)
+	}
+	if help := mustRun(t, e.coord.Addr, "help"); !strings.Contains(help, "--uncertain lists every record that needs a decision") {
+		t.Errorf("help does not explain --uncertain:\n%s", help)
+	}
+}
+
 // TestUsageErrors: mistakes on the command line exit 2 without calling.
 func TestUsageErrors(t *testing.T) {
 	t.Parallel()
@@ -238,6 +292,8 @@ func TestUsageErrors(t *testing.T) {
 		{"list", "--state", "bogus"},
 		{"list", "--state", "unspecified"},
 		{"list", "--limit", "-1"},
+		{"list", "--uncertain", "--archived"},
+		{"list", "--uncertain", "--state", "completed"},
 		{"list", "--output", "yaml"},
 		{"resolve", "s", "k"},
 		{"resolve", "s", "k", "--as", "done"},

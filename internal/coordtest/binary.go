@@ -4,7 +4,10 @@ import (
 	"net"
 	"os/exec"
 	"path/filepath"
+	"syscall"
 	"testing"
+
+	"github.com/idemcoord/idemcoord/internal/pgtest"
 )
 
 // BuildBinary builds the idemcoord server binary (cmd/idemcoord) into a
@@ -29,4 +32,17 @@ func FreeAddr(t testing.TB) string {
 	}
 	defer l.Close()
 	return l.Addr().String()
+}
+
+// StartTied starts cmd (a coordinator binary, say) for t so that it is
+// killed if the test binary dies, however it dies (a SIGKILL included),
+// instead of running on after it; on Linux only. The caller waits for cmd
+// as usual. Once t's cleanup runs, cmd is killed if it is still running.
+func StartTied(t testing.TB, cmd *exec.Cmd) error {
+	release := make(chan struct{})
+	if err := pgtest.StartTied(cmd, syscall.SIGKILL, release); err != nil {
+		return err
+	}
+	t.Cleanup(func() { close(release) })
+	return nil
 }

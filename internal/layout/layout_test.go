@@ -61,6 +61,8 @@ var layout = map[string]rule{
 	// The benchmark driver (go run ./bench) starts its own PostgreSQL.
 	"bench": {own: []string{"gen", "ledger", "internal/pgtest"}},
 	"chaos": {own: []string{}}, // tests only
+	// The deployment files' checks (chart, alerts, dashboard, image, unit).
+	"deploy": {stdOnly: true}, // tests only
 	// Test helpers.
 	"internal/pgtest":                    {},
 	"internal/coordtest":                 {own: []string{"internal/pgtest", "ledger", "server"}},

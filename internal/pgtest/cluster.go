@@ -48,7 +48,7 @@ type Cluster struct {
 	logPath string
 	port    int
 	opts    ClusterOptions
-	asUser  *user.User // non-nil: run server programs as this user via runuser
+	asUser  *user.User // non-nil: run server programs as this user
 
 	watchdog *exec.Cmd
 
@@ -63,8 +63,8 @@ type Cluster struct {
 // server is one run of the postmaster.
 type server struct {
 	cmd  *exec.Cmd
-	pid  int           // the postmaster's PID
-	done chan struct{} // closed when cmd has exited
+	pid  int             // the postmaster's PID
+	done <-chan struct{} // closed when cmd has exited
 }
 
 const (
@@ -176,9 +176,6 @@ func startCluster(opts ClusterOptions) (_ *Cluster, err error) {
 	}
 	c := &Cluster{bin: bin, opts: opts}
 	if os.Geteuid() == 0 {
-		if _, err := exec.LookPath("runuser"); err != nil {
-			return nil, errors.New("running as root needs runuser (util-linux) to start PostgreSQL as the postgres user")
-		}
 		c.asUser, err = user.Lookup("postgres")
 		if err != nil {
 			return nil, fmt.Errorf("running as root needs a \"postgres\" system user to run PostgreSQL: %w", err)
@@ -245,7 +242,7 @@ func startCluster(opts ClusterOptions) (_ *Cluster, err error) {
 }
 
 // run runs one of the cluster's programs to completion, its output going to
-// the server log.
+// the server log. It is killed if this process dies first.
 func (c *Cluster) run(program string, args ...string) error {
 	logf, err := os.OpenFile(c.logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
 	if err != nil {
@@ -254,20 +251,37 @@ func (c *Cluster) run(program string, args ...string) error {
 	defer logf.Close()
 	cmd := c.command(program, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("%s: %w; end of %s:\n%s", program, err, c.logPath, c.logTail())
+	done, err := startTied(cmd, syscall.SIGKILL)
+	if err != nil {
+		return fmt.Errorf("start %s: %w", program, err)
+	}
+	<-done
+	if !cmd.ProcessState.Success() {
+		return fmt.Errorf("%s: %v; end of %s:\n%s", program, cmd.ProcessState, c.logPath, c.logTail())
 	}
 	return nil
 }
 
 // command returns a command running one of the server programs, as the
-// postgres user when the process runs as root.
+// postgres user when the process runs as root. The user is switched by the
+// kernel before the program starts (SysProcAttr.Credential), not by a
+// wrapper such as runuser: the program stays this process's direct child,
+// and its parent-death signal (see startTied) survives the switch.
 func (c *Cluster) command(program string, args ...string) *exec.Cmd {
-	path := filepath.Join(c.bin, program)
-	if c.asUser == nil {
-		return exec.Command(path, args...)
+	cmd := exec.Command(filepath.Join(c.bin, program), args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: credential(c.asUser)}
+	return cmd
+}
+
+// credential is the credential of u for SysProcAttr, or nil for the
+// current user when u is nil.
+func credential(u *user.User) *syscall.Credential {
+	if u == nil {
+		return nil
 	}
-	return exec.Command("runuser", append([]string{"-u", c.asUser.Username, "--", path}, args...)...)
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
 }
 
 // startLocked starts the postmaster and waits until it accepts connections.
@@ -293,17 +307,16 @@ func (c *Cluster) startLocked() error {
 	defer logf.Close()
 	cmd := c.command("postgres", args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	// Its own process group keeps a terminal's Ctrl-C away from the server;
-	// the watchdog stops it when the test binary dies.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	// Its own process group keeps a terminal's Ctrl-C away from the server.
+	// When the test binary dies, however it dies, the postmaster gets
+	// SIGQUIT (immediate shutdown: it stops its server processes and
+	// exits); the watchdog then deletes the files.
+	cmd.SysProcAttr.Setpgid = true
+	done, err := startTied(cmd, syscall.SIGQUIT)
+	if err != nil {
 		return fmt.Errorf("start postgres: %w", err)
 	}
-	p := &server{cmd: cmd, done: make(chan struct{})}
-	go func() {
-		_ = cmd.Wait()
-		close(p.done)
-	}()
+	p := &server{cmd: cmd, done: done}
 
 	deadline := time.Now().Add(startTimeout)
 	for {
@@ -373,7 +386,9 @@ func (c *Cluster) destroy() error {
 
 // watchdogScript stops the server and removes its directory once the process
 // that started it is gone without doing so itself: after a test timeout, a
-// panic in a test or a kill. Arguments: owner PID, cluster directory.
+// panic in a test or a kill. (On Linux the server has already had its
+// parent-death signal by then; the script stops it where there is none.)
+// Arguments: owner PID, cluster directory.
 const watchdogScript = `
 owner=$1 root=$2
 while kill -0 "$owner" 2>/dev/null; do sleep 1; done

@@ -17,11 +17,17 @@
 // Test clusters trade durability for speed (fsync=off, and /dev/shm for
 // their files when TMPDIR is unset and it has 1 GiB free) unless
 // ClusterOptions.Durable is set, listen on 127.0.0.1 only and trust every
-// local connection: they are for tests, never for data that matters. If the
-// test binary dies without cleaning up (a test timeout, say), a watchdog
-// process stops its clusters and deletes their files.
-// When the process runs as root, the server runs as the "postgres" system
-// user through runuser.
+// local connection: they are for tests, never for data that matters.
+//
+// The processes pgtest starts (PostgreSQL's postmaster, PgBouncer) end with
+// the test binary however it ends, a SIGKILL included: on Linux each is its
+// direct child with a parent-death signal. If the test binary dies without
+// cleaning up, a watchdog process also stops its clusters (where there is
+// no parent-death signal) and deletes their files. When the process runs as
+// root, the server programs run as the "postgres" system user, switched to
+// as they start. StartTied ties a process a test starts itself (a
+// coordinator binary, through coordtest.StartTied) to the test binary the
+// same way.
 //
 // pgtest is imported by tests and by the benchmark driver (bench/, through
 // Launch, for a durable cluster). It imports pgx and the standard library,

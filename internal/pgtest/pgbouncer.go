@@ -23,9 +23,10 @@ import (
 // with default_query_exec_mode=exec added: pgx then runs every statement
 // as one unnamed Parse/Bind/Execute, which a transaction pooler cannot
 // split across two server connections (named prepared statements, pgx's
-// default, need PgBouncer 1.21 or later). It is stopped when t's cleanup runs. The
-// test is skipped when no pgbouncer binary is installed (Debian:
-// pgbouncer; .ci/run installs it).
+// default, need PgBouncer 1.21 or later). It is stopped when t's cleanup
+// runs, and killed if the test binary dies first. The test is skipped when
+// no pgbouncer binary is installed (Debian: pgbouncer; .ci/run installs
+// it).
 func StartPgBouncer(t testing.TB, databaseURL string) string {
 	t.Helper()
 	bin, err := exec.LookPath("pgbouncer")
@@ -84,20 +85,15 @@ logfile = %s
 			t.Fatalf("pgtest: %v", err)
 		}
 	}
-	args := []string{filepath.Join(dir, "pgbouncer.ini")}
-	if asUser != nil {
-		args = append([]string{"-u", asUser.Username}, args...)
-	}
-	cmd := exec.Command(bin, args...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	// As the postgres user from its start (not pgbouncer's own -u, which
+	// would switch after the parent-death signal is set and so clear it),
+	// in its own process group, and killed if the test binary dies first.
+	cmd := exec.Command(bin, filepath.Join(dir, "pgbouncer.ini"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: credential(asUser)}
+	done, err := startTied(cmd, syscall.SIGKILL)
+	if err != nil {
 		t.Fatalf("pgtest: start pgbouncer: %v", err)
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
 	logTail := func() string {
 		b, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
 		return string(b)

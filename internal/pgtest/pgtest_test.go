@@ -12,6 +12,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv(tiedHelperEnv) != "" {
+		os.Exit(runTiedHelper())
+	}
 	os.Exit(Main(m, func(ctx context.Context, databaseURL string) error {
 		conn, err := pgx.Connect(ctx, databaseURL)
 		if err != nil {

@@ -90,8 +90,9 @@ type ListRecordsRequest struct {
 	// The most records to return, 0-1000; 0 means 100. A page may hold fewer
 	// records even when more follow.
 	PageSize int32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	// The next_page_token of the previous page, sent with the same state,
-	// scope_glob and key_prefix; empty for the first page.
+	// The next_page_token of the previous page, sent with the same filters
+	// (state, scope_glob, key_prefix, archived, uncertain); empty for the
+	// first page.
 	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only records whose key starts with these bytes; empty matches every
 	// key. At most 255 printable bytes.
@@ -102,7 +103,14 @@ type ListRecordsRequest struct {
 	// unknown_retention. Archived records are in (scope, key, archived_at)
 	// order, read STATE_UNKNOWN, carry archived_at, and no longer take part
 	// in Begin (the key is new again).
-	Archived      bool `protobuf:"varint,6,opt,name=archived,proto3" json:"archived,omitempty"`
+	Archived bool `protobuf:"varint,6,opt,name=archived,proto3" json:"archived,omitempty"`
+	// Only records that need an operator's decision: those whose state in
+	// effect now is STATE_UNKNOWN (an IN_PROGRESS record whose lease lapsed
+	// included) and STATE_FAILED_RETRYABLE records with `uncertain` set (an
+	// earlier attempt may have done the side effect). Combines with the other
+	// filters; with `state`, only STATE_UNKNOWN or STATE_FAILED_RETRYABLE
+	// (or none) is accepted, and not with `archived`.
+	Uncertain     bool `protobuf:"varint,7,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -175,6 +183,13 @@ func (x *ListRecordsRequest) GetKeyPrefix() string {
 func (x *ListRecordsRequest) GetArchived() bool {
 	if x != nil {
 		return x.Archived
+	}
+	return false
+}
+
+func (x *ListRecordsRequest) GetUncertain() bool {
+	if x != nil {
+		return x.Uncertain
 	}
 	return false
 }
@@ -728,7 +743,7 @@ var File_idempotency_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xa7\x02\n" +
+	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xc5\x02\n" +
 	"\x12ListRecordsRequest\x125\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x15.idempotency.v1.StateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x125\n" +
 	"\n" +
@@ -739,7 +754,8 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"page_token\x18\x04 \x01(\tB\b\xbaH\x05r\x03(\x80\x10R\tpageToken\x125\n" +
 	"\n" +
 	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\x12\x1a\n" +
-	"\barchived\x18\x06 \x01(\bR\barchived\"o\n" +
+	"\barchived\x18\x06 \x01(\bR\barchived\x12\x1c\n" +
+	"\tuncertain\x18\a \x01(\bR\tuncertain\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"h\n" +
