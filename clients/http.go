@@ -53,8 +53,9 @@ const (
 	// ProblemKeyInvalid (400): the Idempotency-Key is not 1-255 printable
 	// bytes, bare or as a structured-field string, or appears twice.
 	ProblemKeyInvalid = "urn:idemcoord:problem:idempotency-key-invalid"
-	// ProblemKeyReused (422): the key was first used with another request
-	// (method, path or body; see WithHTTPFingerprintFunc).
+	// ProblemKeyReused (422, or 409 with WithHTTPMismatchStatus): the key
+	// was first used with another request (method, path or body; see
+	// WithHTTPFingerprintFunc).
 	ProblemKeyReused = "urn:idemcoord:problem:idempotency-key-reused"
 	// ProblemKeyExpired (422): the key's stored result has expired and the
 	// coordinator's policy (on_expired: reject) refuses to run it again.
@@ -280,13 +281,16 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     panicking handler is recorded UNKNOWN and the panic goes on. If Complete or
 //     Fail cannot reach the coordinator it is retried in the background
 //     for up to one lease (see Client.Shutdown);
-//   - replay: answers the stored status, headers and body byte for byte,
-//     with "Idempotency-Result: replayed", without calling the handler;
+//   - replay: answers the stored status, headers and body byte for byte
+//     (or what WithHTTPReplayHook makes of them), with "Idempotency-Result:
+//     replayed", without calling the handler. Created and replayed answers
+//     carry Idempotency-Expires (see HTTPExpiresHeader);
 //   - another request holds the key: waits for its result up to 5 s
 //     (WithHTTPWait), then answers 409 with Retry-After
 //     (ProblemInProgress); a key held UNKNOWN for an operator answers 409
 //     (ProblemOutcomeUnknown);
-//   - the key was first used with another request: 422 (ProblemKeyReused);
+//   - the key was first used with another request: 422 (ProblemKeyReused;
+//     409 with WithHTTPMismatchStatus);
 //     the coordinator's other refusals: 422 ProblemKeyExpired or
 //     ProblemAttemptsExhausted, 400 for a key it finds invalid;
 //   - the coordinator cannot be reached (after c's retries): 503 with
@@ -320,6 +324,11 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     application/problem+json with Retry-After (ProblemLeaseLost), never a
 //     2xx and never "Idempotency-Result: created". What a handler already
 //     wrote has gone to the client as written.
+//
+// The handler writes through a wrapper with exactly the optional
+// interfaces of the server's writer (http.Flusher, http.Hijacker,
+// io.ReaderFrom, …); a handler that hijacks the connection is recorded
+// UNKNOWN, since what it sends there is not seen.
 //
 // Every answer to a request with a key echoes it in the Idempotency-Key
 // response header. Answers the middleware writes itself are

@@ -44,8 +44,10 @@ import (
 //     cancelled (cause ErrLeaseUnconfirmed) when no heartbeat can confirm
 //     the lease before it would run out by the local clock;
 //   - replay: answers the stored message (decoded into the method's response
-//     type) or the stored status, with the stored headers and trailers and
-//     "idempotency-result: replayed", without calling the handler;
+//     type, then through WithReplayHook) or the stored status, with the
+//     stored headers and trailers and "idempotency-result: replayed",
+//     without calling the handler. Created and replayed answers carry the
+//     header idempotency-expires (see ExpiresHeader);
 //   - in progress: ABORTED with google.rpc.RetryInfo and the
 //     grpc-retry-pushback-ms trailer, or waits for the result with
 //     WithWaitForResult; held UNKNOWN: FAILED_PRECONDITION with ErrorInfo
