@@ -423,4 +423,3 @@ func TestHTTPKeyPatternRefusesMalformedKey(t *testing.T) {
 		t.Fatalf("handler ran %d times", f.runs.Load())
 	}
 }
-
