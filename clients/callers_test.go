@@ -423,3 +423,27 @@ func TestHTTPKeyPatternRefusesMalformedKey(t *testing.T) {
 		t.Fatalf("handler ran %d times", f.runs.Load())
 	}
 }
+
+// A handler that hijacks the connection answers what it likes there; the
+// middleware cannot see it, so the attempt is recorded UNKNOWN, never
+// stored as a success.
+func TestHTTPHijackedIsRecordedUnknown(t *testing.T) {
+	t.Parallel()
+	f := startHTTP(t, httpSetup{handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+		conn, buf, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			http.Error(w, "cannot hijack: "+err.Error(), http.StatusInternalServerError)
+			return
+		}
+		defer conn.Close()
+		_, _ = buf.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+		_ = buf.Flush()
+	}})
+	if r := f.post(t, "hj-1", "x"); r.status != http.StatusOK || r.body != "hi" {
+		t.Fatalf("hijacked answer: %v", r)
+	}
+	eventually(t, "the hijacked attempt is recorded UNKNOWN", func() bool {
+		rec, code := f.record(t, "hj-1")
+		return code == codes.OK && rec.GetState() == idempotencyv1.State_STATE_UNKNOWN
+	})
+}
