@@ -20,6 +20,7 @@ import (
 	"github.com/hashicorp/go-retryablehttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -446,4 +447,41 @@ func TestHTTPHijackedIsRecordedUnknown(t *testing.T) {
 		rec, code := f.record(t, "hj-1")
 		return code == codes.OK && rec.GetState() == idempotencyv1.State_STATE_UNKNOWN
 	})
+}
+
+// The client interceptor gives keys only to the methods WithClientKeyMethods
+// names, makes them with WithClientKeyFunc, and keeps a key the call
+// already carries.
+func TestClientInterceptorOptions(t *testing.T) {
+	t.Parallel()
+	n := 0
+	intercept := clients.UnaryClientInterceptor(
+		clients.WithClientKeyMethods(chargeMethod),
+		clients.WithClientKeyFunc(func() string { n++; return fmt.Sprint("k", n) }),
+	)
+	keyOf := func(ctx context.Context, method string) []string {
+		var got []string
+		err := intercept(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+			md, _ := metadata.FromOutgoingContext(ctx)
+			got = md.Get(clients.MetadataKey)
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	ctx := context.Background()
+	if got := keyOf(ctx, chargeMethod); len(got) != 1 || got[0] != "k1" {
+		t.Fatalf("Charge: %q", got)
+	}
+	if got := keyOf(ctx, chargeMethod); len(got) != 1 || got[0] != "k2" {
+		t.Fatalf("a second Charge: %q", got)
+	}
+	if got := keyOf(ctx, getProjectMethod); len(got) != 0 {
+		t.Fatalf("GetProject (not named) got a key: %q", got)
+	}
+	if got := keyOf(clients.WithIdempotencyKey(ctx, "mine"), chargeMethod); len(got) != 1 || got[0] != "mine" {
+		t.Fatalf("a call with a key: %q", got)
+	}
 }
