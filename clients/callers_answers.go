@@ -37,10 +37,8 @@ const (
 	ExpiresHeader = "idempotency-expires"
 )
 
-// HTTPReplayHook adjusts a replayed answer of HTTPMiddleware: it gets the
-// request and a copy of the stored response, and returns the response to
-// answer (nil: the stored one). The stored record never changes.
-type HTTPReplayHook func(r *http.Request, stored *idempotencyv1.StoredResponse) *idempotencyv1.StoredResponse
+// httpReplayHook is the function of WithHTTPReplayHook.
+type httpReplayHook func(r *http.Request, stored *idempotencyv1.StoredResponse) *idempotencyv1.StoredResponse
 
 // WithHTTPReplayHook lets f adjust every replayed answer before it is
 // written, to refresh per-request fields (a fresh request id, say) while
@@ -53,8 +51,8 @@ func WithHTTPReplayHook(f func(r *http.Request, stored *idempotencyv1.StoredResp
 	return func(o *httpOptions) { o.replayHook = f }
 }
 
-// ReplayHook adjusts a replayed response message of UnaryServerInterceptor.
-type ReplayHook func(ctx context.Context, fullMethod string, resp proto.Message) proto.Message
+// replayHook is the function of WithReplayHook.
+type replayHook func(ctx context.Context, fullMethod string, resp proto.Message) proto.Message
 
 // WithReplayHook lets f adjust every replayed response message (decoded
 // from the stored one, of the method's response type) before it is sent,

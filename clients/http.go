@@ -120,7 +120,7 @@ type httpOptions struct {
 	scope         string
 	maxBody       int64
 	// Callers' options (callers_answers.go).
-	replayHook            HTTPReplayHook
+	replayHook            httpReplayHook
 	mismatchStatus        int
 	refusedMismatchStatus int // a WithHTTPMismatchStatus that was not taken
 }

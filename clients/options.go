@@ -101,7 +101,7 @@ type interceptorOptions struct {
 	kinds        map[codes.Code]idempotencyv1.FailureKind
 	wait         time.Duration
 	failOpen     bool
-	replayHook   ReplayHook // callers_answers.go
+	replayHook   replayHook // callers_answers.go
 }
 
 func defaultInterceptorOptions() interceptorOptions {
