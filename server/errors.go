@@ -27,6 +27,9 @@ const (
 	ReasonAlreadyFinished          = "ALREADY_FINISHED"
 	ReasonAttemptsExhausted        = "ATTEMPTS_EXHAUSTED"
 	ReasonResponseTooLarge         = "RESPONSE_TOO_LARGE"
+	// ReasonKeyFormat (with INVALID_ARGUMENT): the key does not match the
+	// key_pattern of its scope's policy.
+	ReasonKeyFormat = "KEY_FORMAT"
 	// ReasonNotUnknown: Admin.Resolve found a record that does not read
 	// STATE_UNKNOWN.
 	ReasonNotUnknown = "NOT_UNKNOWN"
