@@ -10,6 +10,7 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -46,7 +47,7 @@ func New(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	rc := &retryingConn{ClientConnInterface: conn, retry: retry.UnaryClientInterceptor(
+	rc := &retryingConn{ClientConnInterface: conn, token: o.token, retry: retry.UnaryClientInterceptor(
 		retry.WithMax(o.attempts),
 		retry.WithBackoff(o.backoff),
 		retry.WithCodes(codes.Unavailable),
@@ -64,9 +65,13 @@ func New(conn grpc.ClientConnInterface, opts ...Option) *Client {
 type retryingConn struct {
 	grpc.ClientConnInterface
 	retry grpc.UnaryClientInterceptor
+	token string // sent as "authorization: Bearer <token>" when set
 }
 
 func (r *retryingConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	if r.token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+r.token)
+	}
 	return r.retry(ctx, method, args, reply, nil,
 		func(ctx context.Context, method string, req, reply any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
 			return r.ClientConnInterface.Invoke(ctx, method, req, reply, opts...)

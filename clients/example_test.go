@@ -150,8 +150,13 @@ func ExampleDedupKey() {
 // a connection to it and a func that stops both. Examples have no
 // *testing.T, so coordtest gets exampleT, which provides what it uses.
 func exampleCoordinator(name string) (*grpc.ClientConn, func()) {
+	return exampleCoordinatorWith(name, "")
+}
+
+// exampleCoordinatorWith is exampleCoordinator with a config file.
+func exampleCoordinatorWith(name, config string) (*grpc.ClientConn, func()) {
 	t := &exampleT{name: name}
-	coord := coordtest.Start(t, coordtest.Options{})
+	coord := coordtest.Start(t, coordtest.Options{Config: config})
 	conn, err := grpc.NewClient(coord.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		panic(err)

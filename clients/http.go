@@ -16,6 +16,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/dunglas/httpsfv"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -52,8 +53,9 @@ const (
 	// ProblemKeyInvalid (400): the Idempotency-Key is not 1-255 printable
 	// bytes, bare or as a structured-field string, or appears twice.
 	ProblemKeyInvalid = "urn:idemcoord:problem:idempotency-key-invalid"
-	// ProblemKeyReused (422): the key was first used with another request
-	// (method, path or body; see WithHTTPFingerprintFunc).
+	// ProblemKeyReused (422, or 409 with WithHTTPMismatchStatus): the key
+	// was first used with another request (method, path or body; see
+	// WithHTTPFingerprintFunc).
 	ProblemKeyReused = "urn:idemcoord:problem:idempotency-key-reused"
 	// ProblemKeyExpired (422): the key's stored result has expired and the
 	// coordinator's policy (on_expired: reject) refuses to run it again.
@@ -118,6 +120,10 @@ type httpOptions struct {
 	replayable    map[int]bool
 	scope         string
 	maxBody       int64
+	// Callers' options (callers_answers.go).
+	replayHook            httpReplayHook
+	mismatchStatus        int
+	refusedMismatchStatus int // a WithHTTPMismatchStatus that was not taken
 }
 
 func defaultHTTPOptions() httpOptions {
@@ -129,6 +135,8 @@ func defaultHTTPOptions() httpOptions {
 		replayable:    map[int]bool{http.StatusNotFound: true, http.StatusConflict: true, http.StatusUnprocessableEntity: true},
 		scope:         DefaultHTTPScope,
 		maxBody:       defaultHTTPMaxBodyBytes,
+
+		mismatchStatus: http.StatusUnprocessableEntity,
 	}
 }
 
@@ -287,13 +295,16 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     panicking handler is recorded UNKNOWN and the panic goes on. If Complete or
 //     Fail cannot reach the coordinator it is retried in the background
 //     for up to one lease (see Client.Shutdown);
-//   - replay: answers the stored status, headers and body byte for byte,
-//     with "Idempotency-Result: replayed", without calling the handler;
+//   - replay: answers the stored status, headers and body byte for byte
+//     (or what WithHTTPReplayHook makes of them), with "Idempotency-Result:
+//     replayed", without calling the handler. Created and replayed answers
+//     carry Idempotency-Expires (see HTTPExpiresHeader);
 //   - another request holds the key: waits for its result up to 5 s
 //     (WithHTTPWait), then answers 409 with Retry-After
 //     (ProblemInProgress); a key held UNKNOWN for an operator answers 409
 //     (ProblemOutcomeUnknown);
-//   - the key was first used with another request: 422 (ProblemKeyReused);
+//   - the key was first used with another request: 422 (ProblemKeyReused;
+//     409 with WithHTTPMismatchStatus);
 //     the coordinator's other refusals: 422 ProblemKeyExpired or
 //     ProblemAttemptsExhausted, 400 for a key it finds invalid;
 //   - the coordinator cannot be reached (after c's retries): 503 with
@@ -328,6 +339,11 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     2xx and never "Idempotency-Result: created". What a handler already
 //     wrote has gone to the client as written.
 //
+// The handler writes through a wrapper with exactly the optional
+// interfaces of the server's writer (http.Flusher, http.Hijacker,
+// io.ReaderFrom, …); a handler that hijacks the connection is recorded
+// UNKNOWN, since what it sends there is not seen.
+//
 // Every answer to a request with a key echoes it in the Idempotency-Key
 // response header. Answers the middleware writes itself are
 // application/problem+json (RFC 9457). A guarded request without a key runs
@@ -340,6 +356,10 @@ func HTTPMiddleware(c *Client, opts ...HTTPOption) func(http.Handler) http.Handl
 	}
 	if !o.principalSet {
 		c.warnUndecidedPrincipal("HTTPMiddleware", "WithHTTPPrincipal", "WithoutHTTPPrincipal")
+	}
+	if o.refusedMismatchStatus != 0 {
+		c.logger.Warn("idempotency: WithHTTPMismatchStatus takes 409 or 422 only; ignoring it",
+			"status", o.refusedMismatchStatus, "in_force", o.mismatchStatus)
 	}
 	return func(next http.Handler) http.Handler {
 		return &httpMiddleware{c: c, o: o, next: next}
@@ -422,10 +442,10 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	switch res.GetOutcome() {
 	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
-		m.run(w, r, m.c.newLease(breq, res, sent))
+		m.run(w, r, m.c.newLease(breq, res, sent), toldTTL{ttl: res.GetTtl(), failureTTL: res.GetFailureTtl()})
 		return
 	case idempotencyv1.Outcome_OUTCOME_REPLAY:
-		replayHTTP(w, res.GetRecord().GetResponse())
+		m.replayStoredHTTP(w, r, res.GetRecord())
 		return
 	}
 	if res.GetRecord().GetState() == idempotencyv1.State_STATE_UNKNOWN {
@@ -469,7 +489,7 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 	case st.Code() == codes.FailedPrecondition:
 		switch errorReason(err) {
 		case idempotencyv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH, idempotencyv1.ErrorReason_ERROR_REASON_SCHEMA_VERSION_NOT_ACCEPTED:
-			writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyReused, "Idempotency-Key reused",
+			writeProblem(w, m.o.mismatchStatus, ProblemKeyReused, "Idempotency-Key reused",
 				"this Idempotency-Key was first used with another request")
 			return
 		case idempotencyv1.ErrorReason_ERROR_REASON_KEY_EXPIRED:
@@ -491,14 +511,15 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 }
 
 // run runs the handler under the acquired lease and records its response.
-func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
+func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease, exp toldTTL) {
 	ctx := r.Context()
-	rec := &httpRecorder{w: w, m: m}
+	rec := &httpRecorder{w: w, m: m, expiry: exp}
+	hw := rec.snoop()
 	// silenced is why the handler's context ended, when it returned after
 	// that without writing anything.
 	var silenced error
 	end := l.run(ctx, func(ctx context.Context) {
-		m.next.ServeHTTP(rec, r.WithContext(ctx))
+		m.next.ServeHTTP(hw, r.WithContext(ctx))
 		if !rec.wrote && ctx.Err() != nil {
 			silenced = context.Cause(ctx)
 		}
@@ -546,6 +567,13 @@ func (m *httpMiddleware) run(w http.ResponseWriter, r *http.Request, l *lease) {
 		}
 		writeProblem(w, http.StatusServiceUnavailable, "about:blank", "Service Unavailable",
 			"the request ended before the handler answered; retry with the same Idempotency-Key")
+		return
+	}
+	if rec.hijacked {
+		// The handler took the connection over: what it sent there is
+		// neither seen nor stored, and may have done anything.
+		_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN,
+			reason: "the handler took over the connection (Hijack)"})
 		return
 	}
 	if !rec.wrote {
@@ -607,6 +635,8 @@ type httpRecorder struct {
 	header   http.Header
 	body     bytes.Buffer
 	overflow bool
+	expiry   toldTTL // for Idempotency-Expires
+	hijacked bool
 }
 
 // Header returns the response's header map.
@@ -629,8 +659,10 @@ func (rec *httpRecorder) WriteHeader(status int) {
 	}
 	if rec.m.stores(status) {
 		h.Set(HTTPResultHeader, resultCreated)
+		setHTTPExpires(h, rec.expiry.expiresAt(time.Now(), rec.m.kind(status) == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE))
 	} else {
 		h.Del(HTTPResultHeader)
+		h.Del(HTTPExpiresHeader)
 	}
 	rec.w.WriteHeader(status)
 }
@@ -650,17 +682,6 @@ func (rec *httpRecorder) Write(p []byte) (int, error) {
 	}
 	return rec.w.Write(p)
 }
-
-// Flush sends what is buffered, as http.Flusher.
-func (rec *httpRecorder) Flush() {
-	if !rec.wrote {
-		rec.WriteHeader(http.StatusOK)
-	}
-	_ = http.NewResponseController(rec.w).Flush()
-}
-
-// Unwrap returns the underlying writer, for http.ResponseController.
-func (rec *httpRecorder) Unwrap() http.ResponseWriter { return rec.w }
 
 // stored is the response to store.
 func (rec *httpRecorder) stored() *idempotencyv1.StoredResponse {
@@ -705,25 +726,15 @@ func replayHTTP(w http.ResponseWriter, resp *idempotencyv1.StoredResponse) {
 func ParseIdempotencyKey(value string) (string, error) {
 	v := strings.Trim(value, " \t")
 	if len(v) >= 2 && v[0] == '"' {
-		var b strings.Builder
-		i := 1
-		for ; i < len(v) && v[i] != '"'; i++ {
-			c := v[i]
-			if c == '\\' {
-				i++
-				if i >= len(v) || v[i] != '"' && v[i] != '\\' {
-					return "", errors.New(`Idempotency-Key: a structured-field string escapes only \" and \\`)
-				}
-				c = v[i]
-			} else if c < 0x20 || c > 0x7e {
-				return "", errors.New("Idempotency-Key: a structured-field string holds printable ASCII only")
-			}
-			b.WriteByte(c)
+		item, err := httpsfv.UnmarshalItem([]string{v})
+		if err != nil {
+			return "", errors.New("Idempotency-Key: not a valid structured-field string (printable ASCII in quotes, escaping only \\\" and \\\\)")
 		}
-		if i != len(v)-1 {
-			return "", errors.New("Idempotency-Key: unterminated structured-field string, or text after it")
+		str, ok := item.Value.(string)
+		if !ok || len(item.Params.Names()) > 0 {
+			return "", errors.New("Idempotency-Key: a quoted key must be a structured-field string without parameters")
 		}
-		v = b.String()
+		v = str
 	}
 	switch {
 	case v == "":
@@ -750,6 +761,7 @@ func writeProblem(w http.ResponseWriter, status int, typ, title, detail string) 
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)+1))
 	h.Del(HTTPResultHeader)
+	h.Del(HTTPExpiresHeader)
 	w.WriteHeader(status)
 	_, _ = w.Write(append(body, '\n'))
 }

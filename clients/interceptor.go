@@ -44,8 +44,10 @@ import (
 //     cancelled (cause ErrLeaseUnconfirmed) when no heartbeat can confirm
 //     the lease before it would run out by the local clock;
 //   - replay: answers the stored message (decoded into the method's response
-//     type) or the stored status, with the stored headers and trailers and
-//     "idempotency-result: replayed", without calling the handler;
+//     type, then through WithReplayHook) or the stored status, with the
+//     stored headers and trailers and "idempotency-result: replayed",
+//     without calling the handler. Created and replayed answers carry the
+//     header idempotency-expires (see ExpiresHeader);
 //   - in progress: ABORTED with google.rpc.RetryInfo and the
 //     grpc-retry-pushback-ms trailer, or waits for the result with
 //     WithWaitForResult; held UNKNOWN: FAILED_PRECONDITION with ErrorInfo
@@ -126,6 +128,7 @@ type method struct {
 	err          error // a method selected on purpose that cannot be wrapped
 	output       protoreflect.MessageType
 	schema       string
+	name         string // the full method name
 }
 
 // result header values.
@@ -177,7 +180,7 @@ func (ic *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryS
 	}
 	switch res.GetOutcome() {
 	case idempotencyv1.Outcome_OUTCOME_ACQUIRED:
-		return ic.run(ctx, m, req, handler, ic.c.newLease(breq, res, sent))
+		return ic.run(ctx, m, req, handler, ic.c.newLease(breq, res, sent), toldTTL{ttl: res.GetTtl(), failureTTL: res.GetFailureTtl()})
 	case idempotencyv1.Outcome_OUTCOME_REPLAY:
 		return ic.replay(ctx, m, res.GetRecord())
 	}
@@ -213,7 +216,7 @@ func (ic *interceptor) beginFailed(ctx context.Context, err error, req any, hand
 }
 
 // run runs the handler under the acquired lease and records its outcome.
-func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc.UnaryHandler, l *lease) (any, error) {
+func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc.UnaryHandler, l *lease, told toldTTL) (any, error) {
 	var rec *recordingStream
 	hctx := ctx
 	if st := grpc.ServerTransportStreamFromContext(ctx); st != nil {
@@ -253,9 +256,11 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 		// "created" only once the response is stored (or being retried in
 		// the background): a Complete refused because the lease was lost
 		// stored nothing.
+		storing := time.Now()
 		if l.finish(ctx, ending{complete: &idempotencyv1.StoredResponse{SchemaVersion: m.schema,
 			ContentType: ContentTypeProto, Body: body, Metadata: rec.stored(&ic.o)}}) == nil {
 			setResult(ctx, resultCreated)
+			setExpires(ctx, told.expiresAt(storing, false))
 		}
 		return resp, nil
 	}
@@ -269,8 +274,10 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 			e.response = stored
 		}
 	}
+	storing := time.Now()
 	if l.finish(ctx, e) == nil && e.kind == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE {
 		setResult(ctx, resultCreated)
+		setExpires(ctx, told.expiresAt(storing, true))
 	}
 	return nil, herr
 }
@@ -281,6 +288,7 @@ func (ic *interceptor) replay(ctx context.Context, m *method, rec *idempotencyv1
 	stored := rec.GetResponse()
 	header, trailer := replayedMetadata(stored.GetMetadata())
 	header.Set(ResultHeader, resultReplayed)
+	header = metadata.Join(header, expiresMetadata(rec.GetExpiresAt()))
 	_ = grpc.SetHeader(ctx, header)
 	if len(trailer) > 0 {
 		_ = grpc.SetTrailer(ctx, trailer)
@@ -301,7 +309,7 @@ func (ic *interceptor) replay(ctx context.Context, m *method, rec *idempotencyv1
 			"scope", rec.GetScope(), "key", rec.GetKey(), "schema_version", stored.GetSchemaVersion(), "err", err)
 		return nil, status.Error(codes.Internal, "the stored response for this idempotency key cannot be decoded")
 	}
-	return out, nil
+	return ic.replayed(ctx, m.name, out), nil
 }
 
 func setResult(ctx context.Context, v string) {
@@ -359,7 +367,7 @@ func (ic *interceptor) resolve(fullMethod string) *method {
 	if v, ok := ic.o.schemas[fullMethod]; ok {
 		schema = v
 	}
-	return &method{wrapped: true, output: mt, schema: schema}
+	return &method{wrapped: true, output: mt, schema: schema, name: fullMethod}
 }
 
 // methodDescriptor finds "/pkg.Service/Method" in protoregistry.GlobalFiles.

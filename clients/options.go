@@ -20,6 +20,7 @@ type options struct {
 	backoff  retry.BackoffFunc
 	logger   *slog.Logger
 	lease    time.Duration
+	token    string
 }
 
 func defaultOptions() options {
@@ -60,6 +61,15 @@ func WithLease(d time.Duration) Option {
 	return func(o *options) { o.lease = d }
 }
 
+// WithToken makes every call of the Client carry the metadata
+// "authorization: Bearer <token>", the credentials of a coordinator with
+// auth on (a tenant's token_sha256 is the SHA-256 of token). An empty token
+// sends none. The token travels in clear unless the connection uses TLS
+// (grpc.WithTransportCredentials): use TLS beyond loopback.
+func WithToken(token string) Option {
+	return func(o *options) { o.token = token }
+}
+
 // InterceptorOption configures UnaryServerInterceptor.
 type InterceptorOption func(*interceptorOptions)
 
@@ -91,6 +101,7 @@ type interceptorOptions struct {
 	kinds        map[codes.Code]idempotencyv1.FailureKind
 	wait         time.Duration
 	failOpen     bool
+	replayHook   replayHook // callers_answers.go
 }
 
 func defaultInterceptorOptions() interceptorOptions {

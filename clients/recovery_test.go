@@ -306,7 +306,7 @@ func TestHeadersAndTrailersReplayed(t *testing.T) {
 	}
 	strip := func(md metadata.MD, keys ...string) metadata.MD {
 		md = md.Copy()
-		for _, k := range append(keys, clients.ResultHeader, "content-type", "date") {
+		for _, k := range append(keys, clients.ResultHeader, clients.ExpiresHeader, "content-type", "date") {
 			delete(md, k)
 		}
 		return md

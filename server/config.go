@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"time"
 
@@ -146,6 +147,13 @@ type PolicyConfig struct {
 	// one whose lease lapsed) stays in the live table before the reaper
 	// moves it to the archive (default 720h, 30 days).
 	UnknownRetention *Duration `yaml:"unknown_retention"`
+	// KeyPattern is the format every key of the scope must have: an RE2
+	// expression that the whole key must match (it is anchored at both
+	// ends), or the shorthand "uuid" (a UUID in its canonical
+	// 8-4-4-4-12 hex form, any case). A Begin whose key does not match
+	// fails INVALID_ARGUMENT with ErrorInfo reason KEY_FORMAT and writes
+	// nothing. Empty (the default): any key.
+	KeyPattern *string `yaml:"key_pattern"`
 }
 
 // ScopeConfig is one per-scope entry.
@@ -195,6 +203,32 @@ type Policy struct {
 	MaxAttempts int32
 	// UnknownRetention: see PolicyConfig.UnknownRetention.
 	UnknownRetention time.Duration
+	// KeyPattern is the compiled PolicyConfig.KeyPattern, anchored; nil
+	// accepts every key.
+	KeyPattern *regexp.Regexp
+}
+
+// KeyPatternUUID is the key_pattern shorthand for a UUID in its canonical
+// 8-4-4-4-12 hex form, any case.
+const KeyPatternUUID = "uuid"
+
+// uuidKeyPattern is what KeyPatternUUID stands for.
+const uuidKeyPattern = `[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}`
+
+// compileKeyPattern compiles a key_pattern: "" accepts every key, "uuid" is
+// KeyPatternUUID, anything else an RE2 expression the whole key must match.
+func compileKeyPattern(pattern string) (*regexp.Regexp, error) {
+	switch pattern {
+	case "":
+		return nil, nil
+	case KeyPatternUUID:
+		pattern = uuidKeyPattern
+	}
+	re, err := regexp.Compile(`\A(?:` + pattern + `)\z`)
+	if err != nil {
+		return nil, fmt.Errorf("key_pattern %q: not an RE2 expression (or \"uuid\"): %w", pattern, err)
+	}
+	return re, nil
 }
 
 // DefaultPolicy is the built-in policy: ttl 24h, failure_ttl 1h, lease 30s,
@@ -624,6 +658,13 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	}
 	if p.MaxAttempts < 0 {
 		errs = append(errs, fmt.Errorf("max_attempts %d: must be 0 (unlimited) or more", p.MaxAttempts))
+	}
+	if c.KeyPattern != nil {
+		re, err := compileKeyPattern(*c.KeyPattern)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		p.KeyPattern = re
 	}
 	return p, errors.Join(errs...)
 }

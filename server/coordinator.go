@@ -50,7 +50,11 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 		return nil, s.status(ctx, err)
 	}
 	logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope, "outcome", outcomeLabels[res.Outcome]})
-	return beginResponse(req, res), nil
+	out := beginResponse(req, res)
+	if res.Outcome == statemachine.OutcomeAcquired {
+		out.Ttl, out.FailureTtl = optDuration(p.Event.TTL), optDuration(p.Event.FailureTTL)
+	}
+	return out, nil
 }
 
 func beginResponse(req *idempotencyv1.BeginRequest, res *ledger.Result) *idempotencyv1.BeginResponse {

@@ -3,6 +3,7 @@ package server
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"time"
 	"unicode/utf8"
 
@@ -72,6 +73,16 @@ func checkName(v *violations, field, s string, max int) {
 	}
 }
 
+// checkKeyFormat checks key against its scope's key_pattern (nil: any
+// key); a mismatch is reason KEY_FORMAT.
+func checkKeyFormat(v *violations, key string, pattern *regexp.Regexp) {
+	if pattern == nil || pattern.MatchString(key) {
+		return
+	}
+	v.add("key", "does not have the format this scope's policy requires (key_pattern)")
+	v.reason = idempotencyv1.ErrorReason_ERROR_REASON_KEY_FORMAT
+}
+
 // checkDuration checks an optional duration against [lo, hi]; loOpen makes
 // the lower bound exclusive.
 func checkDuration(v *violations, field string, d *durationpb.Duration, lo, hi time.Duration, loOpen bool) {
@@ -108,6 +119,7 @@ func (s *Server) validateBegin(req *idempotencyv1.BeginRequest, pol Policy, lim 
 	return validate(s.validator, req, func(v *violations) {
 		checkName(v, "scope", req.GetScope(), lim.MaxScopeBytes)
 		checkName(v, "key", req.GetKey(), lim.MaxKeyBytes)
+		checkKeyFormat(v, req.GetKey(), pol.KeyPattern)
 		if n := len(req.GetFingerprint()); n > lim.MaxFingerprintBytes {
 			v.add("fingerprint", "must be at most %d bytes, got %d", lim.MaxFingerprintBytes, n)
 		}

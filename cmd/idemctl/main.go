@@ -54,6 +54,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
 
@@ -266,9 +267,25 @@ func (c *cli) lookup(ctx context.Context, args []string) error {
 		return err
 	}
 	return c.callRecord(ctx, func(ctx context.Context, conn *grpc.ClientConn) (*idempotencyv1.Record, error) {
-		resp, err := idempotencyv1.NewCoordinatorClient(conn).Lookup(ctx, &idempotencyv1.LookupRequest{Scope: pos[0], Key: pos[1]})
+		// The Coordinator through clients.Client, which sends the token
+		// itself; ctx carries it for the Admin calls only.
+		ctx = withoutToken(ctx)
+		idem := clients.New(conn, clients.WithToken(c.token), clients.WithMaxAttempts(1))
+		resp, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: pos[0], Key: pos[1]})
 		return resp.GetRecord(), err
 	})
+}
+
+// withoutToken returns ctx without the "authorization" metadata that
+// connect added, for a clients.Client that sends the token itself.
+func withoutToken(ctx context.Context) context.Context {
+	md, ok := metadata.FromOutgoingContext(ctx)
+	if !ok {
+		return ctx
+	}
+	md = md.Copy()
+	delete(md, "authorization")
+	return metadata.NewOutgoingContext(ctx, md)
 }
 
 // callRecord connects, makes a call that answers one record, and prints it.

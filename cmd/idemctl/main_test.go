@@ -315,7 +315,8 @@ func TestUsageErrors(t *testing.T) {
 	}
 }
 
-// TestTokenAndAddress: --token and IDEMCOORD_TOKEN authenticate; flags
+// TestTokenAndAddress: --token and IDEMCOORD_TOKEN authenticate (Admin and
+// Coordinator calls); flags
 // override the environment.
 func TestTokenAndAddress(t *testing.T) {
 	t.Parallel()
@@ -332,6 +333,14 @@ func TestTokenAndAddress(t *testing.T) {
 	}
 	if r := idemctl(t, "127.0.0.1:1", nil, "", "--addr", e.coord.Addr, "--token", "ops-secret", "list"); r.code != 0 {
 		t.Fatalf("--addr over IDEMCOORD_ADDR: %+v", r)
+	}
+	// lookup goes through clients.Client (clients.WithToken): refused
+	// without the token, NOT_FOUND (authenticated) with it.
+	if r := idemctl(t, e.coord.Addr, nil, "", "lookup", "build", "k1"); r.code != 1 || !strings.Contains(r.stderr, "UNAUTHENTICATED") {
+		t.Fatalf("lookup without a token: %+v", r)
+	}
+	if r := idemctl(t, e.coord.Addr, nil, "", "--token", "ops-secret", "lookup", "build", "k1"); r.code == 0 || !strings.Contains(r.stderr, "NOT_FOUND") {
+		t.Fatalf("lookup with the token: %+v", r)
 	}
 }
 

@@ -3,6 +3,8 @@ package projects_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"io/fs"
 	"net"
 	"os"
@@ -37,8 +39,13 @@ type demo struct {
 
 func startDemo(t *testing.T) *demo {
 	t.Helper()
-	coord := coordtest.Start(t, coordtest.Options{})
-	idem := clients.New(coord.Dial(t))
+	// An auth-on coordinator, as in production: the service authenticates
+	// with its tenant's token (clients.WithToken).
+	const token = "demo-service-token"
+	sum := sha256.Sum256([]byte(token))
+	coord := coordtest.Start(t, coordtest.Options{Config: "tenants:\n  - { name: demo, token_sha256: " +
+		hex.EncodeToString(sum[:]) + ", scopes: [\"*\"] }\n"})
+	idem := clients.New(coord.Dial(t), clients.WithToken(token))
 	svc := projects.NewService()
 	srv := projects.NewGRPCServer(idem, svc)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")

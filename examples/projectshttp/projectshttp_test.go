@@ -2,6 +2,8 @@ package projectshttp_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -30,8 +32,13 @@ type demo struct {
 
 func startDemo(t *testing.T) *demo {
 	t.Helper()
-	coord := coordtest.Start(t, coordtest.Options{})
-	idem := clients.New(coord.Dial(t))
+	// An auth-on coordinator, as in production: the service authenticates
+	// with its tenant's token (clients.WithToken).
+	const token = "demo-service-token"
+	sum := sha256.Sum256([]byte(token))
+	coord := coordtest.Start(t, coordtest.Options{Config: "tenants:\n  - { name: demo, token_sha256: " +
+		hex.EncodeToString(sum[:]) + ", scopes: [\"*\"] }\n"})
+	idem := clients.New(coord.Dial(t), clients.WithToken(token))
 	store := projectshttp.NewStore()
 	srv := httptest.NewServer(projectshttp.NewHandler(idem, store))
 	t.Cleanup(func() {
@@ -51,8 +58,9 @@ type reply struct {
 	body   string
 }
 
-// post sends a JSON body as user with an Idempotency-Key ("" sends none).
-func (d *demo) post(t *testing.T, path, user, key, body string) reply {
+// post sends a JSON body as user with an Idempotency-Key ("" sends none)
+// and extra headers given as "Name: value".
+func (d *demo) post(t *testing.T, path, user, key, body string, headers ...string) reply {
 	t.Helper()
 	req, err := http.NewRequest(http.MethodPost, d.url+path, strings.NewReader(body))
 	if err != nil {
@@ -62,6 +70,10 @@ func (d *demo) post(t *testing.T, path, user, key, body string) reply {
 	req.Header.Set(projectshttp.UserHeader, user)
 	if key != "" {
 		req.Header.Set("Idempotency-Key", key)
+	}
+	for _, h := range headers {
+		name, value, _ := strings.Cut(h, ": ")
+		req.Header.Set(name, value)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -163,5 +175,36 @@ func TestChargesOverHTTP(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusUnauthorized {
 		t.Fatalf("GET without a user: %d", resp.StatusCode)
+	}
+}
+
+// The job-API case: a retried POST /exports replays the job id (one job is
+// started) and carries its own request id; the stored record keeps the
+// first request's. Answers tell when the key expires.
+func TestExportReplaysJobWithFreshRequestID(t *testing.T) {
+	t.Parallel()
+	d := startDemo(t)
+	first := d.post(t, "/exports", "u1", "exp-1", `{}`, "X-Request-Id: req-a")
+	retry := d.post(t, "/exports", "u1", "exp-1", `{}`, "X-Request-Id: req-b")
+	var a, b projectshttp.Job
+	if json.Unmarshal([]byte(first.body), &a) != nil || json.Unmarshal([]byte(retry.body), &b) != nil {
+		t.Fatalf("bodies %q, %q", first.body, retry.body)
+	}
+	if first.status != http.StatusAccepted || retry.status != http.StatusAccepted || a.ID != "job_1" || b.ID != a.ID ||
+		a.RequestID != "req-a" || b.RequestID != "req-b" || retry.header.Get("Idempotency-Result") != "replayed" {
+		t.Fatalf("first %v, retry %v", first, retry)
+	}
+	if d.store.Jobs() != 1 {
+		t.Fatalf("%d jobs started, want 1", d.store.Jobs())
+	}
+	for _, r := range []reply{first, retry} {
+		if _, err := http.ParseTime(r.header.Get("Idempotency-Expires")); err != nil {
+			t.Fatalf("Idempotency-Expires of %v: %v", r, err)
+		}
+	}
+	rec, err := d.idem.Lookup(context.Background(), &idempotencyv1.LookupRequest{Scope: clients.DefaultHTTPScope,
+		Key: clients.FoldPrincipal("u1", "exp-1")})
+	if err != nil || string(rec.GetRecord().GetResponse().GetBody()) != first.body {
+		t.Fatalf("stored %q (%v), want the first answer %q", rec.GetRecord().GetResponse().GetBody(), err, first.body)
 	}
 }

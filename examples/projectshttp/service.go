@@ -18,7 +18,10 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/google/uuid"
+
 	"github.com/idemcoord/idemcoord/clients"
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
 
 // UserHeader is the demo's stand-in for authentication: the calling user's
@@ -44,11 +47,24 @@ type Charge struct {
 	Currency    string `json:"currency"`
 }
 
-// Store keeps projects and charges in memory.
+// Job is an accepted export job: its id is the outcome of the request and
+// is replayed; the request id belongs to each request, and a replay
+// carries the replaying request's own (see IdempotencyOptions).
+type Job struct {
+	ID        string `json:"job_id"`
+	RequestID string `json:"request_id"`
+}
+
+// RequestIDHeader is the request header a client may name its request with;
+// without it the demo makes up a request id.
+const RequestIDHeader = "X-Request-Id"
+
+// Store keeps projects, charges and jobs in memory.
 type Store struct {
 	mu       sync.Mutex
 	projects []Project
 	charges  []Charge
+	jobs     int
 }
 
 // NewStore returns an empty Store.
@@ -59,6 +75,13 @@ func (s *Store) Projects() []Project {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]Project(nil), s.projects...)
+}
+
+// Jobs returns how many export jobs were started.
+func (s *Store) Jobs() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.jobs
 }
 
 // Charges returns every booked charge in order.
@@ -73,13 +96,15 @@ func (s *Store) Charges() []Charge {
 //
 //	POST /projects        {"name": "Flower Shop", "prompt": "…"} → 201, Location /projects/prj_N
 //	POST /charges         {"account_id": "acct_1", "amount_cents": 1250, "currency": "EUR"} → 201, or 422 declined
+//	POST /exports         {} → 202 {"job_id": "job_N", "request_id": "…"}
 //	GET  /projects/{id}   → 200, or 404
 //
-// Both POSTs require an Idempotency-Key.
+// Every POST requires an Idempotency-Key.
 func NewHandler(idem *clients.Client, store *Store) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /projects", store.createProject)
 	mux.HandleFunc("POST /charges", store.charge)
+	mux.HandleFunc("POST /exports", store.startExport)
 	mux.HandleFunc("GET /projects/{id}", store.getProject)
 	return Authenticate(clients.HTTPMiddleware(idem, IdempotencyOptions()...)(mux)) // the one line
 }
@@ -91,13 +116,41 @@ func NewHandler(idem *clients.Client, store *Store) http.Handler {
 //   - every POST needs an Idempotency-Key (400 problem+json without one);
 //   - POST /projects is fingerprinted on the normalized name only (see
 //     clients.NormalizeName): a retry of the same intent may retype
-//     " Flower  Shop " or reword the free-text prompt.
+//     " Flower  Shop " or reword the free-text prompt;
+//   - a replayed POST /exports keeps its job id (the outcome) and carries
+//     the replaying request's own request id (see refreshRequestID).
 func IdempotencyOptions() []clients.HTTPOption {
 	return []clients.HTTPOption{
 		clients.WithHTTPPrincipal(func(r *http.Request) (string, error) { return UserFrom(r.Context()), nil }),
 		clients.WithHTTPRequireKey(),
 		clients.WithHTTPFingerprintFunc(fingerprint),
+		clients.WithHTTPReplayHook(refreshRequestID),
 	}
+}
+
+// refreshRequestID is the demo's replay hook: a replayed job answer gets
+// the request id of the request it answers; the stored record keeps the
+// first one. Other replays are answered as stored.
+func refreshRequestID(r *http.Request, stored *idempotencyv1.StoredResponse) *idempotencyv1.StoredResponse {
+	var job Job
+	if r.URL.Path != "/exports" || json.Unmarshal(stored.GetBody(), &job) != nil {
+		return nil
+	}
+	job.RequestID = requestID(r)
+	body, err := json.Marshal(job)
+	if err != nil {
+		return nil
+	}
+	stored.Body = append(body, '\n')
+	return stored
+}
+
+// requestID is the request's X-Request-Id, or a new one.
+func requestID(r *http.Request) string {
+	if id := r.Header.Get(RequestIDHeader); id != "" {
+		return id
+	}
+	return uuid.NewString()
 }
 
 func fingerprint(r *http.Request, body []byte) ([]byte, error) {
@@ -164,6 +217,14 @@ func (s *Store) charge(w http.ResponseWriter, r *http.Request) {
 	s.mu.Unlock()
 	w.Header().Set("Location", "/charges/"+req.ID)
 	writeJSON(w, http.StatusCreated, req)
+}
+
+func (s *Store) startExport(w http.ResponseWriter, r *http.Request) {
+	s.mu.Lock()
+	s.jobs++
+	job := Job{ID: fmt.Sprintf("job_%d", s.jobs), RequestID: requestID(r)}
+	s.mu.Unlock()
+	writeJSON(w, http.StatusAccepted, job)
 }
 
 func (s *Store) getProject(w http.ResponseWriter, r *http.Request) {

@@ -2,7 +2,9 @@
 // docs/ true to the code. Every fenced code block names its language and is
 // compiled or checked by it (Go as a complete program, shell with bash -n,
 // YAML as a coordinator config, JavaScript with node --check, Python with
-// compile), every block marked as generated equals its command's output,
+// compile), every Go block that reads IDEMCOORD_TOKEN runs against a real
+// coordinator with auth on (refused without the token, working with it),
+// every block marked as generated equals its command's output,
 // every relative link and #anchor resolves, and no page cites an issue
 // number. The package has no code of its own; nothing imports it.
 package doccheck

@@ -597,6 +597,14 @@ type BeginResponse struct {
 	// The state the key was in before this acquisition (STATE_UNSPECIFIED for
 	// a new key).
 	PreviousState State `protobuf:"varint,5,opt,name=previous_state,json=previousState,proto3,enum=idempotency.v1.State" json:"previous_state,omitempty"`
+	// Set when acquired: how long the record is kept once this attempt ends
+	// it COMPLETED (the request's ttl, else the policy's), so a caller that
+	// answers before it calls Complete can tell its client when the key
+	// stops being honoured: no earlier than now + ttl.
+	Ttl *durationpb.Duration `protobuf:"bytes,6,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// Set when acquired: the same for an end FAILED_RETRYABLE or
+	// FAILED_REPLAYABLE (the policy's failure_ttl, never more than ttl).
+	FailureTtl    *durationpb.Duration `protobuf:"bytes,7,opt,name=failure_ttl,json=failureTtl,proto3" json:"failure_ttl,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -664,6 +672,20 @@ func (x *BeginResponse) GetPreviousState() State {
 		return x.PreviousState
 	}
 	return State_STATE_UNSPECIFIED
+}
+
+func (x *BeginResponse) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *BeginResponse) GetFailureTtl() *durationpb.Duration {
+	if x != nil {
+		return x.FailureTtl
+	}
+	return nil
 }
 
 // CompleteRequest ends an attempt successfully.
@@ -1189,7 +1211,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x04wait\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x04wait\x124\n" +
 	"\x16accept_schema_versions\x18\a \x03(\tR\x14acceptSchemaVersions\x124\n" +
 	"\n" +
-	"attempt_id\x18\b \x01(\tB\x15\xbaH\x12r\x10(@2\f^[^\\p{Cc}]*$R\tattemptId\"\x8d\x02\n" +
+	"attempt_id\x18\b \x01(\tB\x15\xbaH\x12r\x10(@2\f^[^\\p{Cc}]*$R\tattemptId\"\xf6\x02\n" +
 	"\rBeginResponse\x121\n" +
 	"\aoutcome\x18\x01 \x01(\x0e2\x17.idempotency.v1.OutcomeR\aoutcome\x12.\n" +
 	"\x06record\x18\x02 \x01(\v2\x16.idempotency.v1.RecordR\x06record\x12\x1f\n" +
@@ -1197,7 +1219,10 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"leaseToken\x12:\n" +
 	"\vretry_after\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
 	"retryAfter\x12<\n" +
-	"\x0eprevious_state\x18\x05 \x01(\x0e2\x15.idempotency.v1.StateR\rpreviousState\"\xde\x01\n" +
+	"\x0eprevious_state\x18\x05 \x01(\x0e2\x15.idempotency.v1.StateR\rpreviousState\x12+\n" +
+	"\x03ttl\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12:\n" +
+	"\vfailure_ttl\x18\a \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"failureTtl\"\xde\x01\n" +
 	"\x0fCompleteRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x129\n" +
@@ -1307,29 +1332,31 @@ var file_idempotency_v1_coordinator_proto_depIdxs = []int32{
 	4,  // 12: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
 	17, // 13: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
 	0,  // 14: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
-	3,  // 15: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 16: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
-	2,  // 17: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
-	3,  // 18: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 19: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
-	4,  // 20: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
-	17, // 21: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
-	4,  // 22: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
-	5,  // 23: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
-	7,  // 24: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
-	9,  // 25: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
-	11, // 26: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
-	13, // 27: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
-	6,  // 28: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
-	8,  // 29: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
-	10, // 30: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
-	12, // 31: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
-	14, // 32: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
-	28, // [28:33] is the sub-list for method output_type
-	23, // [23:28] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	17, // 15: idempotency.v1.BeginResponse.ttl:type_name -> google.protobuf.Duration
+	17, // 16: idempotency.v1.BeginResponse.failure_ttl:type_name -> google.protobuf.Duration
+	3,  // 17: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 18: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
+	2,  // 19: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
+	3,  // 20: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 21: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
+	4,  // 22: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
+	17, // 23: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
+	4,  // 24: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
+	5,  // 25: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
+	7,  // 26: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
+	9,  // 27: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
+	11, // 28: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
+	13, // 29: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
+	6,  // 30: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
+	8,  // 31: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
+	10, // 32: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
+	12, // 33: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
+	14, // 34: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
+	30, // [30:35] is the sub-list for method output_type
+	25, // [25:30] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_coordinator_proto_init() }

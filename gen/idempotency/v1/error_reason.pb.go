@@ -62,6 +62,9 @@ const (
 	// middlewares: the key is held UNKNOWN for an operator (policy
 	// on_unknown: hold), so retrying will not help.
 	ErrorReason_ERROR_REASON_UNKNOWN_HELD ErrorReason = 10
+	// INVALID_ARGUMENT: the key does not match the key_pattern of its scope's
+	// policy; nothing was written.
+	ErrorReason_ERROR_REASON_KEY_FORMAT ErrorReason = 11
 )
 
 // Enum value maps for ErrorReason.
@@ -78,6 +81,7 @@ var (
 		8:  "ERROR_REASON_NOT_UNKNOWN",
 		9:  "ERROR_REASON_RECORD_UNREADABLE",
 		10: "ERROR_REASON_UNKNOWN_HELD",
+		11: "ERROR_REASON_KEY_FORMAT",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED":                 0,
@@ -91,6 +95,7 @@ var (
 		"ERROR_REASON_NOT_UNKNOWN":                 8,
 		"ERROR_REASON_RECORD_UNREADABLE":           9,
 		"ERROR_REASON_UNKNOWN_HELD":                10,
+		"ERROR_REASON_KEY_FORMAT":                  11,
 	}
 )
 
@@ -125,7 +130,7 @@ var File_idempotency_v1_error_reason_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_error_reason_proto_rawDesc = "" +
 	"\n" +
-	"!idempotency/v1/error_reason.proto\x12\x0eidempotency.v1*\x89\x03\n" +
+	"!idempotency/v1/error_reason.proto\x12\x0eidempotency.v1*\xa6\x03\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12%\n" +
 	"!ERROR_REASON_FINGERPRINT_MISMATCH\x10\x01\x12\x1b\n" +
@@ -138,7 +143,8 @@ const file_idempotency_v1_error_reason_proto_rawDesc = "" +
 	"\x18ERROR_REASON_NOT_UNKNOWN\x10\b\x12\"\n" +
 	"\x1eERROR_REASON_RECORD_UNREADABLE\x10\t\x12\x1d\n" +
 	"\x19ERROR_REASON_UNKNOWN_HELD\x10\n" +
-	"BAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
+	"\x12\x1b\n" +
+	"\x17ERROR_REASON_KEY_FORMAT\x10\vBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
 	file_idempotency_v1_error_reason_proto_rawDescOnce sync.Once

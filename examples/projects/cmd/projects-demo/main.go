@@ -35,6 +35,7 @@ func main() {
 func run() error {
 	listen := flag.String("listen", "127.0.0.1:50061", "address to serve the demo on")
 	coordinator := flag.String("coordinator", envOr("IDEMCOORD_ADDR", "127.0.0.1:50051"), "idemcoord address [IDEMCOORD_ADDR]")
+	token := flag.String("token", os.Getenv("IDEMCOORD_TOKEN"), "bearer token for a coordinator with auth on [IDEMCOORD_TOKEN]")
 	flag.Parse()
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
 
@@ -43,7 +44,7 @@ func run() error {
 		return err
 	}
 	defer conn.Close()
-	idem := clients.New(conn, clients.WithLogger(logger))
+	idem := clients.New(conn, clients.WithLogger(logger), clients.WithToken(*token))
 
 	lis, err := net.Listen("tcp", *listen)
 	if err != nil {
