@@ -147,7 +147,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	case 1:
 		// Alone: the single-record statement plans faster than unnest.
 		r := live[0]
-		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev, batchLockWait)
+		rec, inserted, now, found, err := s.insertOrRead(ctx, r.p.ID, &r.ev, batchLockWait, nil)
 		if isLockTimeout(err) {
 			// Its key is held: it waits on its own, not in a worker.
 			s.held.mark(r.p.ID, time.Now())

@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 )
 
@@ -32,6 +33,14 @@ func commitContext(ctx context.Context) (context.Context, context.CancelFunc) {
 // committed, as after a lost connection). When ctx has ended already, fn
 // does not run.
 func detached[T any](ctx context.Context, fn func(context.Context) (T, error)) (T, error) {
+	return detachedThen(ctx, fn, nil)
+}
+
+// detachedThen is detached, except that when ctx ends first and fn goes on
+// by itself, late (if not nil) is called with fn's result once fn returns,
+// on fn's goroutine. Exactly one of the two learns the result: the caller
+// or late.
+func detachedThen[T any](ctx context.Context, fn func(context.Context) (T, error), late func(T, error)) (T, error) {
 	type result struct {
 		v   T
 		err error
@@ -40,21 +49,32 @@ func detached[T any](ctx context.Context, fn func(context.Context) (T, error)) (
 		var zero T
 		return zero, err
 	}
+	const (
+		waiting = iota
+		returned
+		left
+	)
+	var handoff atomic.Int32
 	cctx, cancel := commitContext(ctx)
 	done := make(chan result, 1)
 	go func() {
 		defer cancel()
 		v, err := fn(cctx)
+		if !handoff.CompareAndSwap(waiting, returned) {
+			if late != nil {
+				late(v, err)
+			}
+			return
+		}
 		done <- result{v, err}
 	}()
 	select {
 	case r := <-done:
 		return r.v, r.err
 	case <-ctx.Done():
-		select {
-		case r := <-done:
+		if !handoff.CompareAndSwap(waiting, left) {
+			r := <-done // fn has returned: its result is the caller's
 			return r.v, r.err
-		default:
 		}
 		var zero T
 		return zero, ctx.Err()

@@ -101,8 +101,12 @@ func lockTimeoutArg(d time.Duration) string {
 }
 
 // insertOrRead runs beginSQL; a lock wait longer than lockWait fails it
-// (isLockTimeout). found is false when no row came back.
-func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
+// (isLockTimeout). found is false when no row came back. When ctx ends
+// while the statement runs and it then creates the key, createdLate (if
+// not nil) is called with the record it created.
+func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration,
+	createdLate func(statemachine.Record),
+) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	// The INSERT commits by itself: never cancelled by ctx (see
 	// commitTimeout).
 	type row struct {
@@ -110,12 +114,20 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 		inserted, found bool
 		now             time.Time
 	}
-	r, err := detached(ctx, func(cctx context.Context) (row, error) {
+	var late func(row, error)
+	if createdLate != nil {
+		late = func(r row, err error) {
+			if err == nil && r.inserted {
+				createdLate(r.rec)
+			}
+		}
+	}
+	r, err := detachedThen(ctx, func(cctx context.Context) (row, error) {
 		var r row
 		var err error
 		r.rec, r.inserted, r.now, r.found, err = s.insertOrReadOnce(cctx, id, ev, lockWait)
 		return r, err
-	})
+	}, late)
 	return r.rec, r.inserted, r.now, r.found, err
 }
 

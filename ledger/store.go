@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -36,6 +37,12 @@ type Store struct {
 	// held remembers keys whose Begins met another transaction's lock,
 	// which batches then leave to run on their own.
 	held heldKeys
+
+	// releases counts the releases of acquisitions whose Begin's caller
+	// had gone (see releaseGone); Close waits for them.
+	releases       sync.WaitGroup
+	releasesMu     sync.Mutex
+	releasesClosed bool
 
 	// cache serves replays without a round trip (nil when off); stopPing
 	// ends its ping loop. clockOffset is the database clock minus the
@@ -222,6 +229,7 @@ func (s *Store) Close() {
 		s.begins.close()
 		s.completes.close()
 	}
+	s.waitReleases()
 	s.notifier.close()
 	s.pool.Close()
 }
@@ -299,6 +307,20 @@ func newToken() string {
 // nothing; one whose ctx ends while it waits for such a key does not
 // acquire it afterwards (after a cancel without a deadline, not later than
 // 500 ms after it).
+//
+// A Begin whose caller is gone never leaves an acquisition behind. Its
+// write is never cancelled once sent (see commitTimeout), so when ctx ends
+// while the write is in flight, Begin returns ctx's error at once and the
+// write may still acquire the key afterwards; and ctx may end just after
+// the write acquired it. Either way nobody will act on that acquisition,
+// nor end it (a client's release of its attempt may have run already and
+// found nothing), so the Store ends it itself, with Fail ABANDONED (reason
+// ReleaseReason): the key is then as if that Begin never was. It does so
+// only while the acquisition is as this Begin made it: a repeated Begin of
+// the same attempt_id that took it up meanwhile (a retry whose caller is
+// still there) keeps it. When ctx ended after the acquisition was made,
+// Begin releases it before it returns ctx's error; when its write was still
+// in flight, as soon as the write has committed.
 func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	if err := checkIdentity(p.ID); err != nil {
 		return nil, err
@@ -308,7 +330,12 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	if ev.NewToken == "" {
 		ev.NewToken = newToken()
 	}
-	return s.begin(ctx, p, ev)
+	res, err := s.begin(ctx, p, ev)
+	if err == nil && ctx.Err() != nil && madeBy(res, ev.NewToken) {
+		s.releaseGone(ctx, p, res.Record)
+		return nil, ctx.Err()
+	}
+	return res, err
 }
 
 // begin is Begin with ev's new token chosen.
@@ -364,7 +391,11 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 			return &Result{Decision: d, Now: now}, nil
 		}
 	}
-	return s.locked(ctx, p.ID, ev, p.Policy)
+	return s.lockedWith(ctx, p.ID, ev, p.Policy, lockedHooks{late: func(res *Result) {
+		if madeBy(res, ev.NewToken) {
+			s.releaseGone(ctx, p, res.Record)
+		}
+	}})
 }
 
 // beginCached answers a Begin from the replay cache when the cached record
@@ -417,7 +448,8 @@ const singleLockWait = 500 * time.Millisecond
 // batch with concurrent Begins when batching is on, else on its own. A
 // caller whose context has ended writes nothing: a queued request is
 // dropped before its batch's statement runs, and the statement on its own
-// does not start.
+// does not start. A write that creates the key after its caller has gone
+// is released (see Begin).
 func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	if s.begins != nil {
 		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
@@ -428,6 +460,13 @@ func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.E
 		select {
 		case out = <-r.out:
 		case <-ctx.Done():
+			// The batch may be running r's write: if it creates the key,
+			// it does so for a caller that has gone.
+			go func() {
+				if out := <-r.out; out.err == nil && out.inserted {
+					s.releaseGone(ctx, p, out.rec)
+				}
+			}()
 			return rec, false, now, false, ctx.Err()
 		}
 		if out.err != nil || out.found {
@@ -451,7 +490,9 @@ func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.E
 			}
 			return rec, false, now, false, err
 		}
-		rec, inserted, now, found, err = s.insertOrRead(ctx, p.ID, &ev, lockWait)
+		rec, inserted, now, found, err = s.insertOrRead(ctx, p.ID, &ev, lockWait, func(rec statemachine.Record) {
+			s.releaseGone(ctx, p, rec)
+		})
 		if !isLockTimeout(err) {
 			return rec, inserted, now, found, classify(err)
 		}
@@ -565,11 +606,28 @@ const maxRaceRetries = 8
 // locked takes the decision for ev under the row lock and applies it in the
 // same transaction.
 func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (*Result, error) {
+	return s.lockedWith(ctx, id, ev, pol, lockedHooks{})
+}
+
+// lockedHooks are the optional parts of a locked decision.
+type lockedHooks struct {
+	// only, when set, is asked under the row lock about the record as
+	// stored (nil: none); when it answers false, nothing is decided or
+	// written, and the answer is (nil, nil).
+	only func(cur *statemachine.Record) bool
+	// late, when set, is called with the applied result when ctx ended
+	// during the COMMIT and the commit then succeeded (the caller was
+	// answered ctx's error).
+	late func(*Result)
+}
+
+// lockedWith is locked with hooks.
+func (s *Store) lockedWith(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy, h lockedHooks) (*Result, error) {
 	if err := checkIdentity(id); err != nil {
 		return nil, err
 	}
 	for range maxRaceRetries {
-		res, retry, err := s.lockedOnce(ctx, id, ev, pol)
+		res, retry, err := s.lockedOnce(ctx, id, ev, pol, h)
 		switch {
 		case err != nil:
 			return nil, classify(err)
@@ -582,8 +640,19 @@ func (s *Store) locked(ctx context.Context, id Identity, ev statemachine.Event, 
 	return nil, fmt.Errorf("%w: record %q changed too often under contention", ErrUnavailable, id.Key)
 }
 
-func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy) (res *Result, retry bool, err error) {
-	err = withTx(ctx, s.pool, func(tx pgx.Tx) error {
+func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy, h lockedHooks) (res *Result, retry bool, err error) {
+	// applied is the decision written, once fn has written it; late reads
+	// it rather than the results, which the return below overwrites.
+	var applied *Result
+	var late func()
+	if h.late != nil {
+		late = func() {
+			if applied != nil {
+				h.late(applied)
+			}
+		}
+	}
+	err = withTxThen(ctx, s.pool, func(tx pgx.Tx) error {
 		row := tx.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
 			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
 			id.Tenant, id.Scope, id.Key, s.now())
@@ -598,6 +667,9 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 			return err
 		default:
 			curp = &cur
+		}
+		if h.only != nil && !h.only(curp) {
+			return nil // nothing to write; committing releases the lock
 		}
 		d := statemachine.Next(curp, s.beginEventFor(id, curp, ev), pol, now)
 		res = &Result{Decision: d, Now: now}
@@ -631,8 +703,11 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 				return err
 			}
 		}
+		if !retry {
+			applied = res
+		}
 		return nil
-	})
+	}, late)
 	if err != nil {
 		return nil, false, err
 	}
@@ -655,6 +730,12 @@ func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
 // when ctx ends during it, withTx returns ctx's error and the commit goes
 // on by itself.
 func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
+	return withTxThen(ctx, pool, fn, nil)
+}
+
+// withTxThen is withTx, except that when ctx ends during the COMMIT and the
+// commit then succeeds, late (if not nil) is called once it has.
+func withTxThen(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error, late func()) error {
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return err
@@ -667,9 +748,17 @@ func withTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) erro
 		_ = tx.Rollback(context.WithoutCancel(ctx))
 		return err
 	}
-	_, err = detached(ctx, func(cctx context.Context) (struct{}, error) {
+	var committedLate func(struct{}, error)
+	if late != nil {
+		committedLate = func(_ struct{}, err error) {
+			if err == nil {
+				late()
+			}
+		}
+	}
+	_, err = detachedThen(ctx, func(cctx context.Context) (struct{}, error) {
 		return struct{}{}, tx.Commit(cctx)
-	})
+	}, committedLate)
 	return err
 }
 

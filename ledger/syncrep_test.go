@@ -3,6 +3,8 @@ package ledger_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -73,6 +75,10 @@ func waitFor(t *testing.T, what string, cond func() (bool, error)) {
 // writes stay invisible on the primary until the standby is back, and then
 // they are on both.
 //
+// The Begin, whose caller is gone by the time its INSERT commits, is then
+// released by the Store (see Store.Begin): its record is on both, and then
+// gone from both.
+//
 // Before commits ran under context.WithoutCancel, each write became visible
 // on the primary right after its caller's cancel, with the standby down.
 func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
@@ -80,7 +86,9 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 	url := primary.URL("postgres")
 	// Without batching, every path runs on its caller's context; without
 	// notifications, no ping of the listener commits beside the writes.
-	store, err := ledger.Open(context.Background(), url, ledger.WithoutBatching(), ledger.WithoutNotifications())
+	var logs logBuffer
+	store, err := ledger.Open(context.Background(), url, ledger.WithoutBatching(), ledger.WithoutNotifications(),
+		ledger.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,25 +111,28 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 	writes := []struct {
 		name string
 		call func(context.Context) error
-		// visible is the SQL condition that holds once the write is in.
-		visible string
+		// visible is the SQL condition that holds once the write is in;
+		// after, when set, the one that holds once what follows it is done
+		// too (released, for the Begin).
+		visible, after string
 	}{
 		{"Begin", func(c context.Context) error { _, err := begin(c, "begin"); return err },
-			`EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'begin')`},
+			`EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'begin')`,
+			`NOT EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'begin')`},
 		{"Complete", func(c context.Context) error {
 			_, err := store.Finish(c, &ledger.FinishParams{ID: id("complete"), Event: statemachine.Event{
 				Kind: statemachine.EventComplete, Token: held["complete"], Response: &statemachine.Response{Body: []byte("x")}}})
 			return err
-		}, `EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'complete' AND state = 2)`},
+		}, `EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'complete' AND state = 2)`, ""},
 		{"Heartbeat", func(c context.Context) error {
 			_, err := store.Finish(c, &ledger.FinishParams{ID: id("heartbeat"), Event: statemachine.Event{
 				Kind: statemachine.EventHeartbeat, Token: held["heartbeat"], Lease: time.Hour}})
 			return err
-		}, `EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'heartbeat' AND lease_expires_at > now() + interval '30 minutes')`},
+		}, `EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'heartbeat' AND lease_expires_at > now() + interval '30 minutes')`, ""},
 		{"Forget", func(c context.Context) error {
 			_, err := store.Forget(c, &ledger.ForgetParams{ID: id("forget")})
 			return err
-		}, `NOT EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'forget')`},
+		}, `NOT EXISTS (SELECT 1 FROM idempotency_records WHERE key = 'forget')`, ""},
 	}
 
 	if err := standby.Stop(); err != nil {
@@ -166,13 +177,14 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 			t.Errorf("%s acknowledged while its commit waits for a standby that is down", w.name)
 		}
 	}
-	isVisible := func(w int) bool {
+	holds := func(cond string) bool {
 		var ok bool
-		if err := check.QueryRow(ctx, `SELECT `+writes[w].visible).Scan(&ok); err != nil {
+		if err := check.QueryRow(ctx, `SELECT `+cond).Scan(&ok); err != nil {
 			t.Fatal(err)
 		}
 		return ok
 	}
+	isVisible := func(w int) bool { return holds(writes[w].visible) }
 	// A cancel request, had one been sent, lands within milliseconds; give
 	// it plenty of time. (A slow machine can only make this pass wrongly,
 	// never fail wrongly.)
@@ -191,11 +203,38 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 		t.Fatal(err)
 	}
 	onStandby := connect(t, standby.URL("postgres"))
-	for i, w := range writes {
+	for _, w := range writes {
+		cond := w.visible
+		if w.after != "" {
+			cond = w.after
+		}
 		waitFor(t, fmt.Sprintf("%s to commit once the standby is back", w.name), func() (bool, error) {
 			var ok bool
-			err := onStandby.QueryRow(ctx, `SELECT `+w.visible).Scan(&ok)
-			return ok && isVisible(i), err
+			err := onStandby.QueryRow(ctx, `SELECT `+cond).Scan(&ok)
+			return ok && holds(cond), err
 		})
 	}
+	// The Begin's record is gone because it was committed and then
+	// released, not because it never was.
+	if msg := "released an acquisition whose Begin's caller had gone"; !strings.Contains(logs.String(), msg) {
+		t.Errorf("the Store's log does not say %q:\n%s", msg, logs.String())
+	}
+}
+
+// logBuffer is a log destination safe for concurrent use.
+type logBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

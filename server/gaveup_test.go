@@ -1,0 +1,102 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree: a gRPC caller
+// cancels its Begin while the coordinator's write of it waits on the key's
+// row (a service's RunTx holds it), and the write then creates the key
+// after all, for a caller that has gone. The coordinator releases that
+// acquisition itself (Fail ABANDONED): the key is absent again, and the
+// next Begin acquires it at once as attempt 1, as if the cancelled one had
+// never been. Before, the key stayed IN_PROGRESS with a token nobody knew,
+// and read UNKNOWN once its lease ran out.
+func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{realClock: true})
+	svc, err := ledger.Open(context.Background(), e.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(svc.Close)
+	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "gave-up"}
+	running, fail := make(chan struct{}), make(chan struct{})
+	var failOnce sync.Once
+	failNow := func() { failOnce.Do(func() { close(fail) }) }
+	t.Cleanup(failNow)
+	rolledBack := make(chan error, 1)
+	go func() {
+		_, _, err := svc.RunTx(context.Background(), id, ledger.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+			close(running)
+			<-fail
+			return nil, errors.New("the business write failed")
+		})
+		rolledBack <- err
+	}()
+	<-running
+
+	conn, err := pgxConnect(e.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	count := func(sql string) int {
+		t.Helper()
+		var n int
+		if err := conn.QueryRow(context.Background(), sql).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	bctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	began := make(chan error, 1)
+	go func() {
+		_, err := e.client.Begin(bctx, &idempotencyv1.BeginRequest{Scope: id.Scope, Key: id.Key, AttemptId: "gave-up"})
+		began <- err
+	}()
+	// The coordinator's write of the Begin waits on the RunTx's row; then
+	// its caller gives up.
+	for deadline := time.Now().Add(10 * time.Second); count(`SELECT count(*) FROM pg_stat_activity
+		WHERE wait_event_type = 'Lock' AND datname = current_database()`) == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("the Begin's write does not wait on the held key after 10 s")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	cancel()
+	if err := <-began; status.Code(err) != codes.Canceled {
+		t.Fatalf("Begin cancelled while its write waited: %v, want CANCELED", err)
+	}
+	failNow()
+	if err := <-rolledBack; err == nil {
+		t.Fatal("RunTx committed; want fn's error")
+	}
+
+	for deadline := time.Now().Add(5 * time.Second); count(`SELECT count(*) FROM idempotency_records`) != 0; {
+		if time.Now().After(deadline) {
+			rec, _, _ := svc.Lookup(context.Background(), id)
+			t.Fatalf("the key is held (%v, attempt_id %q) 5 s after the only Begin of it was cancelled; want no record",
+				rec.State, rec.AttemptID)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	r := e.mustBegin(id.Scope, id.Key, idempotencyv1.Outcome_OUTCOME_ACQUIRED)
+	if got := r.GetRecord().GetAttempt(); got != 1 || r.GetPreviousState() != idempotencyv1.State_STATE_UNSPECIFIED {
+		t.Errorf("next Begin: attempt %d, previous state %v; want attempt 1 of a new key", got, r.GetPreviousState())
+	}
+}
