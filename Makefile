@@ -5,6 +5,7 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.5.1
 GRPCURL_VERSION            := v1.9.3
 GHZ_VERSION                := v0.121.0
 TOXIPROXY_VERSION          := v2.5.0
+GOLANGCI_LINT_VERSION      := v2.15.0
 # helm is built from tools/helm, a module of its own (its dependencies stay out of go.mod);
 # HELM_VERSION must be the version tools/helm/go.mod requires.
 HELM_VERSION               := v3.19.0
@@ -15,9 +16,15 @@ export GOTOOLCHAIN := local
 
 GO_PACKAGES := ./...
 
-.PHONY: all run test lint generate check-generated tools build bench clean-data
+.PHONY: all help run test lint generate check-generated tools build bench clean-data
 
 all: test
+
+## help: list the targets and what each does (these `## target:` comments)
+help:
+	@awk '/^## [A-Za-z0-9_-]+:/ { line = substr($$0, 4); name = line; sub(/:.*/, "", name); sub(/^[^:]*: */, "", line); \
+	    printf "  %-22s %s\n", name, line; next } \
+	  /^## / { printf "  %-22s %s\n", "", substr($$0, 4) }' $(MAKEFILE_LIST)
 
 ## run: start the coordinator on 127.0.0.1:50051 (with a local PostgreSQL under .data/ unless DATABASE_URL is set)
 run: build
@@ -133,11 +140,12 @@ $(BIN)/.helm-$(HELM_VERSION): tools/helm/go.mod
 	cd tools/helm && GOBIN=$(BIN) go install -ldflags "$(HELM_LDFLAGS)" helm.sh/helm/v3/cmd/helm
 	@touch $@
 
-## lint: gofmt, go vet, buf lint, generated code up to date
+## lint: gofmt, go vet, golangci-lint (.golangci.yml: staticcheck, errorlint, ...), buf lint, generated code up to date
 lint: tools check-generated
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/') 2>&1); \
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	go vet $(GO_PACKAGES)
+	$(BIN)/golangci-lint run $(GO_PACKAGES)
 	$(BIN)/buf lint
 
 # The Node and Python client libraries load the API at run time from a
@@ -165,7 +173,7 @@ check-generated: tools
 
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
-       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.helm-$(HELM_VERSION)
+       $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.helm-$(HELM_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)
 
 $(BIN)/.buf-$(BUF_VERSION):
 	GOBIN=$(BIN) go install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
@@ -175,6 +183,9 @@ $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION):
 	@touch $@
 $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION):
 	GOBIN=$(BIN) go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	@touch $@
+$(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION):
+	GOBIN=$(BIN) go install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	@touch $@
 $(BIN)/.grpcurl-$(GRPCURL_VERSION):
 	GOBIN=$(BIN) go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)

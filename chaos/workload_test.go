@@ -95,7 +95,6 @@ type replay struct {
 // workloadOptions tunes a workload; zero fields take the defaults.
 type workloadOptions struct {
 	scope       string
-	workers     int
 	slots       int
 	lease       time.Duration
 	callTimeout time.Duration

@@ -14,8 +14,10 @@ import (
 // of the README (DESIGN "Go client and interceptor"), one handler error
 // code at a time: the caller gets the handler's code, and the record is
 // left as the class says (ABANDONED: no record; RETRYABLE:
-// FAILED_RETRYABLE; UNKNOWN: UNKNOWN; REPLAYABLE: FAILED_REPLAYABLE, and a
-// retry replays the stored status without running the handler).
+// FAILED_RETRYABLE, and the next call runs the handler again as attempt 2;
+// UNKNOWN: UNKNOWN; REPLAYABLE: FAILED_REPLAYABLE with the code stored, and
+// a retry replays the stored status, message included, without running the
+// handler).
 func TestInterceptorErrorClasses(t *testing.T) {
 	t.Parallel()
 	const none = idempotencyv1.State_STATE_UNSPECIFIED
@@ -52,11 +54,28 @@ func TestInterceptorErrorClasses(t *testing.T) {
 				}
 				return
 			}
-			f.mustState(t, key, tc.want)
-			if tc.want == idempotencyv1.State_STATE_FAILED_REPLAYABLE {
-				wantCode(t, f.charge(t, key, chargeReq(100)).err, tc.code)
+			rec := f.mustState(t, key, tc.want)
+			switch tc.want {
+			case idempotencyv1.State_STATE_FAILED_REPLAYABLE:
+				second := f.charge(t, key, chargeReq(100))
+				st := wantCode(t, second.err, tc.code)
+				if st.Message() != "handler says "+tc.code.String() || second.result() != "replayed" {
+					t.Fatalf("replay: %v, result %q", st, second.result())
+				}
+				if rec.GetResponse().GetStatusCode() != int32(tc.code) {
+					t.Fatalf("stored status code %d, want %d", rec.GetResponse().GetStatusCode(), tc.code)
+				}
 				if n := f.svc.chargeCalls.Load(); n != 1 {
 					t.Fatalf("the handler ran %d times, want 1 (the stored %v is replayed)", n, tc.code)
+				}
+			case idempotencyv1.State_STATE_FAILED_RETRYABLE:
+				second := f.charge(t, key, chargeReq(100))
+				if second.err != nil || second.result() != "created" {
+					t.Fatalf("second call: %v, result %q", second.err, second.result())
+				}
+				want := []string{"1 STATE_UNSPECIFIED true", "2 STATE_FAILED_RETRYABLE true"}
+				if got := seen.get(); !equalStrings(got, want) {
+					t.Fatalf("AttemptFrom saw %v, want %v", got, want)
 				}
 			}
 		})

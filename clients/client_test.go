@@ -415,3 +415,71 @@ func TestOnceCallerGoneBeforeFunctionStarts(t *testing.T) {
 		t.Fatalf("after Once returned: %v, want NOT_FOUND", err)
 	}
 }
+
+// lossyConn delivers the first Begin to the coordinator and then reports
+// UNAVAILABLE, as when the reply is lost on the way back; it records the
+// attempt_id of every Begin it forwards.
+type lossyConn struct {
+	grpc.ClientConnInterface
+	mu       sync.Mutex
+	attempts []string
+	dropped  bool
+}
+
+func (l *lossyConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	err := l.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
+	req, ok := args.(*idempotencyv1.BeginRequest)
+	if !ok {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.attempts = append(l.attempts, req.GetAttemptId())
+	if err == nil && !l.dropped {
+		l.dropped = true
+		return status.Error(codes.Unavailable, "reply lost")
+	}
+	return err
+}
+
+// TestBeginAttemptIDSurvivesLostReply: the Go client's Begin fills in an
+// attempt_id when the caller leaves it empty and keeps it across its own
+// retries, so a Begin whose reply was lost gets the same lease on retry
+// instead of finding its own key IN_PROGRESS.
+func TestBeginAttemptIDSurvivesLostReply(t *testing.T) {
+	t.Parallel()
+	coord := coordtest.Start(t, coordtest.Options{})
+	conn := &lossyConn{ClientConnInterface: coord.Dial(t)}
+	c := clients.New(conn, clients.WithMaxAttempts(5), clients.WithBackoff(retry.BackoffLinear(10*time.Millisecond)))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_ = c.Shutdown(ctx)
+	})
+	req := &idempotencyv1.BeginRequest{Scope: "build", Key: "lost-reply"}
+	res, err := c.Begin(testCtx(t), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED || res.GetLeaseToken() == "" {
+		t.Fatalf("retried Begin after a lost reply: %v, want ACQUIRED with a token", res.GetOutcome())
+	}
+	conn.mu.Lock()
+	attempts := append([]string(nil), conn.attempts...)
+	conn.mu.Unlock()
+	if len(attempts) != 2 || attempts[0] == "" || attempts[0] != attempts[1] {
+		t.Fatalf("attempt_ids sent: %q, want the same non-empty one twice", attempts)
+	}
+	if req.GetAttemptId() != "" {
+		t.Fatalf("Begin changed the caller's request")
+	}
+	// The token works: the record completes.
+	if _, err := c.Complete(testCtx(t), &idempotencyv1.CompleteRequest{Scope: "build", Key: "lost-reply", LeaseToken: res.GetLeaseToken(),
+		Response: &idempotencyv1.StoredResponse{Body: []byte("ok")}}); err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.Begin(testCtx(t), proto.CloneOf(req))
+	if err != nil || again.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY {
+		t.Fatalf("after Complete: %v %v", again.GetOutcome(), err)
+	}
+}

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/errorinfo"
 )
 
 // Names on the wire.
@@ -34,10 +35,13 @@ const (
 	// policy for ABORTED honour it.
 	PushbackTrailer = "grpc-retry-pushback-ms"
 	// ErrorDomain is the domain of the google.rpc.ErrorInfo details the
-	// interceptor and the coordinator send.
-	ErrorDomain = "idempotency.v1"
+	// interceptor and the coordinator send. Their reasons are the API's enum
+	// ErrorReason, sent by name without the ERROR_REASON_ prefix.
+	ErrorDomain = errorinfo.Domain
 	// ReasonUnknownHeld is the ErrorInfo reason of a call whose key is held
-	// UNKNOWN for an operator (policy on_unknown: hold).
+	// UNKNOWN for an operator (policy on_unknown: hold): the wire name of
+	// idempotencyv1.ErrorReason_ERROR_REASON_UNKNOWN_HELD, kept as a
+	// constant for callers (TestReasonUnknownHeldIsTheEnumsName checks it).
 	ReasonUnknownHeld = "UNKNOWN_HELD"
 )
 
@@ -110,10 +114,6 @@ func (e *statusError) Error() string              { return e.st.Err().Error() }
 func (e *statusError) GRPCStatus() *status.Status { return e.st }
 func (e *statusError) Is(target error) bool       { return target == e.sentinel }
 
-func errorInfo(reason string) *errdetails.ErrorInfo {
-	return &errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}
-}
-
 func withDetails(st *status.Status, details ...protoadapt.MessageV1) *status.Status {
 	if out, err := st.WithDetails(details...); err == nil {
 		return out
@@ -125,7 +125,7 @@ func withDetails(st *status.Status, details ...protoadapt.MessageV1) *status.Sta
 func unknownHeldError() error {
 	st := status.New(codes.FailedPrecondition,
 		"the outcome of an earlier attempt with this idempotency key is unknown and held for an operator")
-	return &statusError{st: withDetails(st, errorInfo(ReasonUnknownHeld)), sentinel: ErrUnknownHeld}
+	return &statusError{st: withDetails(st, errorinfo.New(idempotencyv1.ErrorReason_ERROR_REASON_UNKNOWN_HELD)), sentinel: ErrUnknownHeld}
 }
 
 // inProgressError is ABORTED with RetryInfo; the caller sets the trailer.
@@ -241,18 +241,16 @@ func contextStatus(ctx context.Context) error {
 	return status.FromContextError(ctx.Err()).Err()
 }
 
-// reasonAlreadyFinished is the coordinator's ErrorInfo reason for a call
-// with a token whose attempt already ended.
-const reasonAlreadyFinished = "ALREADY_FINISHED"
-
-// errorReason returns the ErrorInfo reason in err's status details, if any.
-func errorReason(err error) string {
+// errorReason returns the ErrorReason of the ErrorInfo in err's status
+// details: ERROR_REASON_UNSPECIFIED when there is none or its reason is
+// not one of the enum's.
+func errorReason(err error) idempotencyv1.ErrorReason {
 	for _, d := range status.Convert(err).Details() {
 		if ei, ok := d.(*errdetails.ErrorInfo); ok {
-			return ei.GetReason()
+			return errorinfo.Parse(ei.GetReason())
 		}
 	}
-	return ""
+	return idempotencyv1.ErrorReason_ERROR_REASON_UNSPECIFIED
 }
 
 // transportFailure reports whether err says that the coordinator could not

@@ -488,15 +488,15 @@ func (m *httpMiddleware) beginFailed(w http.ResponseWriter, r *http.Request, err
 		return
 	case st.Code() == codes.FailedPrecondition:
 		switch errorReason(err) {
-		case "FINGERPRINT_MISMATCH", "SCHEMA_VERSION_NOT_ACCEPTED":
+		case idempotencyv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH, idempotencyv1.ErrorReason_ERROR_REASON_SCHEMA_VERSION_NOT_ACCEPTED:
 			writeProblem(w, m.o.mismatchStatus, ProblemKeyReused, "Idempotency-Key reused",
 				"this Idempotency-Key was first used with another request")
 			return
-		case "KEY_EXPIRED":
+		case idempotencyv1.ErrorReason_ERROR_REASON_KEY_EXPIRED:
 			writeProblem(w, http.StatusUnprocessableEntity, ProblemKeyExpired, "Idempotency-Key expired",
 				"the result stored for this Idempotency-Key has expired and the key may not be used again")
 			return
-		case "ATTEMPTS_EXHAUSTED":
+		case idempotencyv1.ErrorReason_ERROR_REASON_ATTEMPTS_EXHAUSTED:
 			writeProblem(w, http.StatusUnprocessableEntity, ProblemAttemptsExhausted, "Idempotency-Key attempts exhausted",
 				"requests with this Idempotency-Key failed as many times as allowed")
 			return

@@ -570,7 +570,7 @@ func (l *lease) tryFinish(ctx context.Context, e ending) (done bool, err error) 
 	}
 	// ALREADY_FINISHED: the call did land and only its reply was lost (or
 	// another ending did); the next try of e tells which.
-	if _, herr := l.heartbeat(cctx); leaseGone(herr) && errorReason(herr) != reasonAlreadyFinished {
+	if _, herr := l.heartbeat(cctx); leaseGone(herr) && errorReason(herr) != idempotencyv1.ErrorReason_ERROR_REASON_ALREADY_FINISHED {
 		return true, herr
 	}
 	return false, err

@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"time"
@@ -12,14 +13,17 @@ import (
 )
 
 // effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
-// over a record row and clock.now: an IN_PROGRESS (1) record at or past its
-// lease reads UNKNOWN (6), a COMPLETED or FAILED_* (2, 3, 4) record at or
-// past expires_at reads EXPIRED (5). TestEffectiveStateSQL holds the two
-// together.
-const effectiveStateSQL = `CASE
-	WHEN state = 1 AND lease_expires_at <= clock.now THEN 6
-	WHEN state IN (2, 3, 4) AND expires_at <= clock.now THEN 5
-	ELSE state END`
+// over a record row and clock.now: an IN_PROGRESS record at or past its
+// lease reads UNKNOWN, a COMPLETED or FAILED_* record at or past expires_at
+// reads EXPIRED. TestEffectiveStateSQL holds the two together.
+var effectiveStateSQL = stateSQL(`CASE
+	WHEN state = {IN_PROGRESS} AND lease_expires_at <= clock.now THEN {UNKNOWN}
+	WHEN state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= clock.now THEN {EXPIRED}
+	ELSE state END`)
+
+// needsDecisionSQL keeps the records that need an operator's decision:
+// UNKNOWN in effect now, or an uncertain FAILED_RETRYABLE.
+var needsDecisionSQL = stateSQL(`(` + effectiveStateSQL + ` = {UNKNOWN} OR (` + effectiveStateSQL + ` = {FAILED_RETRYABLE} AND uncertain))`)
 
 // listColumns are recordColumns with the stored response left out
 // (has_response false, no body or metadata), so listing never reads bodies.
@@ -106,7 +110,7 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
 	}
 	if p.NeedsDecision {
-		where.WriteString(" AND (" + effectiveStateSQL + " = 6 OR (" + effectiveStateSQL + " = 3 AND uncertain))")
+		where.WriteString(" AND " + needsDecisionSQL)
 	}
 	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
 		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))
@@ -292,7 +296,7 @@ func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Recor
 		return d, err
 	})
 	rec, now := d.rec, d.now
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, statemachine.ErrNotFound
 	}
 	if err != nil {

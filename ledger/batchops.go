@@ -256,7 +256,7 @@ type completeRes struct {
 // scope, key, token, then the responseArgs columns. The rows are locked
 // first, in the global lock order (see compareIdentity), and only then
 // updated.
-var completeBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+var completeBatchSQL = stateSQL(`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 input AS (
 	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bool[], $7::text[],
 		$8::text[], $9::int4[], $10::bytea[], $11::bytea[], $12::text[])
@@ -265,18 +265,18 @@ input AS (
 locked AS MATERIALIZED (
 	SELECT i.* FROM idempotency_records r
 	JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key
-	WHERE r.lease_token = i.token AND r.state IN (1, 6)
+	WHERE r.lease_token = i.token AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
 	ORDER BY r.tenant COLLATE "C", r.scope COLLATE "C", r.key COLLATE "C"
 	FOR UPDATE OF r)
-UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = l.has_response,
+UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = l.has_response,
 	schema_version = l.schema_version, content_type = l.content_type, status_code = l.status_code,
 	body = l.body, metadata = l.metadata, enc_key_id = l.enc_key_id, failure_reason = '',
 	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM locked l, clock
 WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
-	AND r.state IN (1, 6)
-RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`
+	AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`)
 
 // runCompleteBatch runs one batch of Completes and answers each request. A
 // batch holds at most one request per record; the others decide on the
@@ -358,6 +358,6 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 	}
 	for _, r := range live {
 		d := done[r.id]
-		r.out <- completeRes{res: d.res, err: d.err}
+		r.out <- completeRes(d)
 	}
 }

@@ -29,15 +29,15 @@ type StateCounts struct {
 // rows, where it exists), the table's estimated row count and the
 // frequency of each stored state in the planner's statistics, and the
 // table's size. $1 is now (NULL: the database clock).
-const stateCountsSQL = `SELECT
-	(SELECT count(*) FROM idempotency_records WHERE state = 1),
-	(SELECT count(*) FROM idempotency_records WHERE state = 1 AND lease_expires_at <= coalesce($1::timestamptz, now())),
-	(SELECT count(*) FROM idempotency_records WHERE state = 6),
+var stateCountsSQL = stateSQL(`SELECT
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS}),
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
+	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
 	(SELECT reltuples::float8 FROM pg_class WHERE oid = 'idempotency_records'::regclass),
 	(SELECT most_common_vals::text::int2[] FROM pg_stats
 		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state'),
 	(SELECT most_common_freqs FROM pg_stats
-		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state')`
+		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state')`)
 
 // StateCounts counts records per state in effect now at a cost that does
 // not grow with the table: it is what the idempotency_records gauge

@@ -68,34 +68,34 @@ type ReapResult struct {
 // the same time never touch the same row, and returns one row per record.
 // "now" is written inline (not in a CTE) so the planner can use it as an
 // index condition.
-const (
-	reapStaleSQL = `WITH batch AS (
+var (
+	reapStaleSQL = stateSQL(`WITH batch AS (
 	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state = 1 AND lease_expires_at <= coalesce($1::timestamptz, now())
+	WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = 6, uncertain = true, lease_expires_at = NULL,
+UPDATE idempotency_records r SET state = {UNKNOWN}, uncertain = true, lease_expires_at = NULL,
 	updated_at = coalesce($1::timestamptz, now())
 FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING r.scope`
+RETURNING r.scope`)
 
-	reapExpiredSQL = `WITH batch AS (
+	reapExpiredSQL = stateSQL(`WITH batch AS (
 	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state IN (2, 3, 4) AND expires_at <= coalesce($1::timestamptz, now())
+	WHERE state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = 5, has_response = false, body = NULL, metadata = NULL,
+UPDATE idempotency_records r SET state = {EXPIRED}, has_response = false, body = NULL, metadata = NULL,
 	updated_at = coalesce($1::timestamptz, now())
 FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING 1`
+RETURNING 1`)
 
-	reapDeleteSQL = `WITH batch AS (
+	reapDeleteSQL = stateSQL(`WITH batch AS (
 	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state = 5 AND expires_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
+	WHERE state = {EXPIRED} AND expires_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
 	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
 DELETE FROM idempotency_records r USING batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING 1`
+RETURNING 1`)
 
 	reapArchivePruneSQL = `WITH batch AS (
 	SELECT tenant, scope, key, archived_at FROM idempotency_archive
@@ -196,11 +196,11 @@ func archiveStatement(p *ReapParams) (string, []any) {
 	cutoff := func(us string) string {
 		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
 	}
-	return `WITH batch AS (
+	return stateSQL(`WITH batch AS (
 	SELECT tenant, scope, key FROM idempotency_records
-	WHERE ((state = 6 AND updated_at <= ` + cutoff("$3") + `)
-		OR (state = 1 AND lease_expires_at <= ` + cutoff("$3") + `))
-		AND CASE WHEN state = 6 THEN updated_at ELSE lease_expires_at END <= ` + cutoff("("+retention.String()+")") + `
+	WHERE ((state = {UNKNOWN} AND updated_at <= ` + cutoff("$3") + `)
+		OR (state = {IN_PROGRESS} AND lease_expires_at <= ` + cutoff("$3") + `))
+		AND CASE WHEN state = {UNKNOWN} THEN updated_at ELSE lease_expires_at END <= ` + cutoff("("+retention.String()+")") + `
 	ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED),
 moved AS (
 	DELETE FROM idempotency_records r USING batch
@@ -208,7 +208,7 @@ moved AS (
 	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
 INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
 SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
-RETURNING scope`, args
+RETURNING scope`), args
 }
 
 // reapBatch runs one statement and counts its rows; with scopes set, it

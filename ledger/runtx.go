@@ -16,9 +16,6 @@ import (
 
 // Defaults and limits of RunTx.
 const (
-	// DefaultTenant is the tenant RunTx uses when Identity.Tenant is empty:
-	// the tenant of every gRPC caller of a coordinator with auth disabled.
-	DefaultTenant = "default"
 	// DefaultTxTTL is the retention of a RunTx result when TxOptions.TTL
 	// is 0.
 	DefaultTxTTL = 24 * time.Hour
@@ -230,7 +227,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
 		id.Tenant, id.Scope, id.Key, s.now())
 	cur, now, err := s.scanRecordNow(row, id)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return out, false, nil
 	}
 	if err != nil {
@@ -331,7 +328,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
 			id.Tenant, id.Scope, id.Key, s.now())
 		cur, now, err := s.scanRecordNow(row, id)
-		if err == pgx.ErrNoRows {
+		if errors.Is(err, pgx.ErrNoRows) {
 			return runTxResult{vanished: true}, nil
 		}
 		if err != nil {

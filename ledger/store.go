@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -245,6 +246,10 @@ type Identity struct {
 	Key    string
 }
 
+// DefaultTenant is the tenant of every caller of a coordinator with auth
+// disabled, and the tenant RunTx uses when Identity.Tenant is empty.
+const DefaultTenant = "default"
+
 // BeginParams are the inputs of Begin. Event.Kind is set by Begin, and
 // Event.NewToken too unless the caller set one (NewLeaseToken): a caller
 // that repeats a Begin after a lost answer passes the same token again, so
@@ -353,7 +358,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		return nil, err
 	}
 	if s.clock == nil {
-		s.clockOffset.Store(int64(now.Sub(time.Now())))
+		s.clockOffset.Store(int64(time.Until(now)))
 	}
 	if found && !inserted && rec.LeaseToken == ev.NewToken {
 		// This Begin's own acquisition (tokens are unique), committed by a
@@ -525,14 +530,14 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 // statemachine.Next does for a Complete with the latest token) in one
 // statement; a COMPLETED generation is no longer uncertain. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
 // response columns $6-$12 as responseArgs returns them.
-var completeHeldSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
-UPDATE idempotency_records r SET state = 2, ended_by = 5, has_response = $6, schema_version = $7,
+var completeHeldSQL = stateSQL(`WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = $6, schema_version = $7,
 	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
 	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM clock
-WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN (1, 6)
-RETURNING ` + recordColumns + `, clock.now`
+WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING ` + recordColumns + `, clock.now`)
 
 // completeHeld applies a Complete to a record its token holds, or returns
 // (nil, nil) when the record is not held by that token.
@@ -569,7 +574,7 @@ func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, 
 	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
 	return detached(ctx, func(cctx context.Context) (*Result, error) {
 		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
-		if err == pgx.ErrNoRows {
+		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, nil
 		}
 		if err != nil {
@@ -585,7 +590,7 @@ func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, t
 		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
 		id.Tenant, id.Scope, id.Key, s.now())
 	rec, now, err := s.scanRecordNow(row, id)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
 	if err != nil {
@@ -654,7 +659,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		cur, now, err := s.scanRecordNow(row, id)
 		var curp *statemachine.Record
 		switch {
-		case err == pgx.ErrNoRows:
+		case errors.Is(err, pgx.ErrNoRows):
 			if now, err = s.txNow(ctx, tx); err != nil {
 				return err
 			}

@@ -18,18 +18,20 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+
+	"github.com/idemcoord/idemcoord/ledger"
 )
 
 // tenantKey is the context key of the authenticated tenant.
 type tenantKey struct{}
 
 // tenantFrom returns the name of the tenant the call is authenticated as
-// (DefaultTenant while auth is disabled).
+// (ledger.DefaultTenant while auth is disabled).
 func tenantFrom(ctx context.Context) string {
 	if t, ok := ctx.Value(tenantKey{}).(*tenant); ok {
 		return t.name
 	}
-	return DefaultTenant
+	return ledger.DefaultTenant
 }
 
 // unauthenticatedServices may be called without credentials: health checks
@@ -49,7 +51,7 @@ func unauthenticatedService(_ context.Context, c interceptors.CallMeta) bool {
 // tenant is ignored, so a valid token on the same call still works. When
 // both name a tenant they must name the same one. A bearer token that is
 // sent must be valid. With auth disabled every call goes through as
-// DefaultTenant. It is an auth.AuthFunc.
+// ledger.DefaultTenant. It is an auth.AuthFunc.
 func (s *Server) authenticate(ctx context.Context) (context.Context, error) {
 	pols := s.policies.Load()
 	if !pols.AuthEnabled() {

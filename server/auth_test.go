@@ -113,8 +113,8 @@ func TestRateLimitPerTenant(t *testing.T) {
 	var limited int
 	for i := range 6 {
 		_, err := client.Begin(withToken("pay-secret"), &idempotencyv1.BeginRequest{Scope: "build", Key: fmt.Sprint(i)})
-		switch {
-		case err == nil:
+		switch err {
+		case nil:
 		default:
 			wantCode(t, err, codes.ResourceExhausted, "")
 			limited++

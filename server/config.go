@@ -564,7 +564,7 @@ func (p *Policies) resolveTenants(tcs []TenantConfig) []error {
 // stored: the longest tenant name plus max_scope_bytes plus max_key_bytes
 // must fit the primary key index (ledger.MaxIdentityBytes).
 func checkIdentityLimits(l Limits, tenants []tenant) error {
-	longest := len(DefaultTenant)
+	longest := len(ledger.DefaultTenant)
 	for _, t := range tenants {
 		longest = max(longest, len(t.name))
 	}

@@ -10,9 +10,6 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// DefaultTenant is the tenant of every caller while auth is disabled.
-const DefaultTenant = "default"
-
 func identity(ctx context.Context, scope, key string) ledger.Identity {
 	return ledger.Identity{Tenant: tenantFrom(ctx), Scope: scope, Key: key}
 }

@@ -11,40 +11,22 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/protoadapt"
 
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/errorinfo"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 // ErrorDomain is the domain of every google.rpc.ErrorInfo the server sends.
-const ErrorDomain = "idempotency.v1"
-
-// The ErrorInfo reasons the server sends.
-const (
-	ReasonFingerprintMismatch      = "FINGERPRINT_MISMATCH"
-	ReasonLeaseLost                = "LEASE_LOST"
-	ReasonSchemaVersionNotAccepted = "SCHEMA_VERSION_NOT_ACCEPTED"
-	ReasonKeyExpired               = "KEY_EXPIRED"
-	ReasonAlreadyFinished          = "ALREADY_FINISHED"
-	ReasonAttemptsExhausted        = "ATTEMPTS_EXHAUSTED"
-	ReasonResponseTooLarge         = "RESPONSE_TOO_LARGE"
-	// ReasonKeyFormat (with INVALID_ARGUMENT): the key does not match the
-	// key_pattern of its scope's policy.
-	ReasonKeyFormat = "KEY_FORMAT"
-	// ReasonNotUnknown: Admin.Resolve found a record that does not read
-	// STATE_UNKNOWN.
-	ReasonNotUnknown = "NOT_UNKNOWN"
-	// ReasonRecordUnreadable (with DATA_LOSS): the stored record cannot be
-	// opened (a key no longer configured, a row altered in the table, or
-	// a row in clear where encryption is required). Its contents are never
-	// sent; an operator can Forget it.
-	ReasonRecordUnreadable = "RECORD_UNREADABLE"
-)
+// Its reasons are the API's enum ErrorReason (idempotencyv1.ErrorReason),
+// sent by name without the ERROR_REASON_ prefix (see internal/errorinfo).
+const ErrorDomain = errorinfo.Domain
 
 // invalidError is a request that failed validation.
 type invalidError struct {
 	violations []*errdetails.BadRequest_FieldViolation
 	// reason, when set, is sent as an ErrorInfo reason too.
-	reason string
+	reason idempotencyv1.ErrorReason
 }
 
 func (e *invalidError) Error() string {
@@ -62,15 +44,15 @@ func (e *invalidError) Error() string {
 // refusals maps the statemachine's refusals to FAILED_PRECONDITION reasons.
 var refusals = []struct {
 	err    error
-	reason string
+	reason idempotencyv1.ErrorReason
 }{
-	{statemachine.ErrFingerprintMismatch, ReasonFingerprintMismatch},
-	{statemachine.ErrLeaseLost, ReasonLeaseLost},
-	{statemachine.ErrSchemaVersionNotAccepted, ReasonSchemaVersionNotAccepted},
-	{statemachine.ErrKeyExpired, ReasonKeyExpired},
-	{statemachine.ErrAlreadyFinished, ReasonAlreadyFinished},
-	{statemachine.ErrAttemptsExhausted, ReasonAttemptsExhausted},
-	{statemachine.ErrNotUnknown, ReasonNotUnknown},
+	{statemachine.ErrFingerprintMismatch, idempotencyv1.ErrorReason_ERROR_REASON_FINGERPRINT_MISMATCH},
+	{statemachine.ErrLeaseLost, idempotencyv1.ErrorReason_ERROR_REASON_LEASE_LOST},
+	{statemachine.ErrSchemaVersionNotAccepted, idempotencyv1.ErrorReason_ERROR_REASON_SCHEMA_VERSION_NOT_ACCEPTED},
+	{statemachine.ErrKeyExpired, idempotencyv1.ErrorReason_ERROR_REASON_KEY_EXPIRED},
+	{statemachine.ErrAlreadyFinished, idempotencyv1.ErrorReason_ERROR_REASON_ALREADY_FINISHED},
+	{statemachine.ErrAttemptsExhausted, idempotencyv1.ErrorReason_ERROR_REASON_ATTEMPTS_EXHAUSTED},
+	{statemachine.ErrNotUnknown, idempotencyv1.ErrorReason_ERROR_REASON_NOT_UNKNOWN},
 }
 
 // toStatus is the one place where errors become gRPC statuses. Anything it
@@ -86,14 +68,14 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 	if errors.As(err, &inv) {
 		br := &errdetails.BadRequest{FieldViolations: inv.violations}
 		st := status.New(codes.InvalidArgument, inv.Error())
-		if inv.reason != "" {
-			return withDetails(st, errorInfo(inv.reason), br)
+		if inv.reason != idempotencyv1.ErrorReason_ERROR_REASON_UNSPECIFIED {
+			return withDetails(st, errorinfo.New(inv.reason), br)
 		}
 		return withDetails(st, br)
 	}
 	for _, r := range refusals {
 		if errors.Is(err, r.err) {
-			return withDetails(status.New(codes.FailedPrecondition, err.Error()), errorInfo(r.reason))
+			return withDetails(status.New(codes.FailedPrecondition, err.Error()), errorinfo.New(r.reason))
 		}
 	}
 	switch {
@@ -102,7 +84,7 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 		// it goes to the log only.
 		logger.ErrorContext(ctx, "stored record unreadable", "err", err)
 		return withDetails(status.New(codes.DataLoss, "the stored record cannot be read (RECORD_UNREADABLE); an operator may Forget it"),
-			errorInfo(ReasonRecordUnreadable))
+			errorinfo.New(idempotencyv1.ErrorReason_ERROR_REASON_RECORD_UNREADABLE))
 	case errors.Is(err, ledger.ErrIdentityTooLong):
 		// The configured limits keep such identities out (see
 		// Config.Resolve); this answers one that slipped past them.
@@ -121,10 +103,6 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 	}
 	logger.ErrorContext(ctx, "internal error", "err", err)
 	return status.Error(codes.Internal, "internal error")
-}
-
-func errorInfo(reason string) *errdetails.ErrorInfo {
-	return &errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}
 }
 
 func withDetails(st *status.Status, details ...protoadapt.MessageV1) error {

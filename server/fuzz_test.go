@@ -199,8 +199,8 @@ func checkAcquired(t *testing.T, e *testEnv, m proto.Message, out []byte) {
 
 // fuzzMethod describes one RPC for fuzzCall.
 type fuzzMethod struct {
-	name      string
-	req, resp func() proto.Message
+	name string
+	req  func() proto.Message
 	// point aims a decoded request at a live record (nil: the method needs
 	// no lease token).
 	point func(req proto.Message, scope, key, token string)

@@ -13,7 +13,6 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
-	"github.com/idemcoord/idemcoord/server"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -33,7 +32,7 @@ func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(svc.Close)
-	id := ledger.Identity{Tenant: server.DefaultTenant, Scope: "charge", Key: "gave-up"}
+	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "gave-up"}
 	running, fail := make(chan struct{}), make(chan struct{})
 	var failOnce sync.Once
 	failNow := func() { failOnce.Do(func() { close(fail) }) }

@@ -48,7 +48,7 @@ func TestKeyLimitFitsTheIndex(t *testing.T) {
 	}
 
 	// The largest max_key_bytes the default scope limit and tenant allow.
-	maxKey := ledger.MaxIdentityBytes - 255 - len(server.DefaultTenant)
+	maxKey := ledger.MaxIdentityBytes - 255 - len(ledger.DefaultTenant)
 	env := newEnv(t, envOptions{config: "limits: {max_key_bytes: " + strconv.Itoa(maxKey) + "}"})
 	scope := randomText(255)
 	key := randomText(maxKey)

@@ -35,7 +35,7 @@ scopes:
 		{"jobs", "xjob-12"},
 	} {
 		_, err := e.begin(tc.scope, tc.key)
-		st := wantCode(t, err, codes.InvalidArgument, server.ReasonKeyFormat)
+		st := wantCode(t, err, codes.InvalidArgument, "KEY_FORMAT")
 		var onKey bool
 		for _, d := range st.Details() {
 			if br, ok := d.(*errdetails.BadRequest); ok {
@@ -84,7 +84,7 @@ func TestKeyPatternValidatedAtLoadAndReload(t *testing.T) {
 		t.Fatalf("reload: %v", err)
 	}
 	_, err := e.begin("orders", "free-form-2")
-	wantCode(t, err, codes.InvalidArgument, server.ReasonKeyFormat)
+	wantCode(t, err, codes.InvalidArgument, "KEY_FORMAT")
 	res := e.mustBegin("orders", "8e03978e-40d5-43e8-bc93-6894a57f9324", idempotencyv1.Outcome_OUTCOME_ACQUIRED)
 	if got := res.GetTtl().AsDuration(); got != 60*time.Second {
 		t.Fatalf("acquired Begin tells ttl %v, want the policy's 60s", got)

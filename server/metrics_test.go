@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http/httptest"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -177,6 +178,50 @@ func TestMetricsBehindToken(t *testing.T) {
 	}
 	if got := get("/healthz", ""); got != 200 {
 		t.Errorf("/healthz without a token: %d", got)
+	}
+}
+
+// TestScopeLabelCap: of 205 scopes the config file names, the first 200
+// seen get their own label, every later one is counted under "other", and a
+// scope seen before the cap keeps its label after it.
+func TestScopeLabelCap(t *testing.T) {
+	t.Parallel()
+	var cfg strings.Builder
+	cfg.WriteString("scopes:\n")
+	for i := range 205 {
+		cfg.WriteString("  - { match: s" + strconv.Itoa(i) + " }\n")
+	}
+	e := newEnv(t, envOptions{config: cfg.String()})
+	for i := range 205 {
+		e.mustBegin("s"+strconv.Itoa(i), "k", acquired)
+	}
+	e.mustBegin("s0", "k", inProgress) // known before the cap: still its own label
+
+	rec := httptest.NewRecorder()
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body, _ := io.ReadAll(rec.Body)
+	labels := map[string]bool{}
+	re := regexp.MustCompile(`(?m)^idempotency_begin_total\{outcome="[a-z_]+",scope="([^"]*)"\} `)
+	for _, m := range re.FindAllStringSubmatch(string(body), -1) {
+		labels[m[1]] = true
+	}
+	if !labels["other"] {
+		t.Fatalf("no scope=\"other\" after 205 scopes")
+	}
+	if len(labels) != 201 {
+		t.Fatalf("%d distinct scope labels, want 200 and \"other\"", len(labels))
+	}
+	for _, line := range []string{
+		`idempotency_begin_total{outcome="acquired",scope="other"} 5`,
+		`idempotency_begin_total{outcome="acquired",scope="s199"} 1`,
+		`idempotency_begin_total{outcome="in_progress",scope="s0"} 1`,
+	} {
+		if !strings.Contains(string(body), "\n"+line+"\n") {
+			t.Errorf("/metrics lacks %s", line)
+		}
+	}
+	if labels["s200"] {
+		t.Errorf("the 201st scope got its own label")
 	}
 }
 

@@ -358,3 +358,51 @@ func TestHandlerErrorSealed(t *testing.T) {
 		t.Fatalf("failure reason through the API: %v %v", l, err)
 	}
 }
+
+// TestEncryptionBoundToRecord copies one record's sealed body, metadata and
+// key id onto another record with SQL: the copy does not decrypt (DATA_LOSS,
+// RECORD_UNREADABLE), it is never replayed as the other record's response.
+func TestEncryptionBoundToRecord(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	k := writeKey(t, dir, "k")
+	c := coordtest.Start(t, coordtest.Options{Config: "encryption:\n  active_key: k\n  keys:\n    - { id: k, file: " + k + " }\n"})
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	store := func(key, body string) {
+		t.Helper()
+		b, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "pay", Key: key, LeaseToken: b.GetLeaseToken(),
+			Response: &idempotencyv1.StoredResponse{Body: []byte(body), Metadata: map[string]string{"m": body}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store("alice", "alice's receipt")
+	store("bob", "bob's receipt")
+
+	conn, err := pgxConnect(c.DatabaseURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	tag, err := conn.Exec(context.Background(), `UPDATE idempotency_records b
+		SET body = a.body, metadata = a.metadata, enc_key_id = a.enc_key_id
+		FROM idempotency_records a WHERE a.key = 'alice' AND b.key = 'bob'`)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("copying the ciphertext: %v %v", tag, err)
+	}
+	c.Restart() // no replay cache in the way: the row is read from the table
+	client = idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	r, err := client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: "bob"})
+	if err == nil {
+		t.Fatalf("a ciphertext copied from another record decrypted: %v", r.GetRecord().GetResponse())
+	}
+	wantCode(t, err, codes.DataLoss, "RECORD_UNREADABLE")
+	// The original still replays.
+	r, err = client.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: "alice"})
+	if err != nil || string(r.GetRecord().GetResponse().GetBody()) != "alice's receipt" {
+		t.Fatalf("alice: %v %v", r, err)
+	}
+}

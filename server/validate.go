@@ -24,7 +24,7 @@ const (
 // violations collects field violations of one request.
 type violations struct {
 	list   []*errdetails.BadRequest_FieldViolation
-	reason string
+	reason idempotencyv1.ErrorReason
 }
 
 func (v *violations) add(field, format string, args ...any) {
@@ -80,7 +80,7 @@ func checkKeyFormat(v *violations, key string, pattern *regexp.Regexp) {
 		return
 	}
 	v.add("key", "does not have the format this scope's policy requires (key_pattern)")
-	v.reason = ReasonKeyFormat
+	v.reason = idempotencyv1.ErrorReason_ERROR_REASON_KEY_FORMAT
 }
 
 // checkDuration checks an optional duration against [lo, hi]; loOpen makes
@@ -111,7 +111,7 @@ func checkResponse(v *violations, field string, r *idempotencyv1.StoredResponse,
 	}
 	if n := proto.Size(r); n > lim.MaxResponseBytes {
 		v.add(field, "stored response must be at most %d bytes, got %d", lim.MaxResponseBytes, n)
-		v.reason = ReasonResponseTooLarge
+		v.reason = idempotencyv1.ErrorReason_ERROR_REASON_RESPONSE_TOO_LARGE
 	}
 }
 

@@ -195,7 +195,7 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 	if ev.Kind != EventBegin && d.Outcome != OutcomeOK {
 		fail("outcome %v for a non-Begin event", d.Outcome)
 	}
-	if cur == nil && ev.Kind >= EventComplete && ev.Kind <= EventHeartbeat && d.Err != ErrNotFound {
+	if cur == nil && ev.Kind >= EventComplete && ev.Kind <= EventHeartbeat && !errors.Is(d.Err, ErrNotFound) {
 		fail("a %v on no record is not NOT_FOUND", ev.Kind)
 	}
 	if cur == nil && ev.Kind == EventBegin && (d.Write != WriteInsert || d.Outcome != OutcomeAcquired) {
@@ -209,12 +209,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 		fail("delete by anything but Fail ABANDONED, or a record after a delete")
 	}
 	if cur != nil && ev.Kind >= EventComplete && ev.Kind <= EventHeartbeat &&
-		(ev.Token == "" || ev.Token != cur.LeaseToken) && d.Err != ErrLeaseLost {
+		(ev.Token == "" || ev.Token != cur.LeaseToken) && !errors.Is(d.Err, ErrLeaseLost) {
 		fail("a token other than the latest acquisition's is not LEASE_LOST")
 	}
 	if cur != nil && ev.Kind == EventBegin && cur.State >= StateInProgress && cur.State <= StateUnknown &&
 		eff.State != StateExpired && len(ev.Fingerprint) > 0 && len(eff.Fingerprint) > 0 &&
-		!bytes.Equal(ev.Fingerprint, eff.Fingerprint) && d.Err != ErrFingerprintMismatch {
+		!bytes.Equal(ev.Fingerprint, eff.Fingerprint) && !errors.Is(d.Err, ErrFingerprintMismatch) {
 		fail("a different fingerprint is not FINGERPRINT_MISMATCH")
 	}
 

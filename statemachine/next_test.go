@@ -1138,7 +1138,7 @@ func TestDiffRecordCoversRecord(t *testing.T) {
 func checkDecision(t *testing.T, got, want Decision) {
 	t.Helper()
 	switch {
-	case want.Err == errAny:
+	case errors.Is(want.Err, errAny):
 		if got.Err == nil {
 			t.Errorf("Err = nil, want an error")
 		}

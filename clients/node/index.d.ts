@@ -200,6 +200,8 @@ export function markSideEffect(): void;
 /** Inside fn: its lease; null outside. */
 export function currentLease(): Lease | null;
 
+/** Every ErrorInfo reason of domain idempotency.v1 (the enum ErrorReason without its prefix), keyed by itself. */
+export const REASONS: Readonly<Record<string, string>>;
 export const REASON_UNKNOWN_HELD: 'UNKNOWN_HELD';
 export const SCHEMA_VERSION_STATUS: 'google.rpc.Status';
 export const CONTENT_TYPE_PROTO: 'application/x-protobuf';

@@ -11,12 +11,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/idemcoord/idemcoord/clients"
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/errorinfo"
 )
 
 func TestMain(m *testing.M) { os.Exit(coordtest.Main(m)) }
@@ -161,5 +164,57 @@ sys.path.insert(0, "clients/python")
 import idemcoord
 names = json.load(sys.stdin)
 print(json.dumps([idemcoord.dedup_key("create-project", "u1", "", n) for n in names]))`)
+	})
+}
+
+// TestErrorReasonsAcrossLanguages: Go's generated enum ErrorReason, and the
+// descriptor sets Node and Python load, give the same ErrorInfo reasons,
+// and each library's UNKNOWN_HELD constant is one of them.
+func TestErrorReasonsAcrossLanguages(t *testing.T) {
+	t.Parallel()
+	var want []string
+	for n := range idempotencyv1.ErrorReason_name {
+		if r := idempotencyv1.ErrorReason(n); r != idempotencyv1.ErrorReason_ERROR_REASON_UNSPECIFIED {
+			want = append(want, errorinfo.Reason(r))
+		}
+	}
+	slices.Sort(want)
+	held := errorinfo.Reason(idempotencyv1.ErrorReason_ERROR_REASON_UNKNOWN_HELD)
+	if clients.ReasonUnknownHeld != held {
+		t.Errorf("clients.ReasonUnknownHeld = %q, want %q", clients.ReasonUnknownHeld, held)
+	}
+	check := func(t *testing.T, name string, args ...string) {
+		cmd := exec.Command(name, args...)
+		cmd.Dir = repoRoot(t)
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var got struct {
+			Reasons     []string `json:"reasons"`
+			UnknownHeld string   `json:"unknown_held"`
+		}
+		if err := json.Unmarshal(out, &got); err != nil {
+			t.Fatalf("%s printed %q: %v", name, out, err)
+		}
+		slices.Sort(got.Reasons)
+		if !slices.Equal(got.Reasons, want) {
+			t.Errorf("%s: reasons %q, Go's enum gives %q", name, got.Reasons, want)
+		}
+		if got.UnknownHeld != held {
+			t.Errorf("%s: REASON_UNKNOWN_HELD = %q, want %q", name, got.UnknownHeld, held)
+		}
+	}
+	t.Run("node", func(t *testing.T) {
+		node := nodeReady(t)
+		check(t, node, "-e", `const {REASONS, REASON_UNKNOWN_HELD} = require('./clients/node');
+console.log(JSON.stringify({reasons: Object.values(REASONS), unknown_held: REASON_UNKNOWN_HELD}));`)
+	})
+	t.Run("python", func(t *testing.T) {
+		pythonReady(t)
+		check(t, python, "-c", `import json, sys
+sys.path.insert(0, "clients/python")
+import idemcoord
+print(json.dumps({"reasons": sorted(idemcoord.REASONS), "unknown_held": idemcoord.REASON_UNKNOWN_HELD}))`)
 	})
 }

@@ -364,7 +364,7 @@ func TestHTTPSlowBodyDisconnected(t *testing.T) {
 	wait:
 		for {
 			select {
-			case <-closed:
+			case <-closed: //nolint:errcheck // only the closing matters, not how the read ended
 				break wait
 			case <-tick.C:
 				if trickle {

@@ -286,7 +286,7 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		return nil, nil, 0, errno
 	}
 	if r, ok := fh.(fs.FileReleaser); ok {
-		r.Release(ctx)
+		_ = r.Release(ctx)
 	}
 	fd, err := syscall.Open(n.path()+"/"+name, int(flags&^(syscall.O_APPEND|syscall.O_CREAT|syscall.O_EXCL|syscall.O_TRUNC)), 0)
 	if err != nil {

@@ -28,6 +28,29 @@ const CoordinatorClient = grpc.makeGenericClientConstructor(packageDefinition['i
 
 const root = protobuf.Root.fromDescriptor(descriptors);
 const statusType = root.lookupType('google.rpc.Status');
+const errorReasonEnum = root.lookupEnum('idempotency.v1.ErrorReason');
+const ERROR_REASON_PREFIX = 'ERROR_REASON_';
+
+/**
+ * The ErrorInfo reason an idempotency.v1.ErrorReason value is sent as: its
+ * name without the ERROR_REASON_ prefix ('ERROR_REASON_LEASE_LOST' is sent
+ * as 'LEASE_LOST'). Throws for a name the enum does not have.
+ */
+function reasonName(valueName) {
+  if (!Object.hasOwn(errorReasonEnum.values, valueName) || !valueName.startsWith(ERROR_REASON_PREFIX)) {
+    throw new Error(`idemcoord: idempotency.v1.ErrorReason has no value ${valueName}`);
+  }
+  return valueName.slice(ERROR_REASON_PREFIX.length);
+}
+
+/**
+ * Every ErrorInfo reason of domain idempotency.v1, from the enum ErrorReason
+ * (UNSPECIFIED left out), each keyed by itself: REASONS.LEASE_LOST ===
+ * 'LEASE_LOST'.
+ */
+const REASONS = Object.freeze(Object.fromEntries(Object.entries(errorReasonEnum.values)
+  .filter(([, number]) => number !== 0)
+  .map(([name]) => [reasonName(name), reasonName(name)])));
 
 /** Encodes a google.rpc.Status ({code, message, details}) to bytes. */
 function encodeStatus(st) {
@@ -120,6 +143,8 @@ function millis(d) {
 
 module.exports = {
   CoordinatorClient,
+  REASONS,
+  reasonName,
   descriptorPath,
   encodeStatus,
   decodeStatus,

@@ -1,9 +1,10 @@
 'use strict';
 
 const grpc = require('@grpc/grpc-js');
+const { REASONS, reasonName } = require('./api');
 
 /** The ErrorInfo reason of a key held UNKNOWN for an operator. */
-const REASON_UNKNOWN_HELD = 'UNKNOWN_HELD';
+const REASON_UNKNOWN_HELD = reasonName('ERROR_REASON_UNKNOWN_HELD');
 /** The schema version of a stored failure whose body is a google.rpc.Status. */
 const SCHEMA_VERSION_STATUS = 'google.rpc.Status';
 /** The content type of stored protobuf bodies. */
@@ -81,6 +82,7 @@ class StoredFailureError extends Error {
 }
 
 module.exports = {
+  REASONS,
   REASON_UNKNOWN_HELD,
   SCHEMA_VERSION_STATUS,
   CONTENT_TYPE_PROTO,

@@ -43,6 +43,25 @@ def enum(full_name):
 State = enum("idempotency.v1.State")
 Outcome = enum("idempotency.v1.Outcome")
 FailureKind = enum("idempotency.v1.FailureKind")
+ErrorReason = enum("idempotency.v1.ErrorReason")
+
+_ERROR_REASON_PREFIX = "ERROR_REASON_"
+
+
+def reason_name(value_name):
+    """The ErrorInfo reason an ErrorReason value is sent as: its name without the ERROR_REASON_ prefix.
+
+    "ERROR_REASON_LEASE_LOST" is sent as "LEASE_LOST". Raises ValueError for
+    a name the enum does not have.
+    """
+    ErrorReason.Value(value_name)
+    if not value_name.startswith(_ERROR_REASON_PREFIX):
+        raise ValueError("idempotency.v1.ErrorReason value %r lacks the %s prefix" % (value_name, _ERROR_REASON_PREFIX))
+    return value_name[len(_ERROR_REASON_PREFIX):]
+
+
+# Every ErrorInfo reason of domain idempotency.v1 (UNSPECIFIED left out).
+REASONS = frozenset(reason_name(n) for n in ErrorReason.keys() if ErrorReason.Value(n) != 0)
 
 StoredResponse = message_class("idempotency.v1.StoredResponse")
 Record = message_class("idempotency.v1.Record")

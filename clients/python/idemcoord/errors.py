@@ -2,7 +2,9 @@
 
 import grpc
 
-REASON_UNKNOWN_HELD = "UNKNOWN_HELD"
+from ._api import REASONS, reason_name
+
+REASON_UNKNOWN_HELD = reason_name("ERROR_REASON_UNKNOWN_HELD")
 """The ErrorInfo reason of a key held UNKNOWN for an operator."""
 SCHEMA_VERSION_STATUS = "google.rpc.Status"
 """The schema version of a stored failure whose body is a google.rpc.Status."""

@@ -1,7 +1,7 @@
 """The coordinator the tests run against.
 
 IDEMCOORD_ADDR (and IDEMCOORD_TOKEN) when set, else a throwaway one started
-with `go run ./internal/testcoord` (a fresh PostgreSQL and the built binary).
+with `go run ./internal/cmd/throwaway-coordinator` (a fresh PostgreSQL and the built binary).
 """
 
 import json
@@ -20,13 +20,13 @@ class Coordinator:
             self.auth = bool(self.token)
             return
         try:
-            self._proc = subprocess.Popen(["go", "run", "./internal/testcoord"], cwd=ROOT, stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen(["go", "run", "./internal/cmd/throwaway-coordinator"], cwd=ROOT, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE)
         except OSError as err:
             raise RuntimeError("cannot run go to start a coordinator (set IDEMCOORD_ADDR instead): %s" % err)
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError("go run ./internal/testcoord exited with %s before the coordinator was ready"
+            raise RuntimeError("go run ./internal/cmd/throwaway-coordinator exited with %s before the coordinator was ready"
                                % self._proc.wait())
         info = json.loads(line)
         self.addr, self.token, self.auth = info["addr"], info["token"], True

@@ -1,8 +1,9 @@
 package main
 
-// Tests of the binary's README promises that no other test pinned down
-// (issue 19, item 6): each runs the real binary and fails when the
-// promised behaviour is broken.
+// Tests of the binary as a process: signals (SIGHUP reload, SIGTERM
+// finishing a call in flight), start-up before the database answers, the
+// TLS and log flags, two coordinators on one database, and `make run`. Each
+// runs the real binary.
 
 import (
 	"bufio"

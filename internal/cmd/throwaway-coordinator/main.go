@@ -1,8 +1,8 @@
-// Command testcoord runs a throwaway idemcoord coordinator for the test
+// Command throwaway-coordinator runs a throwaway idemcoord coordinator for the test
 // suites of the Node and Python client libraries (clients/node,
 // clients/python), which start it when IDEMCOORD_ADDR is not set:
 //
-//	go run ./internal/testcoord
+//	go run ./internal/cmd/throwaway-coordinator
 //
 // It starts a fresh PostgreSQL cluster (internal/pgtest, fsync off), builds
 // the coordinator binary from cmd/idemcoord (or runs the one -bin names)
@@ -45,7 +45,7 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdin, os.Stdout)
 	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "testcoord:", err)
+		fmt.Fprintln(os.Stderr, "throwaway-coordinator:", err)
 		os.Exit(1)
 	}
 }
@@ -53,12 +53,12 @@ func main() {
 // run serves until stdin closes or ctx ends, having written the JSON line
 // to stdout.
 func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) error {
-	fs := flag.NewFlagSet("testcoord", flag.ContinueOnError)
+	fs := flag.NewFlagSet("throwaway-coordinator", flag.ContinueOnError)
 	bin := fs.String("bin", "", "coordinator binary (default: build cmd/idemcoord)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	dir, err := os.MkdirTemp("", "idemcoord-testcoord-")
+	dir, err := os.MkdirTemp("", "idemcoord-throwaway-coordinator-")
 	if err != nil {
 		return err
 	}
@@ -104,10 +104,10 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 	defer func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case <-exited:
+		case <-exited: //nolint:errcheck // after SIGTERM the exit status is an error by design
 		case <-time.After(30 * time.Second):
 			_ = cmd.Process.Kill()
-			<-exited
+			<-exited //nolint:errcheck // killed: the exit status is an error by design
 		}
 	}()
 	if err := waitReady(ctx, httpAddr, exited); err != nil {
