@@ -50,6 +50,7 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	res, err := s.store.BeginWait(ctx, p, req.GetWait().AsDuration())
 	s.metrics.observeBegin(req.GetScope(), res, err)
 	if err != nil {
+		logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope})
 		return nil, s.status(ctx, err)
 	}
 	logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope, "outcome", outcomeLabels[res.Outcome]})
@@ -151,10 +152,10 @@ func (s *Server) finish(ctx context.Context, scope, key string, ev statemachine.
 	id := identity(ctx, scope, key)
 	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev})
 	s.metrics.observeFinish(scope, res, err)
+	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", scope})
 	if err != nil {
 		return nil, s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", scope})
 	return res, nil
 }
 
