@@ -300,18 +300,13 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
-	if ev.NewToken == "" {
-		ev.NewToken = newToken()
-	}
 	return s.begin(ctx, p, ev)
 }
 
-// begin is Begin with ev's new token chosen.
+// begin is Begin with ev's kind set; it chooses ev's new token unless the
+// caller did, and only when the Begin may acquire (a replay from the
+// cache needs none).
 func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
-	// ev carries the caller's fingerprint; a new row stores it keyed under
-	// the active key, an existing one is compared in its own stored form.
-	insert := ev
-	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -321,6 +316,13 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		s.cache.misses.Add(1)
 		seq = s.cache.snapshot()
 	}
+	if ev.NewToken == "" {
+		ev.NewToken = newToken()
+	}
+	// ev carries the caller's fingerprint; a new row stores it keyed under
+	// the active key, an existing one is compared in its own stored form.
+	insert := ev
+	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err

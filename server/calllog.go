@@ -29,35 +29,52 @@ func WithSlowCallThreshold(d time.Duration) Option {
 // interceptor, but builds a log line only for the calls that will be
 // logged: a call runs first, and only when it failed, was slow, or debug
 // logging is on is its line built, with the call's own start time and
-// duration. The fields a service adds with logging.AddFields (tenant,
-// scope, outcome) are in it.
+// duration and what the service noted of it (noteCall).
 type callLog struct {
 	logger    *slog.Logger
 	threshold time.Duration
-	// every is go-grpc-middleware's interceptor as it runs around a call:
-	// used for every call when the threshold is 0.
-	every grpc.UnaryServerInterceptor
 	// after writes the line of a call that has already run, from the
-	// callTiming in its context.
+	// callNote in its context.
 	after grpc.UnaryServerInterceptor
 }
 
-// callTiming is what callLog measured of a call that already ran.
-type callTiming struct {
+// callNote is what callLog measured of a call and what the service noted
+// of it with noteCall.
+type callNote struct {
 	start   time.Time
 	elapsed time.Duration
 	// quiet lowers the line to debug level: a fast successful call.
 	quiet bool
+
+	tenant, scope, outcome string
 }
 
-type callTimingKey struct{}
+type callNoteKey struct{}
+
+// noteCall records the tenant, scope and (for Begin) outcome of the call
+// whose context is ctx, for its log line; empty values are left out.
+func noteCall(ctx context.Context, tenant, scope, outcome string) {
+	if n, ok := ctx.Value(callNoteKey{}).(*callNote); ok {
+		n.tenant, n.scope, n.outcome = tenant, scope, outcome
+	}
+}
+
+// fields returns the noted values as log fields.
+func (n *callNote) fields() logging.Fields {
+	var f logging.Fields
+	for _, kv := range [...][2]string{{"tenant", n.tenant}, {"scope", n.scope}, {"outcome", n.outcome}} {
+		if kv[1] != "" {
+			f = append(f, kv[0], kv[1])
+		}
+	}
+	return f
+}
 
 func newCallLog(l *slog.Logger, threshold time.Duration) *callLog {
 	c := &callLog{logger: l, threshold: threshold}
-	c.every = logging.UnaryServerInterceptor(interceptorLogger(l), logging.WithLogOnEvents(logging.FinishCall))
 	c.after = logging.UnaryServerInterceptor(
 		logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
-			if t, ok := ctx.Value(callTimingKey{}).(callTiming); ok && t.quiet {
+			if n, ok := ctx.Value(callNoteKey{}).(*callNote); ok && n.quiet {
 				lvl = logging.LevelDebug
 			}
 			l.Log(ctx, slog.Level(lvl), msg, fields...)
@@ -66,12 +83,12 @@ func newCallLog(l *slog.Logger, threshold time.Duration) *callLog {
 		// The call's own start and duration, not those of this replay
 		// of its result: these fields win over the interceptor's.
 		logging.WithFieldsFromContext(func(ctx context.Context) logging.Fields {
-			t, ok := ctx.Value(callTimingKey{}).(callTiming)
+			n, ok := ctx.Value(callNoteKey{}).(*callNote)
 			if !ok {
 				return nil
 			}
-			return logging.Fields{"grpc.start_time", t.start.Format(time.RFC3339),
-				"grpc.time_ms", fmt.Sprintf("%v", float32(t.elapsed.Nanoseconds()/1000)/1000)}
+			return logging.Fields{"grpc.start_time", n.start.Format(time.RFC3339),
+				"grpc.time_ms", fmt.Sprintf("%v", float32(n.elapsed.Nanoseconds()/1000)/1000)}
 		}),
 	)
 	return c
@@ -79,20 +96,14 @@ func newCallLog(l *slog.Logger, threshold time.Duration) *callLog {
 
 // unary is the interceptor.
 func (c *callLog) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if c.threshold <= 0 {
-		return c.every(ctx, req, info, handler)
-	}
-	// A home for the fields the service adds, for the line if one is
-	// written.
-	ctx = logging.InjectFields(ctx, nil)
-	start := time.Now()
+	n := &callNote{start: time.Now()}
+	ctx = context.WithValue(ctx, callNoteKey{}, n)
 	resp, err := handler(ctx, req)
-	elapsed := time.Since(start)
-	quiet := err == nil && elapsed < c.threshold
-	if quiet && !c.logger.Enabled(ctx, slog.LevelDebug) {
+	n.elapsed = time.Since(n.start)
+	n.quiet = err == nil && c.threshold > 0 && n.elapsed < c.threshold
+	if n.quiet && !c.logger.Enabled(ctx, slog.LevelDebug) {
 		return resp, err
 	}
-	ctx = context.WithValue(ctx, callTimingKey{}, callTiming{start: start, elapsed: elapsed, quiet: quiet})
-	_, _ = c.after(ctx, req, info, func(context.Context, any) (any, error) { return resp, err })
+	_, _ = c.after(logging.InjectFields(ctx, n.fields()), req, info, func(context.Context, any) (any, error) { return resp, err })
 	return resp, err
 }

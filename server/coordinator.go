@@ -3,8 +3,6 @@ package server
 import (
 	"context"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
-
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -50,10 +48,10 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	res, err := s.store.BeginWait(ctx, p, req.GetWait().AsDuration())
 	s.metrics.observeBegin(req.GetScope(), res, err)
 	if err != nil {
-		logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope})
+		noteCall(ctx, p.ID.Tenant, p.ID.Scope, "")
 		return nil, s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope, "outcome", outcomeLabels[res.Outcome]})
+	noteCall(ctx, p.ID.Tenant, p.ID.Scope, outcomeLabels[res.Outcome])
 	return beginResponse(req, res), nil
 }
 
@@ -152,7 +150,7 @@ func (s *Server) finish(ctx context.Context, scope, key string, ev statemachine.
 	id := identity(ctx, scope, key)
 	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev})
 	s.metrics.observeFinish(scope, res, err)
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", scope})
+	noteCall(ctx, id.Tenant, scope, "")
 	if err != nil {
 		return nil, s.status(ctx, err)
 	}
