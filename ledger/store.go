@@ -54,6 +54,7 @@ type options struct {
 	maxConns int32
 	keyring  *Keyring
 	noBatch  bool
+	workers  int
 	cacheMax int64
 	// notifyURL, if set, is where the change listener connects;
 	// noNotify turns the listener off (see WithoutNotifications).
@@ -121,6 +122,16 @@ func WithoutBatching() Option {
 	return func(o *options) { o.noBatch = true }
 }
 
+// WithBatchWorkers sets how many batches of Begins, and how many batches
+// of Completes, run at once (default
+// DefaultBatchWorkers; less than 1 means the default). A batch takes every
+// call queued when it starts, so fewer workers make larger batches: fewer
+// commits and less database CPU per call when PostgreSQL is the
+// bottleneck, at the price of a call waiting for the batch ahead of it.
+func WithBatchWorkers(n int) Option {
+	return func(o *options) { o.workers = n }
+}
+
 // WithMaxConns sets the connection pool size when the database URL does not
 // set pool_max_conns. The default is 32.
 func WithMaxConns(n int32) Option {
@@ -183,9 +194,13 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		o.cacheMax = 0
 	}
 	if !o.noBatch {
-		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
+		workers := o.workers
+		if workers < 1 {
+			workers = DefaultBatchWorkers
+		}
+		s.begins = newCoalescer(workers, batchMax, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
-		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch,
+		s.completes = newCoalescer(workers, batchMax, s.runCompleteBatch,
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
