@@ -123,7 +123,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
 	fs.IntVar(&s.ScaleRecords, "scale-records", envInt("BENCH_SCALE_RECORDS", defScale), "records bulk-loaded for the scale check; 0 skips it (BENCH_SCALE_RECORDS)")
 	fs.IntVar(&s.ScaleConcurrency, "scale-concurrency", envInt("BENCH_SCALE_CONCURRENCY", 16), "callers of the scale check's cells (BENCH_SCALE_CONCURRENCY)")
-	fs.StringVar(&s.CoordLogLevel, "coordinator-log-level", env("BENCH_COORDINATOR_LOG_LEVEL", "info"), "the coordinator's --log-level; info logs every call, as in production (BENCH_COORDINATOR_LOG_LEVEL)")
+	fs.StringVar(&s.CoordLogLevel, "coordinator-log-level", env("BENCH_COORDINATOR_LOG_LEVEL", "info"), "the coordinator's --log-level; at info, as in production, failed and slow calls are logged (every call with -coordinator-flags=--slow-call-threshold=0s) (BENCH_COORDINATOR_LOG_LEVEL)")
 	fs.StringVar(&s.CoordFlags, "coordinator-flags", env("BENCH_COORDINATOR_FLAGS", ""), "more flags for the coordinator, separated by spaces (BENCH_COORDINATOR_FLAGS)")
 	fs.StringVar(&s.coordinator, "coordinator", env("BENCH_COORDINATOR", "bin/idemcoord"), "coordinator binary built from ./cmd/idemcoord (BENCH_COORDINATOR)")
 	fs.StringVar(&s.ghz, "ghz", env("BENCH_GHZ", defGhz), "ghz binary; empty skips the ghz row (BENCH_GHZ)")

@@ -15,11 +15,23 @@ import (
 
 // TestBatchedWritesUnderConcurrency drives the coalesced Begin and Complete
 // paths with many callers at once, including callers racing on the same
-// key, and checks every answer and every stored record.
+// key, and checks every answer and every stored record, with the default
+// number of batch workers and with one (the largest batches).
 func TestBatchedWritesUnderConcurrency(t *testing.T) {
 	t.Parallel()
+	t.Run("default workers", func(t *testing.T) {
+		t.Parallel()
+		batchedWritesUnderConcurrency(t)
+	})
+	t.Run("one worker", func(t *testing.T) {
+		t.Parallel()
+		batchedWritesUnderConcurrency(t, ledger.WithBatchWorkers(1))
+	})
+}
+
+func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 	url := pgtest.NewDatabase(t)
-	s, err := ledger.Open(context.Background(), url)
+	s, err := ledger.Open(context.Background(), url, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

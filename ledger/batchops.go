@@ -14,8 +14,10 @@ import (
 
 // Batch sizes and worker counts of the coalesced write paths.
 const (
-	batchWorkers = 4
-	batchMax     = 64
+	// DefaultBatchWorkers is how many batches of Begins, and how many of
+	// Completes, run at once by default; see WithBatchWorkers.
+	DefaultBatchWorkers = 2
+	batchMax            = 64
 )
 
 // batchLockWait bounds how long a batch of Begins waits on another

@@ -62,6 +62,7 @@ type options struct {
 	maxConns int32
 	keyring  *Keyring
 	noBatch  bool
+	workers  int
 	cacheMax int64
 	// notifyURL, if set, is where the change listener connects;
 	// noNotify turns the listener off (see WithoutNotifications).
@@ -129,6 +130,16 @@ func WithoutBatching() Option {
 	return func(o *options) { o.noBatch = true }
 }
 
+// WithBatchWorkers sets how many batches of Begins, and how many batches
+// of Completes, run at once (default
+// DefaultBatchWorkers; less than 1 means the default). A batch takes every
+// call queued when it starts, so fewer workers make larger batches: fewer
+// commits and less database CPU per call when PostgreSQL is the
+// bottleneck, at the price of a call waiting for the batch ahead of it.
+func WithBatchWorkers(n int) Option {
+	return func(o *options) { o.workers = n }
+}
+
 // WithMaxConns sets the connection pool size when the database URL does not
 // set pool_max_conns. The default is 32.
 func WithMaxConns(n int32) Option {
@@ -191,9 +202,13 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		o.cacheMax = 0
 	}
 	if !o.noBatch {
-		s.begins = newCoalescer(batchWorkers, batchMax, s.runBeginBatch,
+		workers := o.workers
+		if workers < 1 {
+			workers = DefaultBatchWorkers
+		}
+		s.begins = newCoalescer(workers, batchMax, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
-		s.completes = newCoalescer(batchWorkers, batchMax, s.runCompleteBatch,
+		s.completes = newCoalescer(workers, batchMax, s.runCompleteBatch,
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
@@ -327,23 +342,20 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
-	if ev.NewToken == "" {
-		ev.NewToken = newToken()
-	}
 	res, err := s.begin(ctx, p, ev)
-	if err == nil && ctx.Err() != nil && madeBy(res, ev.NewToken) {
+	// begin chooses the new token unless the caller did: an acquisition
+	// this call wrote carries it.
+	if err == nil && res != nil && ctx.Err() != nil && madeBy(res, res.Record.LeaseToken) {
 		s.releaseGone(ctx, p, res.Record)
 		return nil, ctx.Err()
 	}
 	return res, err
 }
 
-// begin is Begin with ev's new token chosen.
+// begin is Begin with ev's kind set; it chooses ev's new token unless the
+// caller did, and only when the Begin may acquire (a replay from the
+// cache needs none).
 func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
-	// ev carries the caller's fingerprint; a new row stores it keyed under
-	// the active key, an existing one is compared in its own stored form.
-	insert := ev
-	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, ev); ok {
@@ -353,6 +365,13 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event
 		s.cache.misses.Add(1)
 		seq = s.cache.snapshot()
 	}
+	if ev.NewToken == "" {
+		ev.NewToken = newToken()
+	}
+	// ev carries the caller's fingerprint; a new row stores it keyed under
+	// the active key, an existing one is compared in its own stored form.
+	insert := ev
+	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
 	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err

@@ -11,8 +11,6 @@ import (
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
-
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -72,7 +70,7 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", tenant})
+	noteCall(ctx, tenant, "", "")
 	out := &idempotencyv1.ListRecordsResponse{Records: make([]*idempotencyv1.Record, 0, len(res.Records))}
 	for _, r := range res.Records {
 		rec := recordToProto(r.Scope, r.Key, r.Record)
@@ -114,7 +112,7 @@ func (a *adminService) Resolve(ctx context.Context, req *idempotencyv1.ResolveRe
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	noteCall(ctx, id.Tenant, id.Scope, "")
 	return &idempotencyv1.ResolveResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
 }
 
@@ -135,7 +133,7 @@ func (a *adminService) Forget(ctx context.Context, req *idempotencyv1.ForgetRequ
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	noteCall(ctx, id.Tenant, id.Scope, "")
 	return &idempotencyv1.ForgetResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
 }
 
@@ -156,7 +154,7 @@ func (a *adminService) GetRecord(ctx context.Context, req *idempotencyv1.GetReco
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", id.Scope})
+	noteCall(ctx, id.Tenant, id.Scope, "")
 	return &idempotencyv1.GetRecordResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
 }
 
@@ -182,7 +180,7 @@ func (a *adminService) CountRecords(ctx context.Context, req *idempotencyv1.Coun
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", tenant})
+	noteCall(ctx, tenant, "", "")
 	out := &idempotencyv1.CountRecordsResponse{Truncated: res.Truncated,
 		Counts: make([]*idempotencyv1.RecordCount, 0, len(res.Counts))}
 	for _, c := range res.Counts {

@@ -3,8 +3,6 @@ package server
 import (
 	"context"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
-
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -47,9 +45,10 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	res, err := s.store.BeginWait(ctx, p, req.GetWait().AsDuration())
 	s.metrics.observeBegin(req.GetScope(), res, err)
 	if err != nil {
+		noteCall(ctx, p.ID.Tenant, p.ID.Scope, "")
 		return nil, s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", p.ID.Tenant, "scope", p.ID.Scope, "outcome", outcomeLabels[res.Outcome]})
+	noteCall(ctx, p.ID.Tenant, p.ID.Scope, outcomeLabels[res.Outcome])
 	out := beginResponse(req, res)
 	if res.Outcome == statemachine.OutcomeAcquired {
 		out.Ttl, out.FailureTtl = optDuration(p.Event.TTL), optDuration(p.Event.FailureTTL)
@@ -152,10 +151,10 @@ func (s *Server) finish(ctx context.Context, scope, key string, ev statemachine.
 	id := identity(ctx, scope, key)
 	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev})
 	s.metrics.observeFinish(scope, res, err)
+	noteCall(ctx, id.Tenant, scope, "")
 	if err != nil {
 		return nil, s.status(ctx, err)
 	}
-	logging.AddFields(ctx, logging.Fields{"tenant", id.Tenant, "scope", scope})
 	return res, nil
 }
 

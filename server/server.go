@@ -64,6 +64,7 @@ type options struct {
 	grpcOptions    []grpc.ServerOption
 	unary          []grpc.UnaryServerInterceptor
 	metricsToken   string
+	slowCall       time.Duration
 
 	httpMaxBody      int64
 	httpReadTimeout  time.Duration
@@ -137,6 +138,7 @@ var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceN
 // New builds a Server over store. Call Serve to accept calls.
 func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200,
+		slowCall:    DefaultSlowCallThreshold,
 		httpMaxBody: DefaultHTTPMaxBodyBytes, httpReadTimeout: DefaultHTTPReadTimeout, httpAllowedHosts: map[string]bool{}}
 	for _, opt := range opts {
 		opt(&o)
@@ -164,7 +166,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	limiter := &tenantLimiter{server: s, byKey: map[string]*rate.Limiter{}}
 	unary := append([]grpc.UnaryServerInterceptor{
 		s.metrics.grpc.UnaryServerInterceptor(),
-		logging.UnaryServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
+		newCallLog(o.logger, o.slowCall).unary,
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), needsAuth),
 		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), needsAuth),

@@ -79,6 +79,8 @@ type config struct {
 	httpMaxBody     int64
 	httpReadTimeout time.Duration
 	httpHosts       []string
+	slowCall        time.Duration
+	batchWorkers    uint
 }
 
 // env returns the value of the environment variable name, or def.
@@ -114,6 +116,10 @@ func parseFlags(args []string) (*config, error) {
 		"largest request body on --http-listen, counted after gzip decompression; larger gets 413 (IDEMCOORD_HTTP_MAX_BODY_BYTES)")
 	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
 		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
+	fs.UintVar(&c.batchWorkers, "batch-workers", envUint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
+		"how many batches of Begins, and of Completes, run at once; fewer make larger batches, cheaper for PostgreSQL per call (IDEMCOORD_BATCH_WORKERS)")
+	slowCall := fs.String("slow-call-threshold", env("IDEMCOORD_SLOW_CALL_THRESHOLD", server.DefaultSlowCallThreshold.String()),
+		"a successful call is logged at info level only when it takes at least this long (at debug level otherwise); failed calls are always logged; 0s logs every call at info level (IDEMCOORD_SLOW_CALL_THRESHOLD)")
 	hosts := fs.String("http-allowed-hosts", env("IDEMCOORD_HTTP_ALLOWED_HOSTS", ""),
 		"comma-separated host names or addresses that a request's Host may give on --http-listen while auth is off, besides loopback ones (IDEMCOORD_HTTP_ALLOWED_HOSTS)")
 	if err := fs.Parse(args); err != nil {
@@ -126,10 +132,16 @@ func parseFlags(args []string) (*config, error) {
 	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
 	}
+	if c.slowCall, err = time.ParseDuration(*slowCall); err != nil || c.slowCall < 0 {
+		return nil, fmt.Errorf("--slow-call-threshold %q: want a duration such as 250ms, or 0s to log every call", *slowCall)
+	}
 	for h := range strings.SplitSeq(*hosts, ",") {
 		if h = strings.TrimSpace(h); h != "" {
 			c.httpHosts = append(c.httpHosts, h)
 		}
+	}
+	if c.batchWorkers < 1 || c.batchWorkers > 64 {
+		return nil, fmt.Errorf("--batch-workers %d: want 1 to 64", c.batchWorkers)
 	}
 	if c.maxStreams == 0 || c.maxStreams > math.MaxUint32 {
 		return nil, fmt.Errorf("--max-concurrent-streams %d: want 1 to %d", c.maxStreams, uint32(math.MaxUint32))
@@ -311,7 +323,7 @@ func run(args []string, logOut *os.File) error {
 	if err := migrateWithRetry(ctx, logger, migrateURL); err != nil {
 		return err
 	}
-	lopts := []ledger.Option{ledger.WithLogger(logger)}
+	lopts := []ledger.Option{ledger.WithLogger(logger), ledger.WithBatchWorkers(int(c.batchWorkers))}
 	switch {
 	case c.notifications == "off":
 		lopts = append(lopts, ledger.WithoutNotifications())
@@ -334,7 +346,8 @@ func run(args []string, logOut *os.File) error {
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))),
-		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...)}
+		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
+		server.WithSlowCallThreshold(c.slowCall)}
 	if metricsToken != "" {
 		sopts = append(sopts, server.WithMetricsToken(metricsToken))
 	}

@@ -25,6 +25,7 @@ import (
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 func TestMain(m *testing.M) {
@@ -306,6 +307,30 @@ func TestMaxConcurrentStreamsFlag(t *testing.T) {
 	}
 	if _, err := parseFlags([]string{"--database-url", "postgres://x", "--max-concurrent-streams", "0"}); err == nil {
 		t.Fatal("0 accepted")
+	}
+}
+
+// TestBatchWorkersAndSlowCallFlags reads --batch-workers and
+// --slow-call-threshold from the flags or the environment, with defaults,
+// and refuses values out of range.
+func TestBatchWorkersAndSlowCallFlags(t *testing.T) {
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.batchWorkers != ledger.DefaultBatchWorkers || c.slowCall != server.DefaultSlowCallThreshold {
+		t.Fatalf("defaults: %+v %v", c, err)
+	}
+	if c, err = parseFlags([]string{"--database-url", "postgres://x", "--batch-workers", "2", "--slow-call-threshold", "0s"}); err != nil ||
+		c.batchWorkers != 2 || c.slowCall != 0 {
+		t.Fatalf("flags: %+v %v", c, err)
+	}
+	t.Setenv("IDEMCOORD_BATCH_WORKERS", "3")
+	t.Setenv("IDEMCOORD_SLOW_CALL_THRESHOLD", "1s")
+	if c, err = parseFlags([]string{"--database-url", "postgres://x"}); err != nil || c.batchWorkers != 3 || c.slowCall != time.Second {
+		t.Fatalf("environment: %+v %v", c, err)
+	}
+	for _, bad := range [][]string{{"--batch-workers", "0"}, {"--batch-workers", "65"}, {"--slow-call-threshold", "-1s"}, {"--slow-call-threshold", "soon"}} {
+		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, bad...)); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
 	}
 }
 
