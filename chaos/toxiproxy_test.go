@@ -46,16 +46,20 @@ type toxiproxy struct {
 	callTimeout time.Duration
 	maxRestarts int
 
-	// mu is held shared by a control call and exclusively by a restart,
-	// which so waits for the calls in flight to end (they are bounded by
-	// callTimeout) and holds back new ones.
-	mu       sync.RWMutex
-	proc     *toxiproxyProcess
-	gen      int // incremented by every restart
-	restarts int
-	broken   error // set when a restart failed or the bound is reached
-	proxies  []toxiproxyProxy
-	steady   []proxyToxic
+	// restartMu is held by a restart from start to end: a call that failed
+	// takes it to learn, once the restart is done, whether the server was
+	// replaced under it. mu is held shared by a control call and
+	// exclusively by a restart once the old server is dead (the calls in
+	// flight then fail at once), holding back new calls until the new
+	// server is ready. The fields below are written with both held.
+	restartMu sync.Mutex
+	mu        sync.RWMutex
+	proc      *toxiproxyProcess
+	gen       int // incremented by every restart
+	restarts  int
+	broken    error // set when a restart failed or the bound is reached
+	proxies   []toxiproxyProxy
+	steady    []proxyToxic
 }
 
 // toxiproxyProcess is one toxiproxy-server process.
@@ -125,6 +129,8 @@ func startToxiproxy(t *testing.T) *toxiproxy {
 	}
 	tp.proc = proc
 	t.Cleanup(func() {
+		tp.restartMu.Lock()
+		defer tp.restartMu.Unlock()
 		tp.mu.Lock()
 		defer tp.mu.Unlock()
 		tp.proc.kill()
@@ -256,7 +262,8 @@ func (tp *toxiproxy) reset() error {
 
 // call makes a control call. When it times out, call restarts the server
 // and returns an error wrapping errToxiproxyRestarted (or why the restart
-// failed).
+// failed); when it failed because another call's restart killed the
+// server, it returns such an error too, once the restart is done.
 func (tp *toxiproxy) call(method, path string, in, out any) error {
 	tp.mu.RLock()
 	if tp.broken != nil {
@@ -266,10 +273,19 @@ func (tp *toxiproxy) call(method, path string, in, out any) error {
 	gen := tp.gen
 	err := tp.do(method, path, in, out)
 	tp.mu.RUnlock()
-	if err == nil || !(errors.Is(err, context.DeadlineExceeded) || isTimeout(err)) {
-		return err
+	if err == nil {
+		return nil
 	}
-	return tp.restart(gen, fmt.Errorf("%s %s: %w", method, path, err))
+	if errors.Is(err, context.DeadlineExceeded) || isTimeout(err) {
+		return tp.restart(gen, fmt.Errorf("%s %s: %w", method, path, err))
+	}
+	tp.restartMu.Lock()
+	replaced := tp.gen != gen
+	tp.restartMu.Unlock()
+	if replaced {
+		return fmt.Errorf("%w (by another call) under %s %s: %v", errToxiproxyRestarted, method, path, err)
+	}
+	return err
 }
 
 func isTimeout(err error) bool {
@@ -280,8 +296,8 @@ func isTimeout(err error) bool {
 // restart replaces the server that a control call made under gen found
 // hung (cause), unless a restart did already.
 func (tp *toxiproxy) restart(gen int, cause error) error {
-	tp.mu.Lock()
-	defer tp.mu.Unlock()
+	tp.restartMu.Lock()
+	defer tp.restartMu.Unlock()
 	if tp.broken != nil {
 		return tp.broken
 	}
@@ -289,12 +305,17 @@ func (tp *toxiproxy) restart(gen int, cause error) error {
 		return fmt.Errorf("%w (by another call) after %v", errToxiproxyRestarted, cause)
 	}
 	if tp.restarts >= tp.maxRestarts {
+		tp.mu.Lock()
+		defer tp.mu.Unlock()
 		tp.broken = fmt.Errorf("toxiproxy's control API hung once more after %d restarts (the upstream bug Shopify/toxiproxy#558, whose fix is PR #760): %v",
 			tp.restarts, cause)
 		return tp.broken
 	}
+	// Kill first: the calls in flight fail at once and let go of mu.
 	old := tp.proc.cmd.Process.Pid
 	tp.proc.kill()
+	tp.mu.Lock()
+	defer tp.mu.Unlock()
 	tp.client.CloseIdleConnections()
 	tp.restarts++
 	tp.gen++

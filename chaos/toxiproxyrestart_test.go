@@ -18,8 +18,9 @@ import (
 // TestToxiproxyRestartsWhenItsAPIHangs checks the harness's way out of
 // toxiproxy's control API hanging (Shopify/toxiproxy#558), which cannot be
 // caused on demand: the server is stopped (SIGSTOP), so its API times out
-// as it does then. The control calls that time out at once make one
-// restart between them: the server is killed and a new one serves the same
+// as it does then. Control calls that hang together make one restart
+// between them (the first to time out kills the server, which cuts the
+// others short): the server is killed and a new one serves the same
 // proxy on the same port with the steady toxic and no other, the
 // connections through the old one are cut, and new ones go through. A
 // reset that times out is done by a restart. Past the bound, a call fails
@@ -124,12 +125,15 @@ func TestToxiproxyRestartsWhenItsAPIHangs(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// Three control calls time out at once: one restart.
+	// Three control calls hang, a second apart: the first times out and
+	// restarts the server, which cuts the two others short; all three
+	// report the restart.
 	pid := hang()
 	errs := make([]error, 3)
 	var wg sync.WaitGroup
 	for i := range errs {
 		wg.Go(func() {
+			time.Sleep(time.Duration(i) * time.Second)
 			errs[i] = tp.add("echo", toxic{Name: "fault-" + string(rune('a'+i)), Type: "timeout", Stream: "upstream", Toxicity: 1,
 				Attributes: map[string]int64{"timeout": 0}})
 		})
