@@ -51,7 +51,8 @@ type toxiproxy struct {
 	// replaced under it. mu is held shared by a control call and
 	// exclusively by a restart once the old server is dead (the calls in
 	// flight then fail at once), holding back new calls until the new
-	// server is ready. The fields below are written with both held.
+	// server is ready. proc, gen, restarts and broken are written with
+	// both held, proxies and steady with mu held.
 	restartMu sync.Mutex
 	mu        sync.RWMutex
 	proc      *toxiproxyProcess
