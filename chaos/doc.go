@@ -21,7 +21,11 @@
 // ran, and prints them on a `chaos: TestRetryingClients: client=…` line.
 // It needs ./bin/toxiproxy-server (`make tools`), node with
 // chaos/testdata/retryclients/node installed (`npm ci`) and Debian's
-// python3-requests; it skips without them, and fails under CI=true.
+// python3-requests; it skips without them, and fails under CI=true. When
+// toxiproxy's control API hangs (the upstream bug Shopify/toxiproxy#558),
+// the harness kills toxiproxy and starts it again on the same ports, which
+// cuts every connection through it, a fault the line's toxiproxy_restart=N
+// counts; at most 3 times per run.
 //
 // The short versions run in `go test ./...`; IDEMCOORD_CHAOS=long (set by
 // `make chaos`) runs longer loads with more faults.

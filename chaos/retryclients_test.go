@@ -79,6 +79,11 @@ const retryLease = 2 * time.Second
 //     never ran (DESIGN.md, "Giving up is safe").
 func TestRetryingClients(t *testing.T) {
 	tp := startToxiproxy(t)
+	// A hung control API (see toxiproxy) also holds back the new
+	// connections through the proxy it hangs on, until the restart: keep
+	// that well under a lease, or the stall, longer than the test's faults
+	// are meant to be, would leave records to lapse to UNKNOWN.
+	tp.callTimeout = retryLease / 2
 	nodeExe, nodeDir := retryNodeClient(t)
 	pyScript := retryPythonClient(t)
 	s := seed(t)
@@ -156,6 +161,7 @@ func TestRetryingClients(t *testing.T) {
 	defer cancel()
 	runAll(t, ctx, rcs, "faults")
 	counts := faults.stop()
+	// A reset that times out restarts toxiproxy, which leaves no toxics.
 	if err := tp.reset(); err != nil {
 		t.Fatalf("toxiproxy reset: %v", err)
 	}
@@ -201,7 +207,7 @@ func TestRetryingClients(t *testing.T) {
 				rc.name, r.double, r.answeredNotOnce, r.mismatched, r.stranded, strings.Join(offending, "\n  "))
 		}
 	}
-	t.Logf("chaos: %s: faults %v for %.1fs over %d proxies (seed %d)", t.Name(), counts, underFaults.Seconds(), len(rcs)+2, s)
+	t.Logf("chaos: %s: faults %s for %.1fs over %d proxies (seed %d)", t.Name(), faultCounts(counts, tp.restartCount()), underFaults.Seconds(), len(rcs)+2, s)
 	if failed {
 		verdict = strings.Join(summary, "; ")
 	}
@@ -744,7 +750,11 @@ func serveGRPC(t *testing.T, srv *grpc.Server) string {
 // the demos, and, from three goroutines, every 50-250 ms one short fault on
 // a random proxy: connections reset (reset_peer), a black hole that closes
 // the connection after 50-300 ms (timeout), or a latency spike of 20-100 ms.
+// A control call that times out restarts toxiproxy (see toxiproxy), which
+// cuts every connection through it and sets the steady toxics again; the
+// test counts those restarts as faults (toxiproxy_restart).
 type retryFaults struct {
+	tp    *toxiproxy
 	stopc chan struct{}
 	wg    sync.WaitGroup
 	mu    sync.Mutex
@@ -753,21 +763,24 @@ type retryFaults struct {
 
 func startRetryFaults(t *testing.T, tp *toxiproxy, seed uint64, clientProxies, coordinatorProxies []string) *retryFaults {
 	t.Helper()
-	add := func(proxy string, tx toxic) {
-		if err := tp.add(proxy, tx); err != nil {
-			t.Fatalf("toxiproxy: %v", err)
-		}
-	}
+	var steady []proxyToxic
 	for _, p := range coordinatorProxies {
-		add(p, toxic{Name: "lag-up", Type: "latency", Stream: "upstream", Toxicity: 1, Attributes: map[string]int64{"latency": 1, "jitter": 1}})
-		add(p, toxic{Name: "lag-down", Type: "latency", Stream: "downstream", Toxicity: 1, Attributes: map[string]int64{"latency": 2, "jitter": 2}})
+		steady = append(steady,
+			proxyToxic{p, toxic{Name: "lag-up", Type: "latency", Stream: "upstream", Toxicity: 1, Attributes: map[string]int64{"latency": 1, "jitter": 1}}},
+			proxyToxic{p, toxic{Name: "lag-down", Type: "latency", Stream: "downstream", Toxicity: 1, Attributes: map[string]int64{"latency": 2, "jitter": 2}}})
 	}
 	for _, p := range clientProxies {
-		add(p, toxic{Name: "lag-down", Type: "latency", Stream: "downstream", Toxicity: 1, Attributes: map[string]int64{"latency": 1, "jitter": 1}})
-		add(p, toxic{Name: "slices", Type: "slicer", Stream: "upstream", Toxicity: 0.5,
-			Attributes: map[string]int64{"average_size": 48, "size_variation": 32, "delay": 200}})
+		steady = append(steady,
+			proxyToxic{p, toxic{Name: "lag-down", Type: "latency", Stream: "downstream", Toxicity: 1, Attributes: map[string]int64{"latency": 1, "jitter": 1}}},
+			proxyToxic{p, toxic{Name: "slices", Type: "slicer", Stream: "upstream", Toxicity: 0.5,
+				Attributes: map[string]int64{"average_size": 48, "size_variation": 32, "delay": 200}}})
 	}
-	f := &retryFaults{stopc: make(chan struct{}), count: map[string]int{}}
+	// The steady toxics are set again after a restart of toxiproxy until
+	// stop.
+	if err := tp.setSteady(steady); err != nil {
+		t.Fatalf("toxiproxy: %v", err)
+	}
+	f := &retryFaults{tp: tp, stopc: make(chan struct{}), count: map[string]int{}}
 	all := append(append([]string(nil), clientProxies...), coordinatorProxies...)
 	for g := range 3 {
 		rng := rand.New(rand.NewPCG(seed, uint64(g)))
@@ -797,12 +810,17 @@ func startRetryFaults(t *testing.T, tp *toxiproxy, seed uint64, clientProxies, c
 					tx.Attributes = map[string]int64{"latency": int64(20 + rng.IntN(80)), "jitter": 20}
 					window = time.Duration(100+rng.IntN(300)) * time.Millisecond
 				}
-				if err := tp.add(proxy, tx); err != nil {
+				// A control call that times out restarts toxiproxy
+				// (errToxiproxyRestarted): the toxic is gone with the
+				// old server, and the faults carry on.
+				if err := tp.add(proxy, tx); errors.Is(err, errToxiproxyRestarted) {
+					continue
+				} else if err != nil {
 					t.Errorf("toxiproxy: %v", err)
 					return
 				}
 				time.Sleep(window)
-				if err := tp.remove(proxy, tx.Name); err != nil {
+				if err := tp.remove(proxy, tx.Name); err != nil && !errors.Is(err, errToxiproxyRestarted) {
 					t.Errorf("toxiproxy: %v", err)
 					return
 				}
@@ -815,18 +833,31 @@ func startRetryFaults(t *testing.T, tp *toxiproxy, seed uint64, clientProxies, c
 	return f
 }
 
-// stop ends the faults and returns how many of each kind were injected.
-func (f *retryFaults) stop() string {
+// stop ends the faults (the steady toxics stay until a reset, but are no
+// longer set again after a restart of toxiproxy) and returns how many of
+// each kind were injected.
+func (f *retryFaults) stop() map[string]int {
 	close(f.stopc)
 	f.wg.Wait()
-	kinds := make([]string, 0, len(f.count))
-	for k := range f.count {
+	f.tp.mu.Lock()
+	f.tp.steady = nil
+	f.tp.mu.Unlock()
+	return f.count
+}
+
+// faultCounts formats counts (and toxiproxy's restarts, which cut every
+// connection through the proxies, a fault of their own) as kind=n, the
+// kinds sorted.
+func faultCounts(counts map[string]int, restarts int) string {
+	kinds := make([]string, 0, len(counts))
+	for k := range counts {
 		kinds = append(kinds, k)
 	}
 	sort.Strings(kinds)
 	var parts []string
 	for _, k := range kinds {
-		parts = append(parts, fmt.Sprintf("%s=%d", k, f.count[k]))
+		parts = append(parts, fmt.Sprintf("%s=%d", k, counts[k]))
 	}
+	parts = append(parts, fmt.Sprintf("toxiproxy_restart=%d", restarts))
 	return strings.Join(parts, " ")
 }
