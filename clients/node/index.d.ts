@@ -221,3 +221,71 @@ export class StoredFailureError extends Error {
   details: string;
   result: Result;
 }
+
+// --- HTTP middleware (Express 5 / Connect, Fastify), clients/http.go's semantics ---
+
+import type { IncomingMessage, ServerResponse } from 'node:http';
+
+/** Options of httpMiddleware and fastifyPlugin; each as Go's WithHTTP… option. */
+export interface HttpMiddlewareOptions {
+  /** How long a request whose key another request holds waits for its result before 409 + Retry-After (default 5000 ms; 0 answers at once). */
+  waitMs?: number;
+  /** A guarded request without Idempotency-Key answers 400 (problem idempotency-key-missing) instead of running unprotected. */
+  requireKey?: boolean;
+  /** Run the handler unprotected when the coordinator cannot be reached (default: 503). */
+  failOpen?: boolean;
+  /** The end user a request acts for, folded into its key (foldPrincipal); a throw answers 400. */
+  principal?: (req: IncomingMessage) => string | Promise<string>;
+  /** Guarded methods (default POST and PATCH); others pass through. */
+  methods?: string[];
+  /** The request's fingerprint (default httpFingerprint: method, path with query, body); a throw answers 400. */
+  fingerprint?: (req: IncomingMessage, body: Buffer) => Bytes | null | Promise<Bytes | null>;
+  /** Response headers stored and replayed besides Content-Type and Location. */
+  replayHeaders?: string[];
+  /** 4xx statuses stored and replayed like a success (default 404, 409, 422). */
+  replayableStatuses?: number[];
+  /** Scope of the records (default 'http'). */
+  scope?: string;
+  /** Largest body of a request with a key (default 10 MiB); larger answers 413. */
+  maxBodyBytes?: number;
+  /** Status of a key reused with another request (default 422; 409 allowed). */
+  mismatchStatus?: number;
+  /** May refresh per-request fields of a replay; the stored record never changes. */
+  onReplay?: (req: IncomingMessage, stored: StoredResponseOut) => StoredResponseOut | null | undefined;
+}
+
+/** What a guarded handler finds as req.idempotency (Express) or request.idempotency (Fastify). */
+export type IdempotencyAttempt = Attempt;
+
+declare module 'node:http' {
+  interface IncomingMessage {
+    /** The attempt a guarded handler runs in (httpMiddleware, fastifyPlugin). */
+    idempotency?: Attempt;
+    /** The raw body the middleware read to fingerprint the request. */
+    rawBody?: Buffer;
+  }
+}
+
+/** Connect/Express 5 middleware: install it before body parsers, after authentication. */
+export function httpMiddleware(client: Client, options?: HttpMiddlewareOptions):
+  (req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => void;
+
+/** Fastify plugin: `app.register(fastifyPlugin, { client, ...options })`. */
+export function fastifyPlugin(
+  fastify: { addHook: (...args: any[]) => unknown },
+  options: HttpMiddlewareOptions & { client: Client },
+  done: (err?: Error) => void,
+): void;
+
+/** The key of an Idempotency-Key header value (bare or a structured-field string); throws when invalid. */
+export function parseIdempotencyKey(value: string): string;
+/** base64url(SHA-256(principal)) ":" key: the key stored for an end user's key, as Go's FoldPrincipal. */
+export function foldPrincipal(principal: string, key: string): string;
+/** SHA-256 of method, "\n", path with query, "\n", body: the default fingerprint, as Go's HTTPFingerprint. */
+export function httpFingerprint(method: string, url: string, body: Buffer): Buffer;
+export const HTTP_SCHEMA_VERSION: 'idemcoord.http/1';
+export const DEFAULT_HTTP_SCOPE: 'http';
+/** Problem types of the answers the middleware writes itself (the same in every language). */
+export const PROBLEMS: Readonly<Record<
+  'keyMissing' | 'keyInvalid' | 'keyReused' | 'keyExpired' | 'attemptsExhausted' | 'inProgress' |
+  'outcomeUnknown' | 'bodyTooLarge' | 'unavailable' | 'leaseLost' | 'internal', string>>;

@@ -6,6 +6,7 @@
 const { Client, markSideEffect, currentLease } = require('./lib/client');
 const { dedupKey, normalizeName } = require('./lib/dedup');
 const errors = require('./lib/errors');
+const http = require('./lib/http');
 
 module.exports = {
   Client,
@@ -13,5 +14,13 @@ module.exports = {
   normalizeName,
   markSideEffect,
   currentLease,
+  httpMiddleware: http.httpMiddleware,
+  fastifyPlugin: http.fastifyPlugin,
+  parseIdempotencyKey: http.parseIdempotencyKey,
+  foldPrincipal: http.foldPrincipal,
+  httpFingerprint: http.httpFingerprint,
+  HTTP_SCHEMA_VERSION: http.HTTP_SCHEMA_VERSION,
+  DEFAULT_HTTP_SCOPE: http.DEFAULT_HTTP_SCOPE,
+  PROBLEMS: http.PROBLEMS,
   ...errors,
 };
