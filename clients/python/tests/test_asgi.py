@@ -6,6 +6,7 @@ the coordinator is a real one (see coordinator.py).
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -25,6 +26,8 @@ try:
     import starlette.routing
     import uvicorn
 except ImportError as err:  # Debian: python3-starlette python3-fastapi python3-uvicorn python3-httpx
+    if os.environ.get("CI") == "true":
+        raise
     raise unittest.SkipTest("ASGI stack missing: %s" % err)
 
 COORD = None
