@@ -289,3 +289,38 @@ export const DEFAULT_HTTP_SCOPE: 'http';
 export const PROBLEMS: Readonly<Record<
   'keyMissing' | 'keyInvalid' | 'keyReused' | 'keyExpired' | 'attemptsExhausted' | 'inProgress' |
   'outcomeUnknown' | 'bodyTooLarge' | 'unavailable' | 'leaseLost' | 'internal', string>>;
+
+// --- gRPC server interceptor (@grpc/grpc-js >= 1.10), clients/interceptor.go's semantics ---
+
+import type { ServerInterceptor, ServiceDefinition, Metadata } from '@grpc/grpc-js';
+
+/** Options of serverInterceptor; each as Go's InterceptorOption of the same name. */
+export interface ServerInterceptorOptions {
+  /** The services whose unary methods are guarded (their codecs replay stored responses); other methods pass through. */
+  services: ServiceDefinition[];
+  /** Only these full method names ('/pkg.Service/Method'); default every unary method not marked NO_SIDE_EFFECTS. */
+  methods?: string[];
+  /** The key of a call (default: its idempotency-key metadata); '' for none. */
+  key?: (metadata: Metadata, request: unknown) => string | Promise<string>;
+  /** The end user a call acts for, folded into its key (foldPrincipal). */
+  principal?: (metadata: Metadata) => string | Promise<string>;
+  /** The request's fingerprint (default SHA-256 of the method, "\n" and the request's encoding). */
+  fingerprint?: (metadata: Metadata, request: unknown) => Bytes | null | Promise<Bytes | null>;
+  /** A call without a key fails INVALID_ARGUMENT instead of running unprotected. */
+  requireKey?: boolean;
+  /** Wait up to this long (and within the call's deadline) for a running attempt's result; default 0: ABORTED at once. */
+  waitMs?: number;
+  /** Run the handler unprotected when the coordinator cannot be reached (default UNAVAILABLE). */
+  failOpen?: boolean;
+  /** Scope of a method's records (default its full name). */
+  scope?: (fullMethod: string) => string;
+  /** Schema versions of stored responses by full method name (default the output message's full name). */
+  schemaVersions?: Record<string, string>;
+  /** Metadata keys stored and replayed (default every key but idemcoord's and gRPC's own). */
+  replayMetadata?: string[];
+  /** How handler errors are recorded, by gRPC code (default DESIGN.md's table). */
+  failureKinds?: Record<number, FailureKind>;
+}
+
+/** A grpc-js server interceptor: `new grpc.Server({ interceptors: [serverInterceptor(client, { services })] })`. */
+export function serverInterceptor(client: Client, options: ServerInterceptorOptions): ServerInterceptor;

@@ -7,6 +7,7 @@ const { Client, markSideEffect, currentLease } = require('./lib/client');
 const { dedupKey, normalizeName } = require('./lib/dedup');
 const errors = require('./lib/errors');
 const http = require('./lib/http');
+const { serverInterceptor } = require('./lib/grpc');
 
 module.exports = {
   Client,
@@ -16,6 +17,7 @@ module.exports = {
   currentLease,
   httpMiddleware: http.httpMiddleware,
   fastifyPlugin: http.fastifyPlugin,
+  serverInterceptor,
   parseIdempotencyKey: http.parseIdempotencyKey,
   foldPrincipal: http.foldPrincipal,
   httpFingerprint: http.httpFingerprint,

@@ -42,3 +42,13 @@ http.createServer((req, res) => mw(req, res, () => {
 }));
 const fastifyLike = { addHook: (..._args: unknown[]) => undefined };
 fastifyPlugin(fastifyLike, { client, waitMs: 0 }, () => {});
+
+// The gRPC server interceptor, as a grpc-js server installs it.
+import { serverInterceptor } from '../..';
+import * as grpc from '@grpc/grpc-js';
+
+declare const service: grpc.ServiceDefinition;
+const server = new grpc.Server({
+  interceptors: [serverInterceptor(client, { services: [service], waitMs: 1000, requireKey: true, methods: ['/pkg.S/M'] })],
+});
+void server;
