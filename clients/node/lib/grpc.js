@@ -10,7 +10,7 @@ const api = require('./api');
 const {
   Lease, newAttemptId, failReason, answerLost, DEFAULT_FAILURE_KINDS,
 } = require('./client');
-const { FailureError, SCHEMA_VERSION_STATUS, CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD } = require('./errors');
+const { SCHEMA_VERSION_STATUS, CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD } = require('./errors');
 
 const S = grpc.status;
 const RESULT_HEADER = 'idempotency-result';
@@ -282,13 +282,8 @@ function serverInterceptor(client, options = {}) {
       }
       const st = pending.status;
       const err = Object.assign(new Error(st.details), { code: st.code });
-      let kind = kinds[st.code] ?? 'FAILURE_KIND_UNKNOWN';
-      if (outcome.marked && kind !== 'FAILURE_KIND_REPLAYABLE') {
-        kind = 'FAILURE_KIND_UNKNOWN';
-      }
-      if (pending.failure instanceof FailureError && pending.failure.kind) {
-        kind = pending.failure.kind;
-      }
+      // After markSideEffect every error is UNKNOWN (as Go's endingKind).
+      const kind = outcome.marked ? 'FAILURE_KIND_UNKNOWN' : (kinds[st.code] ?? 'FAILURE_KIND_UNKNOWN');
       const ending = { kind, reason: failReason(err.message) };
       if (kind === 'FAILURE_KIND_REPLAYABLE') {
         const details = st.metadata?.get?.('grpc-status-details-bin')?.[0];
