@@ -356,3 +356,155 @@ class _AsyncHolder:
             delay = min(delay * 2, 2.0)
         self.client._log.error("idemcoord: gave up ending an attempt on %s/%s; the record will read UNKNOWN once "
                                "its lease runs out", self.scope, self.key)
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
+    """The asyncio twin of idemcoord.grpc.ServerInterceptor, for grpc.aio servers; client is an idemcoord.aio.Client.
+
+    Options are idemcoord.grpc.ServerInterceptor's. A call cancelled while
+    Begin is in flight or waiting releases what that Begin acquired.
+    """
+
+    def __init__(self, client, **options):
+        from . import grpc as _sync  # idemcoord.grpc: options and method resolution, shared
+        self.client = client
+        self._sync = _sync
+        self._r = _sync.ServerInterceptor(client, **options)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            return handler
+        m = self._r._method(handler_call_details.method)
+        if m is None:
+            return handler
+        full_method = handler_call_details.method
+        behavior = handler.unary_unary
+
+        async def guarded(request, context):
+            return await self._guard(full_method, m, behavior, request, context)
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+    async def _guard(self, full_method, m, behavior, request, context):
+        r, c, s = self._r, self.client, self._sync
+        keys = {v for k, v in context.invocation_metadata() if k == s.KEY_METADATA}
+        if len(keys) > 1:
+            await context.abort(_C.INVALID_ARGUMENT, "two different idempotency-key values")
+        key = r.key(request, context) if r.key else (next(iter(keys)) if keys else "")
+        if not key:
+            if r.require_key:
+                await context.abort(_C.INVALID_ARGUMENT, "this method requires an idempotency-key")
+            return await behavior(request, context)
+        if r.principal is not None:
+            key = s.fold_principal(r.principal(context), key)
+        if r.fingerprint is not None:
+            fp = r.fingerprint(request, context)
+        else:
+            fp = s.hashlib.sha256(full_method.encode() + b"\n" + request.SerializeToString(deterministic=True)).digest()
+        breq = dict(scope=r.scope(full_method), key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
+                    accept_schema_versions=[m.schema, s.SCHEMA_VERSION_STATUS])
+        if c._lease is not None:
+            breq["lease"] = c._lease
+        remaining = context.time_remaining()
+        wait = r.wait if remaining is None else max(min(r.wait, remaining - 0.05), 0.0)
+        try:
+            res, sent = await c._begin_waiting(breq, time.monotonic() + wait)
+        except asyncio.CancelledError:
+            await asyncio.shield(c._release(breq))
+            raise
+        except grpc.aio.AioRpcError as err:
+            if _answer_lost(err):
+                c._run_in_background(c._release(breq))
+            code = err.code()
+            if code in (_C.FAILED_PRECONDITION, _C.INVALID_ARGUMENT):
+                # grpc.aio's abort replaces the trailing metadata with its own argument
+                await context.abort(code, err.details(), tuple((k, v) for k, v in (err.trailing_metadata() or ())
+                                                               if k == "grpc-status-details-bin"))
+            if code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
+                if r.fail_open:
+                    return await behavior(request, context)
+                await context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
+            if code == _C.RESOURCE_EXHAUSTED:
+                await context.abort(_C.RESOURCE_EXHAUSTED, "idempotency coordinator rate limit reached; retry later")
+            await context.abort(_C.INTERNAL, "idempotency coordinator refused the call")
+        rec = res.record
+        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
+            return await self._replay(m, rec, context)
+        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+            if rec.state == _api.State.STATE_UNKNOWN:
+                st = _api.Status(code=_C.FAILED_PRECONDITION.value[0],
+                                 message="the outcome of an earlier attempt with this idempotency key is unknown "
+                                         "and held for an operator")
+                st.details.add(type_url="type.googleapis.com/google.rpc.ErrorInfo",
+                               value=s._error_info(s.REASON_UNKNOWN_HELD))
+                await context.abort(_C.FAILED_PRECONDITION, st.message,
+                                    (("grpc-status-details-bin", st.SerializeToString()),))
+            retry_ms = max(int(_seconds(res.retry_after) * 1000), 1)
+            await context.abort(_C.ABORTED, "another attempt with this idempotency key is in progress; retry after %d ms"
+                                % retry_ms, ((s.PUSHBACK_TRAILER, str(retry_ms)),))
+        holder = _AsyncHolder(c, breq, res, sent)
+        try:
+            response, error, marked, started = await holder.run(lambda attempt: behavior(request, context))
+        except asyncio.CancelledError:
+            if not holder.started:
+                await asyncio.shield(c._release(breq, holder.token))
+            else:
+                await asyncio.shield(holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the call was cancelled while the handler ran"))
+            raise
+        if holder.lost:
+            if error is not None:
+                await context.abort(_C.ABORTED, "the idempotency key was taken over by another attempt; retry")
+            return response
+        if not started:
+            await holder.finish(kind="FAILURE_KIND_ABANDONED", reason="the lease could not be confirmed before the handler started")
+            await context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
+        code = s._code_of(context)
+        if error is None and code in (None, _C.OK):
+            try:
+                body = response.SerializeToString(deterministic=True)
+            except Exception:
+                await holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the handler's response could not be encoded for storage")
+                return response
+            err = await holder.finish(complete=_api.StoredResponse(schema_version=m.schema,
+                                                                   content_type=s.CONTENT_TYPE_PROTO, body=body))
+            if err is None:
+                await context.send_initial_metadata([(s.RESULT_HEADER, "created")])
+            return response
+        if code in (None, _C.OK):
+            code = _C.UNKNOWN
+        details = s._details_of(context) or str(error or "")
+        kind = "FAILURE_KIND_UNKNOWN" if marked else r.kinds.get(code, "FAILURE_KIND_UNKNOWN")
+        ending = dict(kind=kind, reason=_fail_reason(details))
+        if kind == "FAILURE_KIND_REPLAYABLE":
+            ending["response"] = _status_response(s._StatusCarrier(code, details))
+        err = await holder.finish(**ending)
+        trailing = tuple(s._trailing(context))
+        if err is None and kind == "FAILURE_KIND_REPLAYABLE":
+            trailing += ((s.RESULT_HEADER, "created"),)
+        if error is not None:
+            # The handler aborted (grpc.aio allows one abort) or raised:
+            # its status goes out with these trailers.
+            context.set_trailing_metadata(trailing)
+            raise error
+        await context.abort(code, details, trailing)
+
+    async def _replay(self, m, rec, context):
+        s = self._sync
+        stored = rec.response
+        if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
+            code, message = _C.FAILED_PRECONDITION, rec.failure_reason or "replayed failure"
+            trailing = [(s.RESULT_HEADER, "replayed")]
+            if stored.schema_version == s.SCHEMA_VERSION_STATUS:
+                st = _api.Status()
+                st.ParseFromString(stored.body)
+                if st.code != 0:
+                    code, message = s._CODES.get(st.code, _C.UNKNOWN), st.message
+                    trailing.append(("grpc-status-details-bin", bytes(stored.body)))
+            await context.abort(code, message, tuple(trailing))
+        if stored.schema_version != m.schema:
+            await context.abort(_C.INTERNAL, "the stored response for this idempotency key has schema version "
+                                + stored.schema_version)
+        out = m.output_class.FromString(stored.body)
+        await context.send_initial_metadata([(s.RESULT_HEADER, "replayed")])
+        return out

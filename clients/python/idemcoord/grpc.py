@@ -253,11 +253,15 @@ class _StatusCarrier(Exception):
 
 
 def _code_of(context):
+    """The status code the handler set on context, as a grpc.StatusCode (grpc.aio gives an int)."""
     code = getattr(context, "code", None)
     try:
-        return code() if callable(code) else None
+        code = code() if callable(code) else None
     except Exception:
         return None
+    if isinstance(code, int) and not isinstance(code, bool):
+        return _CODES.get(code, _C.UNKNOWN)
+    return code
 
 
 def _details_of(context):

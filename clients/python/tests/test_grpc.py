@@ -5,6 +5,7 @@ The guarded method is /idempotency.v1.Coordinator/Begin of a test server
 real one (see coordinator.py).
 """
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -16,6 +17,7 @@ import unittest
 import grpc
 
 import idemcoord
+import idemcoord.aio
 from idemcoord import _api
 from idemcoord.grpc import ServerInterceptor
 
@@ -194,7 +196,67 @@ def run_scenario(tc, sc, stub, calls):
         tc.assertEqual(calls.n.get(key, 0), sc["handler_calls"], "handler runs of %s" % sc["name"])
 
 
+def async_begin_handler(calls):
+    async def begin(request, context):
+        md = dict(context.invocation_metadata())
+        calls.add(md.get("x-scenario", ""))
+        a = json.loads(md.get("x-conformance") or "{}")
+        if a.get("sleep_ms"):
+            await asyncio.sleep(a["sleep_ms"] / 1000)
+        if a.get("mark"):
+            idemcoord.mark_side_effect()
+        if a.get("throw"):
+            raise RuntimeError("the conformance handler throws")
+        if a.get("code"):
+            await context.abort(getattr(grpc.StatusCode, a["code"]), a.get("message", ""))
+        if a.get("echo_lease"):
+            lease = idemcoord.current_lease()
+            return BeginResponse(lease_token="%d %s" % (lease.attempt, idemcoord.State.Name(lease.previous)))
+        return BeginResponse(lease_token=a.get("token", ""))
+    return begin
+
+
+def aio_starter(loop):
+    """start(options, calls) for a grpc.aio server with idemcoord.aio.ServerInterceptor on loop (the main thread's)."""
+    def start(options, calls):
+        async def create():
+            client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=SUITE["client_lease_ms"] / 1000)
+            interceptor = idemcoord.aio.ServerInterceptor(client, pool=_api.POOL,
+                                                          wait=options.get("wait_ms", 0) / 1000,
+                                                          require_key=bool(options.get("require_key")))
+            server = grpc.aio.server(interceptors=[interceptor])
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("idempotency.v1.Coordinator", {
+                "Begin": grpc.unary_unary_rpc_method_handler(async_begin_handler(calls),
+                                                             request_deserializer=BeginRequest.FromString,
+                                                             response_serializer=BeginResponse.SerializeToString)})])
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return client, server, port
+
+        async def stop(client, server):
+            await server.stop(None)
+            await client.shutdown(timeout=10)
+        client, server, port = asyncio.run_coroutine_threadsafe(create(), loop).result(30)
+        channel = grpc.insecure_channel("127.0.0.1:%d" % port)
+        stub = channel.unary_unary(METHOD, request_serializer=BeginRequest.SerializeToString,
+                                   response_deserializer=BeginResponse.FromString)
+
+        def close():
+            channel.close()
+            asyncio.run_coroutine_threadsafe(stop(client, server), loop).result(30)
+        return stub, close
+    return start
+
+
 class GRPCConformanceTest(unittest.TestCase):
+    def test_aio_server_interceptor_passes_the_grpc_suite(self):
+        # grpc.aio serves on the main thread's event loop; the suite's
+        # blocking calls run on a worker thread.
+        async def main():
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, run_grpc_conformance, self, "python-aio", aio_starter(loop))
+        self.assertGreater(asyncio.run(main()), 0)
+
     def test_server_interceptor_passes_the_grpc_suite(self):
         self.assertGreater(run_grpc_conformance(self, "python", start_server), 0)
 
