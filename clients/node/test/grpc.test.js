@@ -111,7 +111,11 @@ async function send(stub, key, st) {
 
 test('the grpc-js server interceptor passes the gRPC conformance suite', { timeout: 300000 }, async (t) => {
   for (const sc of suite.scenarios) {
-    await t.test(sc.name, async () => {
+    await t.test(sc.name, async (t) => {
+      if (sc.skip?.node) {
+        t.skip(sc.skip.node);
+        return;
+      }
       const { stub, close } = await startServer(sc.options ?? {});
       try {
         const key = `conf-${crypto.randomBytes(12).toString('hex')}`;
