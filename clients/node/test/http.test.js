@@ -112,3 +112,31 @@ test('body parsers after the middleware still get the body', TIMEOUT, async () =
 });
 
 module.exports = { listen };
+
+test('mismatchStatus, onReplay and Idempotency-Expires on a replay', TIMEOUT, async () => {
+  const app = express();
+  app.use(httpMiddleware(client, {
+    mismatchStatus: 409,
+    onReplay: (req, stored) => ({ ...stored, metadata: { ...stored.metadata, 'X-Replayed-For': String(req.headers['x-request-id']) } }),
+  }));
+  app.post('/things', (req, res) => res.status(201).end('made'));
+  const server = app.listen(0, '127.0.0.1');
+  await new Promise((resolve) => server.once('listening', resolve));
+  try {
+    const url = `http://127.0.0.1:${server.address().port}/things`;
+    const key = `opts-${Date.now()}`;
+    const send = (body, id) => fetch(url, { method: 'POST', headers: { 'Idempotency-Key': key, 'X-Request-Id': id }, body });
+    assert.equal((await send('a', 'r1')).status, 201);
+    const replay = await send('a', 'r2');
+    assert.equal(replay.headers.get('idempotency-result'), 'replayed');
+    assert.equal(replay.headers.get('x-replayed-for'), 'r2');
+    assert.match(replay.headers.get('idempotency-expires') ?? '', /^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$/);
+    assert.equal(await replay.text(), 'made');
+    const changed = await send('b', 'r3');
+    assert.equal(changed.status, 409);
+    assert.equal((await changed.json()).type, 'urn:idemcoord:problem:idempotency-key-reused');
+  } finally {
+    server.closeAllConnections();
+    server.close();
+  }
+});

@@ -140,5 +140,40 @@ class ASGIConformanceTest(unittest.TestCase):
         self.assertGreater(conformance.run_http_conformance(self, "asgi", CLIENT, start_fastapi), 0)
 
 
+class ASGIOptionsTest(unittest.TestCase):
+    def test_mismatch_status_on_replay_and_expires(self):
+        import httpx
+        import uuid
+
+        def on_replay(scope, stored):
+            out = idemcoord.StoredResponse()
+            out.CopyFrom(stored)
+            out.metadata["X-Replayed-For"] = dict(scope["headers"]).get(b"x-request-id", b"").decode()
+            return out
+
+        async def things(request):
+            return starlette.responses.Response(b"made", 201)
+        app = starlette.applications.Starlette(
+            routes=[starlette.routing.Route("/things", things, methods=["POST"])],
+            middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, mismatch_status=409,
+                                                        on_replay=on_replay)])
+        base, close = serve(app)
+        self.addCleanup(close)
+        key = "opts-" + uuid.uuid4().hex
+
+        def send(body, rid):
+            return httpx.post(base + "/things", content=body, headers={"Idempotency-Key": key, "X-Request-Id": rid})
+        self.assertEqual(send(b"a", "r1").status_code, 201)
+        replay = send(b"a", "r2")
+        self.assertEqual(replay.headers["idempotency-result"], "replayed")
+        self.assertEqual(replay.headers["x-replayed-for"], "r2")
+        self.assertRegex(replay.headers.get("idempotency-expires", ""),
+                         r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$")
+        self.assertEqual(replay.content, b"made")
+        changed = send(b"b", "r3")
+        self.assertEqual(changed.status_code, 409)
+        self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
+
+
 if __name__ == "__main__":
     unittest.main()
