@@ -444,8 +444,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(_C.ABORTED, "another attempt with this idempotency key is in progress; retry after %d ms"
                                 % retry_ms, ((s.PUSHBACK_TRAILER, str(retry_ms)),))
         holder = _AsyncHolder(c, breq, res, sent)
+        hctx = _HandlerContext(context)
         try:
-            response, error, marked, started = await holder.run(lambda attempt: behavior(request, context))
+            response, error, marked, started = await holder.run(lambda attempt: behavior(request, hctx))
         except asyncio.CancelledError:
             if not holder.started:
                 await asyncio.shield(c._release(breq, holder.token))
@@ -459,7 +460,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if not started:
             await holder.finish(kind="FAILURE_KIND_ABANDONED", reason="the lease could not be confirmed before the handler started")
             await context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
-        code = s._code_of(context)
+        code = s._code_of(hctx)
         if error is None and code in (None, _C.OK):
             try:
                 body = response.SerializeToString(deterministic=True)
@@ -473,20 +474,19 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             return response
         if code in (None, _C.OK):
             code = _C.UNKNOWN
-        details = s._details_of(context) or str(error or "")
+        details = s._details_of(hctx) or str(error or "")
         kind = "FAILURE_KIND_UNKNOWN" if marked else r.kinds.get(code, "FAILURE_KIND_UNKNOWN")
         ending = dict(kind=kind, reason=_fail_reason(details))
         if kind == "FAILURE_KIND_REPLAYABLE":
             ending["response"] = _status_response(s._StatusCarrier(code, details))
         err = await holder.finish(**ending)
-        trailing = tuple(s._trailing(context))
+        trailing = hctx.aborted[2] if hctx.aborted else tuple(s._trailing(context))
         if err is None and kind == "FAILURE_KIND_REPLAYABLE":
             trailing += ((s.RESULT_HEADER, "created"),)
-        if error is not None:
-            # The handler aborted (grpc.aio allows one abort) or raised:
-            # its status goes out with these trailers.
-            context.set_trailing_metadata(trailing)
-            raise error
+        if error is not None and hctx.aborted is None:
+            raise error  # an exception, answered UNKNOWN by the server
+        # grpc.aio takes one abort per call, with its trailers: the
+        # handler's abort was held (_HandlerContext) and is made here.
         await context.abort(code, details, trailing)
 
     async def _replay(self, m, rec, context):
@@ -508,3 +508,33 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         out = m.output_class.FromString(stored.body)
         await context.send_initial_metadata([(s.RESULT_HEADER, "replayed")])
         return out
+
+
+class _HandlerAbort(Exception):
+    """The handler's context.abort, held by _HandlerContext until the outcome is recorded."""
+
+
+class _HandlerContext:
+    """The grpc.aio ServicerContext the handler sees: everything passes through but abort, which is held.
+
+    grpc.aio sends an abort with the trailers given to it (one abort per
+    call), so the interceptor makes the abort itself once it knows whether
+    to add "idempotency-result: created".
+    """
+
+    def __init__(self, context):
+        self._context = context
+        self.aborted = None
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        self.aborted = (code, details, tuple(trailing_metadata or ()))
+        raise _HandlerAbort(details)
+
+    def code(self):
+        return self.aborted[0] if self.aborted else self._context.code()
+
+    def details(self):
+        return self.aborted[1] if self.aborted else self._context.details()
