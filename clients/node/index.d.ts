@@ -223,3 +223,106 @@ export class StoredFailureError extends Error {
   details: string;
   result: Result;
 }
+
+// --- HTTP middleware (Express 5 / Connect, Fastify), clients/http.go's semantics ---
+
+import type { IncomingMessage, ServerResponse } from 'node:http';
+
+/** Options of httpMiddleware and fastifyPlugin; each as Go's WithHTTP… option. */
+export interface HttpMiddlewareOptions {
+  /** How long a request whose key another request holds waits for its result before 409 + Retry-After (default 5000 ms; 0 answers at once). */
+  waitMs?: number;
+  /** A guarded request without Idempotency-Key answers 400 (problem idempotency-key-missing) instead of running unprotected. */
+  requireKey?: boolean;
+  /** Run the handler unprotected when the coordinator cannot be reached (default: 503). */
+  failOpen?: boolean;
+  /** The end user a request acts for, folded into its key (foldPrincipal); a throw answers 400. */
+  principal?: (req: IncomingMessage) => string | Promise<string>;
+  /** Guarded methods (default POST and PATCH); others pass through. */
+  methods?: string[];
+  /** The request's fingerprint (default httpFingerprint: method, path with query, body); a throw answers 400. */
+  fingerprint?: (req: IncomingMessage, body: Buffer) => Bytes | null | Promise<Bytes | null>;
+  /** Response headers stored and replayed besides Content-Type and Location. */
+  replayHeaders?: string[];
+  /** 4xx statuses stored and replayed like a success (default 404, 409, 422). */
+  replayableStatuses?: number[];
+  /** Scope of the records (default 'http'). */
+  scope?: string;
+  /** Largest body of a request with a key (default 10 MiB); larger answers 413. */
+  maxBodyBytes?: number;
+  /** Status of a key reused with another request (default 422; 409 allowed). */
+  mismatchStatus?: number;
+  /** May refresh per-request fields of a replay; the stored record never changes. */
+  onReplay?: (req: IncomingMessage, stored: StoredResponseOut) => StoredResponseOut | null | undefined;
+}
+
+/** What a guarded handler finds as req.idempotency (Express) or request.idempotency (Fastify). */
+export type IdempotencyAttempt = Attempt;
+
+declare module 'node:http' {
+  interface IncomingMessage {
+    /** The attempt a guarded handler runs in (httpMiddleware, fastifyPlugin). */
+    idempotency?: Attempt;
+    /** The raw body the middleware read to fingerprint the request. */
+    rawBody?: Buffer;
+  }
+}
+
+/** Connect/Express 5 middleware: install it before body parsers, after authentication. */
+export function httpMiddleware(client: Client, options?: HttpMiddlewareOptions):
+  (req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => void;
+
+/** Fastify plugin: `app.register(fastifyPlugin, { client, ...options })`. */
+export function fastifyPlugin(
+  fastify: { addHook: (...args: any[]) => unknown },
+  options: HttpMiddlewareOptions & { client: Client },
+  done: (err?: Error) => void,
+): void;
+
+/** The key of an Idempotency-Key header value (bare or a structured-field string); throws when invalid. */
+export function parseIdempotencyKey(value: string): string;
+/** base64url(SHA-256(principal)) ":" key: the key stored for an end user's key, as Go's FoldPrincipal. */
+export function foldPrincipal(principal: string, key: string): string;
+/** SHA-256 of method, "\n", path with query, "\n", body: the default fingerprint, as Go's HTTPFingerprint. */
+export function httpFingerprint(method: string, url: string, body: Buffer): Buffer;
+export const HTTP_SCHEMA_VERSION: 'idemcoord.http/1';
+export const DEFAULT_HTTP_SCOPE: 'http';
+/** Problem types of the answers the middleware writes itself (the same in every language). */
+export const PROBLEMS: Readonly<Record<
+  'keyMissing' | 'keyInvalid' | 'keyReused' | 'keyExpired' | 'attemptsExhausted' | 'inProgress' |
+  'outcomeUnknown' | 'bodyTooLarge' | 'unavailable' | 'leaseLost' | 'internal', string>>;
+
+// --- gRPC server interceptor (@grpc/grpc-js >= 1.10), clients/interceptor.go's semantics ---
+
+import type { ServerInterceptor, ServiceDefinition, Metadata } from '@grpc/grpc-js';
+
+/** Options of serverInterceptor; each as Go's InterceptorOption of the same name. */
+export interface ServerInterceptorOptions {
+  /** The services whose unary methods are guarded (their codecs replay stored responses); other methods pass through. */
+  services: ServiceDefinition[];
+  /** Only these full method names ('/pkg.Service/Method'); default every unary method not marked NO_SIDE_EFFECTS. */
+  methods?: string[];
+  /** The key of a call (default: its idempotency-key metadata); '' for none. */
+  key?: (metadata: Metadata, request: unknown) => string | Promise<string>;
+  /** The end user a call acts for, folded into its key (foldPrincipal). */
+  principal?: (metadata: Metadata) => string | Promise<string>;
+  /** The request's fingerprint (default SHA-256 of the method, "\n" and the request's encoding). */
+  fingerprint?: (metadata: Metadata, request: unknown) => Bytes | null | Promise<Bytes | null>;
+  /** A call without a key fails INVALID_ARGUMENT instead of running unprotected. */
+  requireKey?: boolean;
+  /** Wait up to this long (and within the call's deadline) for a running attempt's result; default 0: ABORTED at once. */
+  waitMs?: number;
+  /** Run the handler unprotected when the coordinator cannot be reached (default UNAVAILABLE). */
+  failOpen?: boolean;
+  /** Scope of a method's records (default its full name). */
+  scope?: (fullMethod: string) => string;
+  /** Schema versions of stored responses by full method name (default the output message's full name). */
+  schemaVersions?: Record<string, string>;
+  /** Metadata keys stored and replayed (default every key but idemcoord's and gRPC's own). */
+  replayMetadata?: string[];
+  /** How handler errors are recorded, by gRPC code (default DESIGN.md's table). */
+  failureKinds?: Record<number, FailureKind>;
+}
+
+/** A grpc-js server interceptor: `new grpc.Server({ interceptors: [serverInterceptor(client, { services })] })`. */
+export function serverInterceptor(client: Client, options: ServerInterceptorOptions): ServerInterceptor;

@@ -6,6 +6,8 @@
 const { Client, markSideEffect, currentLease } = require('./lib/client');
 const { dedupKey, normalizeName } = require('./lib/dedup');
 const errors = require('./lib/errors');
+const http = require('./lib/http');
+const { serverInterceptor } = require('./lib/grpc');
 
 module.exports = {
   Client,
@@ -13,5 +15,14 @@ module.exports = {
   normalizeName,
   markSideEffect,
   currentLease,
+  httpMiddleware: http.httpMiddleware,
+  fastifyPlugin: http.fastifyPlugin,
+  serverInterceptor,
+  parseIdempotencyKey: http.parseIdempotencyKey,
+  foldPrincipal: http.foldPrincipal,
+  httpFingerprint: http.httpFingerprint,
+  HTTP_SCHEMA_VERSION: http.HTTP_SCHEMA_VERSION,
+  DEFAULT_HTTP_SCOPE: http.DEFAULT_HTTP_SCOPE,
+  PROBLEMS: http.PROBLEMS,
   ...errors,
 };

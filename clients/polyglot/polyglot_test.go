@@ -117,6 +117,33 @@ func TestPythonClient(t *testing.T) {
 	runSuite(t, filepath.Join(repoRoot(t), "clients", "python"), startCoordinator(t), python, "-m", "unittest", "discover", "-v")
 }
 
+// TestExpressExample runs examples/express's test (its dependencies from
+// `npm ci --prefix examples/express`).
+func TestExpressExample(t *testing.T) {
+	t.Parallel()
+	nodeReady(t)
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		missing(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
+	}
+	dir := filepath.Join(repoRoot(t), "examples", "express")
+	if _, err := os.Stat(filepath.Join(dir, "node_modules", "express", "package.json")); err != nil {
+		missing(t, "examples/express/node_modules is missing; install it with `npm ci --prefix examples/express`")
+	}
+	runSuite(t, dir, startCoordinator(t), npm, "test")
+}
+
+// TestFastAPIExample runs examples/fastapi's test with Debian's FastAPI.
+func TestFastAPIExample(t *testing.T) {
+	t.Parallel()
+	pythonReady(t)
+	if out, err := exec.Command(python, "-c", "import fastapi, uvicorn, httpx").CombinedOutput(); err != nil {
+		missing(t, "%s cannot import fastapi, uvicorn and httpx (%s); install them with `apt-get install python3-fastapi python3-uvicorn python3-httpx`",
+			python, bytes.TrimSpace(out))
+	}
+	runSuite(t, filepath.Join(repoRoot(t), "examples", "fastapi"), startCoordinator(t), python, "-m", "unittest", "-v")
+}
+
 // names are project names on which the languages' own string functions
 // disagree; each library must still give Go's key.
 var names = []string{"\uFEFFFlower Shop", "Flower\u0085Shop", "DİYARBAKIR", "ΟΔΟΣ ΣΟΦΟΣ", "Cafe\u0301", "A\u001cB", "🌸  x"}

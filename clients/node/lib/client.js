@@ -365,16 +365,18 @@ class Client {
    * lease, by the local clock. It answers the last answer it read (in
    * progress when signal aborted between two Begins), and rejects when a
    * Begin did (cancelled when signal aborted during one): that Begin may
-   * have acquired the key (see _releaseAcquisition).
+   * have acquired the key (see _releaseAcquisition). With deadline (a
+   * Date.now() value), it stops waiting then and answers the last answer.
    */
-  async _beginWaiting(req, signal) {
+  async _beginWaiting(req, signal, deadline = Infinity) {
     let sent = Date.now();
     let res = await this.begin(req, { signal });
     while (res.outcome === 'OUTCOME_IN_PROGRESS' && res.record?.state !== 'STATE_UNKNOWN') {
-      if (signal?.aborted) {
+      const left = deadline - Date.now();
+      if (signal?.aborted || left <= 0) {
         return { res, sent };
       }
-      const asked = MAX_BEGIN_WAIT_MS;
+      const asked = Math.min(MAX_BEGIN_WAIT_MS, left);
       const start = Date.now();
       sent = start;
       res = await this.begin({ ...req, wait: asked }, { signal });
@@ -696,4 +698,8 @@ function currentLease() {
   return currentAttempt.getStore()?.lease ?? null;
 }
 
-module.exports = { Client, markSideEffect, currentLease, DEFAULT_FAILURE_KINDS };
+module.exports = {
+  Client, markSideEffect, currentLease, DEFAULT_FAILURE_KINDS,
+  // For the middlewares and the interceptor (lib/http.js, lib/grpc.js).
+  Lease, currentAttempt, newAttemptId, failReason, answerLost, RELEASE_REASON,
+};

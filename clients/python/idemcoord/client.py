@@ -467,7 +467,7 @@ class Client:
             raise finish_err from error
         raise failure from error
 
-    def _begin_waiting(self, req, give_up, cancel_event):
+    def _begin_waiting(self, req, give_up, cancel_event, wait_until=None):
         """Begin, then, while another attempt holds the key, Begin's long poll until give_up or cancel_event.
 
         Returns the last answer and when its Begin was sent: a lease it
@@ -476,12 +476,15 @@ class Client:
         out or cancel_event was set between two Begins), and raises what a
         Begin raised (concurrent.futures.CancelledError when cancel_event
         was set during one): that Begin may have acquired the key (see
-        _release).
+        _release). With wait_until (a time.monotonic() value) it waits no
+        longer than that, without bounding the calls by it (the middlewares).
         """
         sent = time.monotonic()
         res = self._call("Begin", None, req, None, deadline=give_up, cancel_event=cancel_event)
         while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
             left = MAX_BEGIN_WAIT if give_up is None else min(MAX_BEGIN_WAIT, give_up - time.monotonic())
+            if wait_until is not None:
+                left = min(left, wait_until - time.monotonic())
             if left <= 0 or (cancel_event is not None and cancel_event.is_set()):
                 return res, sent
             start = sent = time.monotonic()
@@ -601,8 +604,29 @@ class _Holder:
         Nor does it when the caller's cancel_event is set before fn would
         start (gave_up).
         """
-        if self._caller_gone(attempt):
+        stop = self.start(attempt)
+        if stop is None:
             return None, None, False, False
+        token = _current.set(attempt)
+        value = error = None
+        try:
+            value = fn(attempt)
+        except Exception as err:  # recorded, then raised again by once
+            error = err
+        finally:
+            _current.reset(token)
+            stop()
+        return value, error, attempt._marked, True
+
+    def start(self, attempt):
+        """Starts the heartbeats of attempt; returns the function that stops them, or None when fn must not run.
+
+        None when the caller gave up (gave_up), the lease was lost (lost) or
+        cannot be confirmed for long enough to start fn. The middlewares
+        (asgi, wsgi) run their handler between start and stop.
+        """
+        if self._caller_gone(attempt):
+            return None
         confirmed = self.sent
         if time.monotonic() - confirmed > self.length / 3:
             sent = time.monotonic()
@@ -614,27 +638,21 @@ class _Holder:
             except grpc.RpcError as err:
                 if _lease_gone(err):
                     self.lost = True
-                    return None, None, False, False
+                    return None
         if self._caller_gone(attempt):
-            return None, None, False, False
+            return None
         if time.monotonic() >= confirmed + self.length - self.margin:
-            return None, None, False, False
+            return None
         self.until = confirmed + self.length - self.margin
         self.next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
         stop = threading.Event()
         beats = threading.Thread(target=self._keep_alive, args=(attempt, stop), daemon=True)
         beats.start()
-        token = _current.set(attempt)
-        value = error = None
-        try:
-            value = fn(attempt)
-        except Exception as err:  # recorded, then raised again by once
-            error = err
-        finally:
-            _current.reset(token)
+
+        def stop_beats():
             stop.set()
             beats.join()
-        return value, error, attempt._marked, True
+        return stop_beats
 
     def _caller_gone(self, attempt):
         self.gave_up = attempt._outer is not None and attempt._outer.is_set()

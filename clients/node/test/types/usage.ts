@@ -25,3 +25,30 @@ async function charge(client: Client, user: string, name: string): Promise<Buffe
 const client = new Client('127.0.0.1:50051', { token: 'secret', tls: false, leaseMs: 30000 });
 void charge(client, 'u1', 'Flower Shop');
 void client.begin({ scope: 's', key: 'k', lease: 5000, wait: { seconds: 1 } }).then((r) => r.record?.uncertain);
+
+// The HTTP middleware, as an Express app and a Fastify app install it.
+import { httpMiddleware, fastifyPlugin, foldPrincipal, PROBLEMS, HttpMiddlewareOptions } from '../..';
+import * as http from 'node:http';
+
+const opts: HttpMiddlewareOptions = {
+  waitMs: 2000, requireKey: true, methods: ['POST'], replayHeaders: ['X-Request-Id'], replayableStatuses: [404],
+  principal: (req) => String(req.headers['x-user'] ?? ''), maxBodyBytes: 1 << 20, mismatchStatus: 409,
+  onReplay: (_req, stored) => stored,
+};
+const mw = httpMiddleware(client, opts);
+http.createServer((req, res) => mw(req, res, () => {
+  req.idempotency?.markSideEffect();
+  res.end(`${req.idempotency?.lease.attempt} ${req.rawBody?.length} ${foldPrincipal('u', 'k')} ${PROBLEMS.leaseLost}`);
+}));
+const fastifyLike = { addHook: (..._args: unknown[]) => undefined };
+fastifyPlugin(fastifyLike, { client, waitMs: 0 }, () => {});
+
+// The gRPC server interceptor, as a grpc-js server installs it.
+import { serverInterceptor } from '../..';
+import * as grpc from '@grpc/grpc-js';
+
+declare const service: grpc.ServiceDefinition;
+const server = new grpc.Server({
+  interceptors: [serverInterceptor(client, { services: [service], waitMs: 1000, requireKey: true, methods: ['/pkg.S/M'] })],
+});
+void server;

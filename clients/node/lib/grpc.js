@@ -1,0 +1,368 @@
+'use strict';
+// serverInterceptor: @grpc/grpc-js server interceptor (grpc-js >= 1.10) with
+// the semantics of Go's clients.UnaryServerInterceptor
+// (clients/interceptor.go). clients/testdata/grpc_conformance.json is the
+// suite the Go, Node and Python interceptors run.
+
+const crypto = require('node:crypto');
+const grpc = require('@grpc/grpc-js');
+const api = require('./api');
+const {
+  Lease, newAttemptId, failReason, answerLost, DEFAULT_FAILURE_KINDS,
+} = require('./client');
+const { SCHEMA_VERSION_STATUS, CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD } = require('./errors');
+
+const S = grpc.status;
+const RESULT_HEADER = 'idempotency-result';
+const PUSHBACK_TRAILER = 'grpc-retry-pushback-ms';
+const KEY_METADATA = 'idempotency-key';
+const EXPIRES_HEADER = 'idempotency-expires';
+
+/** The method definitions of services (grpc-js ServiceDefinitions) by path. */
+function methodsByPath(services) {
+  const out = new Map();
+  for (const svc of services ?? []) {
+    for (const def of Object.values(svc)) {
+      if (def && typeof def.path === 'string') {
+        out.set(def.path, def);
+      }
+    }
+  }
+  return out;
+}
+
+/** The schema version of def's responses: the output message's full name, as Go's interceptor stores. */
+function defaultSchema(def) {
+  const name = def.responseType?.type?.name;
+  const pkg = def.path.slice(1, def.path.indexOf('/', 1)).split('.').slice(0, -1).join('.');
+  return name ? (pkg ? `${pkg}.${name}` : name) : `${def.path} response`;
+}
+
+function statusError(code, details, metadata) {
+  return { code, details, metadata: metadata ?? new grpc.Metadata() };
+}
+
+/** A google.rpc.Status with an ErrorInfo (reason, domain idemcoord) in grpc-status-details-bin. */
+function withErrorInfo(code, details, reason) {
+  const md = new grpc.Metadata();
+  const info = Buffer.concat([encodeString(1, reason), encodeString(2, 'idemcoord')]);
+  md.set('grpc-status-details-bin', api.encodeStatus({
+    code, message: details, details: [{ type_url: 'type.googleapis.com/google.rpc.ErrorInfo', value: info }],
+  }));
+  return statusError(code, details, md);
+}
+
+function encodeString(field, s) {
+  const b = Buffer.from(s, 'utf8');
+  return Buffer.concat([Buffer.from([(field << 3) | 2, b.length]), b]);
+}
+
+/**
+ * serverInterceptor makes the unary methods of services idempotent; see
+ * index.d.ts for the options. Methods it has no definition of (not in
+ * options.services) pass through, as Go's interceptor passes methods
+ * without a registered descriptor.
+ */
+function serverInterceptor(client, options = {}) {
+  const defs = methodsByPath(options.services);
+  const selected = options.methods ? new Set(options.methods) : null;
+  const kinds = { ...DEFAULT_FAILURE_KINDS, ...(options.failureKinds ?? {}) };
+  const scopeOf = options.scope ?? ((path) => path);
+  const waitMs = Math.max(options.waitMs ?? 0, 0);
+  const replayMetadata = options.replayMetadata ? new Set(options.replayMetadata.map((k) => k.toLowerCase())) : null;
+  const notReplayed = new Set([RESULT_HEADER, EXPIRES_HEADER, 'content-type', 'grpc-status-details-bin', PUSHBACK_TRAILER, 'date']);
+  const keep = (k) => !notReplayed.has(k) && !k.startsWith('grpc-') && (!replayMetadata || replayMetadata.has(k));
+
+  return function idempotencyInterceptor(descriptor, call) {
+    const def = defs.get(descriptor.path);
+    const wrapped = def && !def.requestStream && !def.responseStream &&
+      (selected ? selected.has(descriptor.path) : def.options?.idempotency_level !== 'NO_SIDE_EFFECTS');
+    if (!wrapped) {
+      return new grpc.ServerInterceptingCall(call);
+    }
+    const schema = options.schemaVersions?.[descriptor.path] ?? defaultSchema(def);
+    const cancel = new AbortController();
+    let metadata;
+    let message;
+    let messageNext;
+    // What the handler answers, while it runs under the lease.
+    let answered = null;
+    let stored = { header: null, trailer: null };
+    let bypass = false; // the call goes through untouched (no key, fail open)
+
+    const sendReplay = (rec) => {
+      const resp = rec.response ?? {};
+      const header = new grpc.Metadata();
+      const trailer = new grpc.Metadata();
+      for (const [k, v] of Object.entries(resp.metadata ?? {})) {
+        const [kind, name] = k.startsWith('trailer:') ? ['t', k.slice(8)] : ['h', k.replace(/^header:/, '')];
+        for (const one of String(v).split('\n')) {
+          (kind === 't' ? trailer : header).add(name, name.endsWith('-bin') ? Buffer.from(one, 'base64') : one);
+        }
+      }
+      header.set(RESULT_HEADER, 'replayed');
+      if (rec.state === 'STATE_FAILED_REPLAYABLE') {
+        const st = resp.schema_version === SCHEMA_VERSION_STATUS ? api.decodeStatus(resp.body ?? Buffer.alloc(0)) : null;
+        call.sendMetadata(header);
+        if (st && st.code !== S.OK) {
+          trailer.set('grpc-status-details-bin', Buffer.from(resp.body));
+          call.sendStatus(statusError(st.code, st.message, trailer));
+        } else {
+          call.sendStatus(statusError(S.FAILED_PRECONDITION, rec.failure_reason || 'replayed failure', trailer));
+        }
+        return;
+      }
+      if (resp.schema_version !== schema) {
+        call.sendStatus(statusError(S.INTERNAL, `the stored response for this idempotency key has schema version ${resp.schema_version}`));
+        return;
+      }
+      let out;
+      try {
+        out = def.responseDeserialize(Buffer.from(resp.body ?? []));
+      } catch {
+        call.sendStatus(statusError(S.INTERNAL, 'the stored response for this idempotency key cannot be decoded'));
+        return;
+      }
+      call.sendMetadata(header);
+      call.sendMessage(out, () => call.sendStatus({ code: S.OK, details: 'OK', metadata: trailer }));
+    };
+
+    const storedMetadata = () => {
+      const out = {};
+      const add = (prefix, md) => {
+        for (const [k, vals] of Object.entries(md?.getMap?.() ? md.toJSON() : {})) {
+          if (keep(k)) {
+            out[`${prefix}${k}`] = vals.map((v) => (Buffer.isBuffer(v) ? v.toString('base64') : String(v))).join('\n');
+          }
+        }
+      };
+      add('header:', stored.header);
+      add('trailer:', stored.trailer);
+      return out;
+    };
+
+    // The handler's header metadata is held until its outcome is recorded,
+    // so that "idempotency-result: created" is sent only once it is.
+    const releaseHeader = (created) => {
+      if (stored.held) {
+        const { md, next } = stored.held;
+        stored.held = null;
+        if (created) {
+          md.set(RESULT_HEADER, 'created');
+        }
+        next(md);
+      }
+    };
+
+    const run = async (halfCloseNext) => {
+      const raw = metadata.get(KEY_METADATA);
+      if (raw.length > 1 && new Set(raw.map(String)).size > 1) {
+        call.sendStatus(statusError(S.INVALID_ARGUMENT, 'two different idempotency-key values'));
+        return;
+      }
+      let key = raw.length > 0 ? String(raw[0]) : '';
+      if (options.key) {
+        key = await options.key(metadata, message);
+      }
+      if (!key) {
+        if (options.requireKey) {
+          call.sendStatus(statusError(S.INVALID_ARGUMENT, 'this method requires an idempotency-key'));
+          return;
+        }
+        bypass = true;
+        messageNext(message);
+        halfCloseNext();
+        return;
+      }
+      if (options.principal) {
+        const { foldPrincipal } = require('./http');
+        key = foldPrincipal(await options.principal(metadata), key);
+      }
+      const fp = options.fingerprint ? await options.fingerprint(metadata, message)
+        : crypto.createHash('sha256').update(`${descriptor.path}\n`).update(def.requestSerialize(message)).digest();
+      const breq = {
+        scope: scopeOf(descriptor.path), key, fingerprint: Buffer.from(fp ?? []), attempt_id: newAttemptId(),
+        lease: client._opts.leaseMs > 0 ? api.duration(client._opts.leaseMs) : null,
+        accept_schema_versions: [schema, SCHEMA_VERSION_STATUS],
+      };
+      const deadline = call.getDeadline();
+      const callEnd = deadline instanceof Date ? deadline.getTime() : (Number.isFinite(deadline) ? deadline : Infinity);
+      let res;
+      let sent;
+      try {
+        ({ res, sent } = await client._beginWaiting(breq, cancel.signal, Math.min(Date.now() + waitMs, callEnd - 50)));
+      } catch (err) {
+        if (cancel.signal.aborted) {
+          await client._releaseAcquisition(breq);
+          return;
+        }
+        if (answerLost(err)) {
+          client._releaseAcquisition(breq);
+        }
+        if (err?.code === S.FAILED_PRECONDITION || err?.code === S.INVALID_ARGUMENT) {
+          call.sendStatus(statusError(err.code, err.details ?? err.message, err.metadata));
+        } else if (err?.code === S.UNAVAILABLE || err?.code === S.DEADLINE_EXCEEDED) {
+          if (options.failOpen) {
+            bypass = true;
+            messageNext(message);
+            halfCloseNext();
+            return;
+          }
+          call.sendStatus(statusError(S.UNAVAILABLE, 'idempotency coordinator unavailable; retry later'));
+        } else if (err?.code === S.RESOURCE_EXHAUSTED) {
+          call.sendStatus(statusError(S.RESOURCE_EXHAUSTED, 'idempotency coordinator rate limit reached; retry later'));
+        } else {
+          client._log('error', 'idemcoord: coordinator refused Begin', { err: err?.message });
+          call.sendStatus(statusError(S.INTERNAL, 'idempotency coordinator refused the call'));
+        }
+        return;
+      }
+      const rec = res.record ?? {};
+      if (res.outcome === 'OUTCOME_REPLAY') {
+        sendReplay(rec);
+        return;
+      }
+      if (res.outcome !== 'OUTCOME_ACQUIRED') {
+        if (rec.state === 'STATE_UNKNOWN') {
+          call.sendStatus(withErrorInfo(S.FAILED_PRECONDITION,
+            'the outcome of an earlier attempt with this idempotency key is unknown and held for an operator', REASON_UNKNOWN_HELD));
+          return;
+        }
+        const retryMs = Math.max(api.millis(res.retry_after), 1);
+        const md = new grpc.Metadata();
+        md.set(PUSHBACK_TRAILER, String(retryMs));
+        call.sendStatus(statusError(S.ABORTED,
+          `another attempt with this idempotency key is in progress; retry after ${retryMs} ms`, md));
+        return;
+      }
+      if (cancel.signal.aborted) {
+        await client._releaseAcquisition(breq, res.lease_token);
+        return;
+      }
+      const lease = new Lease(client, breq, res, sent);
+      const outcome = await lease.run((attempt) => new Promise((resolve, reject) => {
+        answered = { resolve, reject };
+        messageNext(message);
+        halfCloseNext();
+      }), cancel.signal);
+      if (outcome.gaveUp) {
+        await client._releaseAcquisition(breq, lease.token);
+        return;
+      }
+      if (outcome.notStarted) {
+        await lease.finish({ kind: 'FAILURE_KIND_ABANDONED', reason: 'the lease could not be confirmed before the handler started' });
+        call.sendStatus(statusError(S.UNAVAILABLE, 'idempotency coordinator unavailable; retry later'));
+        return;
+      }
+      const pending = outcome.value ?? outcome.error;
+      if (lease.lost) {
+        client._log('warn', 'idemcoord: lease lost while the handler ran; its result is not stored', { scope: lease.scope, key: lease.key });
+        releaseHeader(false);
+        if (outcome.failed) {
+          pending.next(statusError(S.ABORTED, 'the idempotency key was taken over by another attempt; retry'));
+        } else {
+          pending.next(pending.message);
+        }
+        return;
+      }
+      if (!outcome.failed) {
+        let body;
+        try {
+          body = def.responseSerialize(pending.message);
+        } catch {
+          await lease.finish({ kind: 'FAILURE_KIND_UNKNOWN', reason: "the handler's response could not be encoded for storage" });
+          releaseHeader(false);
+          pending.next(pending.message);
+          return;
+        }
+        const finishErr = await lease.finish({ complete: { schema_version: schema, content_type: CONTENT_TYPE_PROTO, body, metadata: storedMetadata() } });
+        releaseHeader(!finishErr);
+        pending.next(pending.message);
+        return;
+      }
+      const st = pending.status;
+      const err = Object.assign(new Error(st.details), { code: st.code });
+      // After markSideEffect every error is UNKNOWN (as Go's endingKind).
+      const kind = outcome.marked ? 'FAILURE_KIND_UNKNOWN' : (kinds[st.code] ?? 'FAILURE_KIND_UNKNOWN');
+      const ending = { kind, reason: failReason(err.message) };
+      if (kind === 'FAILURE_KIND_REPLAYABLE') {
+        const details = st.metadata?.get?.('grpc-status-details-bin')?.[0];
+        const decoded = details && api.decodeStatus(details);
+        ending.response = {
+          schema_version: SCHEMA_VERSION_STATUS, content_type: CONTENT_TYPE_PROTO, status_code: st.code,
+          body: decoded && decoded.code === st.code ? Buffer.from(details) : api.encodeStatus({ code: st.code, message: st.details ?? '' }),
+          metadata: storedMetadata(),
+        };
+      }
+      const finishErr = await lease.finish(ending);
+      const out = { ...st, metadata: st.metadata ?? new grpc.Metadata() };
+      const created = !finishErr && kind === 'FAILURE_KIND_REPLAYABLE';
+      if (created && !stored.held) {
+        out.metadata = out.metadata.clone();
+        out.metadata.set(RESULT_HEADER, 'created'); // trailers-only: the caller reads it as a header
+      }
+      releaseHeader(created);
+      pending.next(out);
+    };
+
+    const responder = {
+      start(next) {
+        next({
+          onReceiveMetadata(md, mdNext) {
+            metadata = md;
+            mdNext(md);
+          },
+          onReceiveMessage(msg, msgNext) {
+            // Held until Begin answers; read on to the half-close meanwhile.
+            message = msg;
+            messageNext = msgNext;
+            call.startRead();
+          },
+          onReceiveHalfClose(hcNext) {
+            if (message === undefined) {
+              hcNext();
+              return;
+            }
+            run(hcNext).catch((err) => {
+              client._log('error', 'idemcoord: interceptor failed', { err: err?.message });
+              call.sendStatus(statusError(S.INTERNAL, 'idempotency interceptor failed'));
+            });
+          },
+          onCancel() {
+            cancel.abort(new Error('idemcoord: the call was cancelled'));
+          },
+        });
+      },
+      sendMetadata(md, next) {
+        if (!bypass && answered) {
+          stored.header = md;
+          stored.held = { md, next };
+          return;
+        }
+        next(md);
+      },
+      sendMessage(msg, next) {
+        if (bypass || !answered) {
+          next(msg);
+          return;
+        }
+        const a = answered;
+        answered = null;
+        a.resolve({ message: msg, next });
+      },
+      sendStatus(st, next) {
+        if (bypass || !answered) {
+          next(st);
+          return;
+        }
+        const a = answered;
+        answered = null;
+        stored.trailer = st.metadata;
+        a.reject({ status: st, next, message: st.details });
+      },
+    };
+    return new grpc.ServerInterceptingCall(call, responder);
+  };
+}
+
+module.exports = { serverInterceptor, RESULT_HEADER, PUSHBACK_TRAILER };

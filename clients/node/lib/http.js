@@ -1,0 +1,821 @@
+'use strict';
+// The HTTP middleware (Express 5 / Connect: httpMiddleware; Fastify:
+// fastifyPlugin) with the semantics of Go's clients.HTTPMiddleware
+// (clients/http.go): the IETF Idempotency-Key draft's headers and
+// statuses, stored replays, markSideEffect, lease data and safe give-ups.
+// clients/testdata/http_conformance.json is the suite every stack runs.
+
+const crypto = require('node:crypto');
+const { Readable } = require('node:stream');
+const grpc = require('@grpc/grpc-js');
+const api = require('./api');
+const {
+  Lease, currentAttempt, newAttemptId, failReason, answerLost,
+} = require('./client');
+const { LeaseLostError, LeaseUnconfirmedError } = require('./errors');
+
+const S = grpc.status;
+
+const KEY_HEADER = 'Idempotency-Key';
+const RESULT_HEADER = 'Idempotency-Result';
+const EXPIRES_HEADER = 'Idempotency-Expires';
+const HTTP_SCHEMA_VERSION = 'idemcoord.http/1';
+const DEFAULT_HTTP_SCOPE = 'http';
+const MAX_CAPTURED_BODY = 4 << 20;
+
+/** Problem types (RFC 9457) of the answers the middleware writes itself; the same as Go's. */
+const PROBLEMS = Object.freeze({
+  keyMissing: 'urn:idemcoord:problem:idempotency-key-missing',
+  keyInvalid: 'urn:idemcoord:problem:idempotency-key-invalid',
+  keyReused: 'urn:idemcoord:problem:idempotency-key-reused',
+  keyExpired: 'urn:idemcoord:problem:idempotency-key-expired',
+  attemptsExhausted: 'urn:idemcoord:problem:idempotency-attempts-exhausted',
+  inProgress: 'urn:idemcoord:problem:idempotency-request-in-progress',
+  outcomeUnknown: 'urn:idemcoord:problem:idempotency-outcome-unknown',
+  bodyTooLarge: 'urn:idemcoord:problem:request-body-too-large',
+  unavailable: 'urn:idemcoord:problem:idempotency-coordinator-unavailable',
+  leaseLost: 'urn:idemcoord:problem:idempotency/lease-lost',
+  internal: 'urn:idemcoord:problem:idempotency-coordinator-refused',
+});
+
+class HttpError extends Error {
+  constructor(status, type, title, detail, headers = {}) {
+    super(detail || title);
+    Object.assign(this, { status, type, title, detail, headers });
+  }
+}
+
+/**
+ * The key of an Idempotency-Key header value (as Node gives it: one
+ * latin1 character per byte): the value itself or the content of a
+ * structured-field string; 1-255 bytes of valid UTF-8 without control
+ * characters. Throws an Error saying why not.
+ */
+function parseIdempotencyKey(value) {
+  let v = String(value).replace(/^[ \t]+|[ \t]+$/g, '');
+  if (v.length >= 2 && v[0] === '"') {
+    let out = '';
+    let i = 1;
+    for (; i < v.length && v[i] !== '"'; i++) {
+      let c = v[i];
+      if (c === '\\') {
+        i++;
+        if (i >= v.length || (v[i] !== '"' && v[i] !== '\\')) {
+          throw new Error('Idempotency-Key: a structured-field string escapes only \\" and \\\\');
+        }
+        c = v[i];
+      } else if (c < ' ' || c > '~') {
+        throw new Error('Idempotency-Key: a structured-field string holds printable ASCII only');
+      }
+      out += c;
+    }
+    if (i !== v.length - 1) {
+      throw new Error('Idempotency-Key: unterminated structured-field string, or text after it');
+    }
+    v = out;
+  }
+  const bytes = Buffer.from(v, 'latin1');
+  if (bytes.length === 0) {
+    throw new Error('Idempotency-Key is empty');
+  }
+  if (bytes.length > 255) {
+    throw new Error(`Idempotency-Key is ${bytes.length} bytes long, more than 255`);
+  }
+  let key;
+  try {
+    key = new TextDecoder('utf-8', { fatal: true }).decode(bytes);
+  } catch {
+    throw new Error('Idempotency-Key is not valid UTF-8');
+  }
+  if (/\p{Cc}/u.test(key)) {
+    throw new Error('Idempotency-Key holds a control character');
+  }
+  return key;
+}
+
+/** The key stored for principal's key: base64url(SHA-256(principal)) ":" key, as Go's FoldPrincipal. */
+function foldPrincipal(principal, key) {
+  return `${crypto.createHash('sha256').update(String(principal), 'utf8').digest('base64url')}:${key}`;
+}
+
+/** The default request fingerprint: SHA-256 of method, "\n", path with query as sent, "\n", body (as Go's HTTPFingerprint). */
+function httpFingerprint(method, url, body) {
+  return crypto.createHash('sha256').update(`${method}\n${url}\n`).update(body).digest();
+}
+
+/** Canonical header name, as Go's http.CanonicalHeaderKey: "x-extra" → "X-Extra". */
+function canonicalHeader(name) {
+  return String(name).toLowerCase().replace(/(^|-)([a-z])/g, (_, dash, c) => dash + c.toUpperCase());
+}
+
+/** An IMF-fixdate (RFC 9110) of a google.protobuf.Timestamp, '' when unset. */
+function imfFixdate(ts) {
+  const ms = api.millis(ts);
+  return ms > 0 ? new Date(ms).toUTCString() : '';
+}
+
+function problemBody(status, type, title, detail) {
+  const p = { type, title, status };
+  if (detail) {
+    p.detail = detail;
+  }
+  return Buffer.from(`${JSON.stringify(p)}\n`);
+}
+
+/** The ErrorInfo reason in a gRPC error's status details, '' when none. */
+function errorReason(err) {
+  const raw = err?.metadata?.get?.('grpc-status-details-bin')?.[0];
+  const st = raw && api.decodeStatus(raw);
+  for (const d of st?.details ?? []) {
+    if (String(d.type_url ?? d.typeUrl ?? '').endsWith('/google.rpc.ErrorInfo')) {
+      return decodeErrorInfoReason(Buffer.from(d.value ?? []));
+    }
+  }
+  return '';
+}
+
+/** Field 1 (reason) of an encoded google.rpc.ErrorInfo. */
+function decodeErrorInfoReason(buf) {
+  let i = 0;
+  const varint = () => {
+    let v = 0;
+    let shift = 0;
+    while (i < buf.length) {
+      const b = buf[i++];
+      v += (b & 0x7f) * 2 ** shift;
+      if (b < 0x80) {
+        break;
+      }
+      shift += 7;
+    }
+    return v;
+  };
+  while (i < buf.length) {
+    const tag = varint();
+    const wire = tag & 7;
+    if (wire === 2) {
+      const n = varint();
+      if (tag >>> 3 === 1) {
+        return buf.subarray(i, i + n).toString('utf8');
+      }
+      i += n;
+    } else if (wire === 0) {
+      varint();
+    } else if (wire === 5) {
+      i += 4;
+    } else if (wire === 1) {
+      i += 8;
+    } else {
+      return '';
+    }
+  }
+  return '';
+}
+
+function normalizeOptions(options = {}) {
+  const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => String(m).toUpperCase()));
+  const replayHeaders = ['location'];
+  for (const n of options.replayHeaders ?? []) {
+    const l = String(n).toLowerCase();
+    if (l !== 'content-type' && !replayHeaders.includes(l)) {
+      replayHeaders.push(l);
+    }
+  }
+  return {
+    waitMs: Math.max(options.waitMs ?? 5000, 0),
+    requireKey: Boolean(options.requireKey),
+    failOpen: Boolean(options.failOpen),
+    principal: options.principal ?? null,
+    methods,
+    fingerprint: options.fingerprint ?? null,
+    replayHeaders,
+    replayable: new Set(options.replayableStatuses ?? [404, 409, 422]),
+    scope: options.scope ?? DEFAULT_HTTP_SCOPE,
+    maxBodyBytes: options.maxBodyBytes ?? 10 << 20,
+    mismatchStatus: options.mismatchStatus ?? 422,
+    onReplay: options.onReplay ?? null,
+  };
+}
+
+/** How a final status is recorded: '' is stored as a success. */
+function kindOf(o, status) {
+  if (status < 400) {
+    return '';
+  }
+  if (o.replayable.has(status)) {
+    return 'FAILURE_KIND_REPLAYABLE';
+  }
+  if (status < 500) {
+    return 'FAILURE_KIND_ABANDONED';
+  }
+  if (status === 503) {
+    return 'FAILURE_KIND_RETRYABLE';
+  }
+  return 'FAILURE_KIND_UNKNOWN';
+}
+
+function stores(o, status) {
+  const k = kindOf(o, status);
+  return k === '' || k === 'FAILURE_KIND_REPLAYABLE';
+}
+
+/** Reads a request body whole, at most limit bytes (an HttpError 413 past it). */
+function readBody(stream, limit) {
+  return new Promise((resolve, reject) => {
+    const chunks = [];
+    let n = 0;
+    let done = false;
+    stream.on('data', (c) => {
+      if (done) {
+        return;
+      }
+      n += c.length;
+      if (n > limit) {
+        done = true;
+        stream.resume();
+        reject(new HttpError(413, PROBLEMS.bodyTooLarge, 'Request body too large',
+          `a request with an Idempotency-Key may have at most ${limit} bytes of body`));
+        return;
+      }
+      chunks.push(Buffer.isBuffer(c) ? c : Buffer.from(c));
+    });
+    stream.once('end', () => {
+      if (!done) {
+        done = true;
+        resolve(Buffer.concat(chunks));
+      }
+    });
+    stream.once('error', (err) => {
+      if (!done) {
+        done = true;
+        reject(new HttpError(400, 'about:blank', 'Bad Request', `reading the request body: ${err.message}`));
+      }
+    });
+  });
+}
+
+/** Makes a consumed IncomingMessage readable again with body, for the body parsers after the middleware. */
+function refill(req, body) {
+  Readable.call(req, {});
+  let sent = false;
+  req._read = function read() {
+    if (!sent) {
+      sent = true;
+      if (body.length > 0) {
+        this.push(body);
+      }
+      this.push(null);
+    }
+  };
+  req.rawBody = body;
+}
+
+/** An AbortSignal that aborts when the client of res goes away before its answer was sent. */
+function disconnectSignal(req, res) {
+  const controller = new AbortController();
+  const gone = () => {
+    if (!res.writableFinished) {
+      controller.abort(new Error('idemcoord: the client went away'));
+    }
+  };
+  res.once('close', gone);
+  req.once('aborted', gone);
+  if (req.socket?.destroyed) {
+    gone();
+  }
+  return controller.signal;
+}
+
+/**
+ * Guards one request. It ends with one of: { pass: true } (run the handler
+ * unprotected), { answered: true } (the middleware answered), or
+ * { acquired } (run the handler under the lease).
+ */
+class Guard {
+  constructor(client, o) {
+    this.client = client;
+    this.o = o;
+  }
+
+  /** Sends a problem on res, unless the answer has started. */
+  problem(res, status, type, title, detail, headers = {}) {
+    if (res.headersSent) {
+      if (!res.writableEnded) {
+        res.end();
+      }
+      return;
+    }
+    for (const [k, v] of Object.entries(headers)) {
+      res.setHeader(k, v);
+    }
+    const body = problemBody(status, type, title, detail);
+    res.removeHeader(RESULT_HEADER);
+    res.setHeader('Content-Type', 'application/problem+json');
+    res.setHeader('Content-Length', String(body.length));
+    res.statusCode = status;
+    res.end(body);
+  }
+
+  /** Answers a stored response byte for byte. */
+  replay(req, res, record) {
+    let stored = record?.response ?? {};
+    if (this.o.onReplay) {
+      stored = this.o.onReplay(req, stored) ?? stored;
+    }
+    if (stored.content_type) {
+      res.setHeader('Content-Type', stored.content_type);
+    }
+    for (const [name, v] of Object.entries(stored.metadata ?? {})) {
+      res.setHeader(canonicalHeader(name), String(v).split('\n'));
+    }
+    const expires = imfFixdate(record?.expires_at);
+    if (expires) {
+      res.setHeader(EXPIRES_HEADER, expires);
+    }
+    res.setHeader(RESULT_HEADER, 'replayed');
+    const body = Buffer.from(stored.body ?? []);
+    res.setHeader('Content-Length', String(body.length));
+    let code = stored.status_code;
+    if (!(code >= 200 && code <= 999)) {
+      code = 200;
+    }
+    res.statusCode = code;
+    res.end(body);
+  }
+
+  /**
+   * Everything before the handler: key, principal, body, fingerprint,
+   * Begin. body is the raw body when the framework read it already
+   * (Fastify), else null (read from req).
+   */
+  async begin(req, res, body, signal) {
+    const o = this.o;
+    if (!o.methods.has(req.method)) {
+      return { pass: true };
+    }
+    const raw = req.headersDistinct?.['idempotency-key'] ?? (req.headers['idempotency-key'] != null ? [req.headers['idempotency-key']] : []);
+    if (raw.length === 0) {
+      if (o.requireKey) {
+        this.problem(res, 400, PROBLEMS.keyMissing, 'Idempotency-Key is missing', 'this request requires an Idempotency-Key header');
+        return { answered: true };
+      }
+      return { pass: true };
+    }
+    if (raw.length > 1) {
+      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', 'send one Idempotency-Key header');
+      return { answered: true };
+    }
+    let key;
+    try {
+      key = parseIdempotencyKey(raw[0]);
+    } catch (err) {
+      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', err.message);
+      return { answered: true };
+    }
+    res.setHeader(KEY_HEADER, raw[0]);
+    if (o.principal) {
+      try {
+        key = foldPrincipal(await o.principal(req), key);
+      } catch (err) {
+        this.problem(res, 400, 'about:blank', 'Bad Request', `idempotency principal: ${err?.message ?? err}`);
+        return { answered: true };
+      }
+    }
+    try {
+      if (body == null) {
+        body = await readBody(req, o.maxBodyBytes);
+        refill(req, body);
+      } else if (body.length > o.maxBodyBytes) {
+        throw new HttpError(413, PROBLEMS.bodyTooLarge, 'Request body too large',
+          `a request with an Idempotency-Key may have at most ${o.maxBodyBytes} bytes of body`);
+      }
+    } catch (err) {
+      if (err instanceof HttpError) {
+        this.problem(res, err.status, err.type, err.title, err.detail);
+        return { answered: true };
+      }
+      throw err;
+    }
+    let fp;
+    try {
+      fp = o.fingerprint ? await o.fingerprint(req, body) : httpFingerprint(req.method, req.originalUrl ?? req.url, body);
+    } catch (err) {
+      this.problem(res, 400, 'about:blank', 'Bad Request', `idempotency fingerprint: ${err?.message ?? err}`);
+      return { answered: true };
+    }
+    const c = this.client;
+    const breq = {
+      scope: o.scope, key, fingerprint: fp ? Buffer.from(fp) : Buffer.alloc(0), attempt_id: newAttemptId(),
+      lease: c._opts.leaseMs > 0 ? api.duration(c._opts.leaseMs) : null,
+      accept_schema_versions: [HTTP_SCHEMA_VERSION],
+    };
+    let res0;
+    let sent;
+    try {
+      ({ res: res0, sent } = await c._beginWaiting(breq, signal, Date.now() + o.waitMs));
+    } catch (err) {
+      if (signal.aborted) {
+        await c._releaseAcquisition(breq); // the client has gone; nothing written reaches anyone
+        this.problem(res, 503, PROBLEMS.unavailable, 'Request cancelled', 'the client went away');
+        return { answered: true };
+      }
+      if (answerLost(err)) {
+        c._releaseAcquisition(breq); // never rejects; in the background
+      }
+      return this.beginFailed(req, res, err);
+    }
+    const rec = res0.record ?? {};
+    if (res0.outcome === 'OUTCOME_ACQUIRED') {
+      if (signal.aborted) {
+        await c._releaseAcquisition(breq, res0.lease_token);
+        return { answered: true };
+      }
+      return { acquired: new Lease(c, breq, res0, sent), breq };
+    }
+    if (res0.outcome === 'OUTCOME_REPLAY') {
+      this.replay(req, res, rec);
+      return { answered: true };
+    }
+    if (rec.state === 'STATE_UNKNOWN') {
+      this.problem(res, 409, PROBLEMS.outcomeUnknown, 'Outcome of an earlier request unknown',
+        'an earlier request with this Idempotency-Key may or may not have taken effect; it is held for an operator, and retrying does not help');
+      return { answered: true };
+    }
+    const retryMs = api.millis(res0.retry_after);
+    this.problem(res, 409, PROBLEMS.inProgress, 'Request in progress',
+      `another request with this Idempotency-Key is in progress; retry after ${retryMs} ms`,
+      { 'Retry-After': String(Math.max(Math.ceil(retryMs / 1000), 1)) });
+    return { answered: true };
+  }
+
+  beginFailed(req, res, err) {
+    const code = err?.code;
+    if (code === S.UNAVAILABLE || code === S.DEADLINE_EXCEEDED) {
+      if (this.o.failOpen) {
+        this.client._log('warn', 'idemcoord: coordinator unreachable; running the handler unprotected (fail open)', { err: err.message });
+        return { pass: true };
+      }
+      this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator unavailable',
+        'the request was not processed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
+      return { answered: true };
+    }
+    if (code === S.RESOURCE_EXHAUSTED) {
+      this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator busy',
+        'the request was not processed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
+      return { answered: true };
+    }
+    if (code === S.FAILED_PRECONDITION) {
+      switch (errorReason(err)) {
+        case 'FINGERPRINT_MISMATCH':
+        case 'SCHEMA_VERSION_NOT_ACCEPTED':
+          this.problem(res, this.o.mismatchStatus, PROBLEMS.keyReused, 'Idempotency-Key reused',
+            'this Idempotency-Key was first used with another request');
+          return { answered: true };
+        case 'KEY_EXPIRED':
+          this.problem(res, 422, PROBLEMS.keyExpired, 'Idempotency-Key expired',
+            'the result stored for this Idempotency-Key has expired and the key may not be used again');
+          return { answered: true };
+        case 'ATTEMPTS_EXHAUSTED':
+          this.problem(res, 422, PROBLEMS.attemptsExhausted, 'Idempotency-Key attempts exhausted',
+            'requests with this Idempotency-Key failed as many times as allowed');
+          return { answered: true };
+        default:
+      }
+    }
+    if (code === S.INVALID_ARGUMENT) {
+      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', err.details ?? err.message);
+      return { answered: true };
+    }
+    this.client._log('error', 'idemcoord: coordinator refused Begin', { err: err?.message });
+    this.problem(res, 500, PROBLEMS.internal, 'Internal Server Error', 'the idempotency coordinator refused the call');
+    return { answered: true };
+  }
+
+  /**
+   * Runs the handler (start, called inside the attempt's context) under
+   * lease and records the response it writes on res. Resolves once the
+   * attempt is recorded.
+   */
+  async run(req, res, lease, breq, signal, start) {
+    const o = this.o;
+    const rec = new Recorder(res, o);
+    let info;
+    const outcome = await lease.run((attempt) => new Promise((resolve) => {
+      info = attempt;
+      req.idempotency = attempt;
+      rec.onEnd = () => resolve('ended');
+      res.once('close', () => resolve('closed'));
+      attempt.signal.addEventListener('abort', () => {
+        if (!rec.wrote) {
+          resolve('aborted');
+        }
+      }, { once: true });
+      try {
+        const r = start(attempt);
+        if (r && typeof r.then === 'function') {
+          r.then(null, () => {}); // the framework answers the error: recorded by its status
+        }
+      } catch {
+        // recorded by the framework's answer to it
+      }
+    }), signal);
+    if (outcome.gaveUp) {
+      await this.client._releaseAcquisition(breq, lease.token);
+      return;
+    }
+    if (lease.lost) {
+      this.client._log('warn', 'idemcoord: lease lost while the handler ran; its response is not stored',
+        { scope: lease.scope, key: lease.key });
+      if (!rec.wrote) {
+        rec.silence();
+        this.problem(res, 503, PROBLEMS.leaseLost, 'Idempotency key taken over',
+          'this request lost its hold on the Idempotency-Key before it answered, and nothing was stored for it; retry with the same Idempotency-Key to get the outcome',
+          { 'Retry-After': '1' });
+      }
+      return;
+    }
+    if (outcome.notStarted) {
+      await lease.finish({ kind: 'FAILURE_KIND_ABANDONED', reason: 'the lease could not be confirmed before the handler started' });
+      this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator unavailable',
+        'the request was not processed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
+      return;
+    }
+    const marked = outcome.marked;
+    const why = outcome.value;
+    if (why !== 'ended') {
+      // The client went away, or the lease could not be confirmed, before
+      // the handler finished its answer. Node tells no handler's return:
+      // the attempt ends now. Nothing is claimed for work not done.
+      const cause = info?.signal?.reason;
+      if (!rec.wrote) {
+        rec.silence();
+        let kind = 'FAILURE_KIND_RETRYABLE';
+        let reason = `the handler wrote no response after its request ended: ${cause?.message ?? 'the client went away'}`;
+        if (marked) {
+          kind = 'FAILURE_KIND_UNKNOWN';
+          reason += ' (after markSideEffect)';
+        }
+        await lease.finish({ kind, reason: failReason(reason) });
+        if (cause instanceof LeaseUnconfirmedError) {
+          this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator unavailable',
+            'the request was not completed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
+        } else {
+          this.problem(res, 503, 'about:blank', 'Service Unavailable',
+            'the request ended before the handler answered; retry with the same Idempotency-Key', { 'Retry-After': '1' });
+        }
+        return;
+      }
+      await lease.finish({ kind: 'FAILURE_KIND_UNKNOWN', reason: failReason(`HTTP ${rec.status}: the answer was cut off before it ended`) });
+      return;
+    }
+    await lease.finish(this.ending(rec, marked));
+  }
+
+  ending(rec, marked) {
+    const reason = `HTTP ${rec.status}`;
+    const kind = kindOf(this.o, rec.status);
+    if (rec.overflow && (kind === '' || kind === 'FAILURE_KIND_REPLAYABLE')) {
+      return { kind: 'FAILURE_KIND_UNKNOWN', reason: `${reason}: response body too large to store` };
+    }
+    if (kind === '') {
+      return { complete: rec.stored() };
+    }
+    if (kind === 'FAILURE_KIND_REPLAYABLE') {
+      return { kind, response: rec.stored(), reason };
+    }
+    if (marked) {
+      return { kind: 'FAILURE_KIND_UNKNOWN', reason: `${reason} after markSideEffect` };
+    }
+    return { kind, reason };
+  }
+}
+
+/**
+ * Passes the handler's response through res and keeps a copy of what is
+ * stored: the status, the replayed headers as they were when the status
+ * was written, and the body.
+ */
+class Recorder {
+  constructor(res, o) {
+    this.res = res;
+    this.o = o;
+    this.wrote = false;
+    this.status = 0;
+    this.headers = {};
+    this.chunks = [];
+    this.size = 0;
+    this.overflow = false;
+    this.silenced = false;
+    this.onEnd = null;
+    const origWriteHead = res.writeHead;
+    const origWrite = res.write;
+    const origEnd = res.end;
+    this.restore = () => {
+      res.writeHead = origWriteHead;
+      res.write = origWrite;
+      res.end = origEnd;
+    };
+    const self = this;
+    res.writeHead = function writeHead(status, ...rest) {
+      if (self.silenced) {
+        return this;
+      }
+      if (!self.wrote && status >= 200) {
+        self.head(status, rest);
+      }
+      return origWriteHead.call(this, status, ...rest);
+    };
+    res.write = function write(chunk, ...rest) {
+      if (self.silenced) {
+        return true;
+      }
+      if (!self.wrote && !this.headersSent) {
+        self.head(this.statusCode, []);
+      }
+      self.keep(chunk, rest[0]);
+      return origWrite.call(this, chunk, ...rest);
+    };
+    res.end = function end(chunk, ...rest) {
+      if (self.silenced) {
+        return this;
+      }
+      if (typeof chunk === 'function') {
+        rest = [chunk];
+        chunk = undefined;
+      }
+      if (!self.wrote && !this.headersSent) {
+        self.head(this.statusCode, []);
+      }
+      if (chunk != null) {
+        self.keep(chunk, typeof rest[0] === 'string' ? rest[0] : undefined);
+      }
+      self.restore();
+      const r = origEnd.call(this, chunk, ...rest);
+      self.onEnd?.();
+      return r;
+    };
+  }
+
+  /** Records the status and the stored headers, and sets Idempotency-Result. */
+  head(status, rest) {
+    this.wrote = true;
+    this.status = status;
+    const res = this.res;
+    let extra = rest.find((r) => r && typeof r === 'object');
+    if (Array.isArray(extra)) {
+      // raw [name, value, name, value, ...]
+      const obj = {};
+      for (let i = 0; i + 1 < extra.length; i += 2) {
+        obj[String(extra[i]).toLowerCase()] = extra[i + 1];
+      }
+      extra = obj;
+    }
+    const lowered = Object.fromEntries(Object.entries(extra ?? {}).map(([k, v]) => [k.toLowerCase(), v]));
+    for (const name of ['content-type', ...this.o.replayHeaders]) {
+      const v = lowered[name] ?? res.getHeader(name);
+      if (v != null) {
+        this.headers[name] = Array.isArray(v) ? v.map(String) : [String(v)];
+      }
+    }
+    if (stores(this.o, status)) {
+      if (extra && !Array.isArray(rest.find((r) => r && typeof r === 'object'))) {
+        extra[RESULT_HEADER] = 'created';
+      } else {
+        res.setHeader(RESULT_HEADER, 'created');
+      }
+    } else {
+      res.removeHeader(RESULT_HEADER);
+    }
+  }
+
+  keep(chunk, encoding) {
+    if (chunk == null || this.overflow) {
+      return;
+    }
+    const b = Buffer.isBuffer(chunk) ? chunk : (chunk instanceof Uint8Array ? Buffer.from(chunk) : Buffer.from(String(chunk), encoding || 'utf8'));
+    if (this.size + b.length > MAX_CAPTURED_BODY) {
+      this.overflow = true;
+      this.chunks = [];
+      return;
+    }
+    this.chunks.push(b);
+    this.size += b.length;
+  }
+
+  /** Drops whatever the handler writes from now on. */
+  silence() {
+    this.silenced = true;
+    this.restore();
+  }
+
+  stored() {
+    const resp = { schema_version: HTTP_SCHEMA_VERSION, status_code: this.status, body: Buffer.concat(this.chunks), metadata: {} };
+    for (const [name, values] of Object.entries(this.headers)) {
+      if (name === 'content-type') {
+        resp.content_type = values.join(', ');
+      } else {
+        resp.metadata[canonicalHeader(name)] = values.join('\n');
+      }
+    }
+    return resp;
+  }
+}
+
+/**
+ * httpMiddleware makes the handlers after it idempotent (Express 5,
+ * Connect, or any (req, res, next) stack); see index.d.ts for options.
+ * Install it before body parsers: it reads the body to fingerprint it and
+ * puts it back (also as req.rawBody).
+ */
+function httpMiddleware(client, options = {}) {
+  const guard = new Guard(client, normalizeOptions(options));
+  return function idempotency(req, res, next) {
+    const signal = disconnectSignal(req, res);
+    guard.begin(req, res, req.rawBody ?? null, signal).then((g) => {
+      if (g.pass) {
+        next();
+        return undefined;
+      }
+      if (g.answered) {
+        return undefined;
+      }
+      return guard.run(req, res, g.acquired, g.breq, signal, () => next());
+    }).catch((err) => next(err));
+  };
+}
+
+/**
+ * fastifyPlugin registers the middleware on a Fastify instance:
+ * `app.register(fastifyPlugin, { client, ...options })`. It keeps the raw
+ * body in a preParsing hook (the parsers still get it) and guards each
+ * request in a preHandler hook; handlers read request.idempotency.
+ */
+function fastifyPlugin(fastify, opts, done) {
+  const { client, ...options } = opts;
+  if (!client) {
+    done(new Error('idemcoord: fastifyPlugin needs { client }'));
+    return;
+  }
+  const o = normalizeOptions(options);
+  const guard = new Guard(client, o);
+  fastify.addHook('preParsing', async (request, reply, payload) => {
+    if (!o.methods.has(request.raw.method) || request.headers['idempotency-key'] == null) {
+      return payload;
+    }
+    let body;
+    try {
+      body = await readBody(payload, o.maxBodyBytes);
+    } catch (err) {
+      // Answered 413 (or 400) in preHandler; the parsers see no body.
+      request.idempotencyBodyError = err;
+      const empty = Readable.from([]);
+      empty.receivedEncodedLength = Number(request.headers['content-length'] ?? 0);
+      return empty;
+    }
+    request.raw.rawBody = body;
+    const stream = Readable.from(body.length > 0 ? [body] : []);
+    stream.receivedEncodedLength = body.length;
+    return stream;
+  });
+  fastify.addHook('preHandler', (request, reply, next) => {
+    const req = request.raw;
+    const res = reply.raw;
+    const signal = disconnectSignal(req, res);
+    if (request.idempotencyBodyError instanceof HttpError) {
+      const e = request.idempotencyBodyError;
+      reply.hijack();
+      guard.problem(res, e.status, e.type, e.title, e.detail);
+      return;
+    }
+    guard.begin(req, res, req.rawBody ?? (o.methods.has(req.method) ? Buffer.alloc(0) : null), signal).then((g) => {
+      if (g.pass) {
+        next();
+        return undefined;
+      }
+      if (g.answered) {
+        reply.hijack(); // answered on reply.raw already
+        return undefined;
+      }
+      return guard.run(req, res, g.acquired, g.breq, signal, (attempt) => {
+        request.idempotency = attempt;
+        next();
+      });
+    }).catch((err) => next(err));
+  });
+  done();
+}
+fastifyPlugin[Symbol.for('skip-override')] = true;
+fastifyPlugin[Symbol.for('fastify.display-name')] = 'idemcoord';
+
+module.exports = {
+  httpMiddleware,
+  fastifyPlugin,
+  parseIdempotencyKey,
+  foldPrincipal,
+  httpFingerprint,
+  errorReason,
+  HTTP_SCHEMA_VERSION,
+  DEFAULT_HTTP_SCOPE,
+  PROBLEMS,
+  LeaseLostError,
+};

@@ -1,0 +1,394 @@
+"""What the ASGI and WSGI middlewares share: Go's clients.HTTPMiddleware semantics (clients/http.go).
+
+Names on the wire (headers, problem types, the stored schema version) are
+the same in every language; clients/testdata/http_conformance.json is the
+suite every stack runs.
+"""
+
+import base64
+import email.utils
+import hashlib
+import json
+import math
+import re
+import time
+import unicodedata
+
+import grpc
+
+from . import _api
+from .client import _C, _code, _new_attempt_id
+
+KEY_HEADER = "Idempotency-Key"
+RESULT_HEADER = "Idempotency-Result"
+EXPIRES_HEADER = "Idempotency-Expires"
+HTTP_SCHEMA_VERSION = "idemcoord.http/1"
+DEFAULT_HTTP_SCOPE = "http"
+MAX_CAPTURED_BODY = 4 << 20
+
+PROBLEM_KEY_MISSING = "urn:idemcoord:problem:idempotency-key-missing"
+PROBLEM_KEY_INVALID = "urn:idemcoord:problem:idempotency-key-invalid"
+PROBLEM_KEY_REUSED = "urn:idemcoord:problem:idempotency-key-reused"
+PROBLEM_KEY_EXPIRED = "urn:idemcoord:problem:idempotency-key-expired"
+PROBLEM_ATTEMPTS_EXHAUSTED = "urn:idemcoord:problem:idempotency-attempts-exhausted"
+PROBLEM_IN_PROGRESS = "urn:idemcoord:problem:idempotency-request-in-progress"
+PROBLEM_OUTCOME_UNKNOWN = "urn:idemcoord:problem:idempotency-outcome-unknown"
+PROBLEM_BODY_TOO_LARGE = "urn:idemcoord:problem:request-body-too-large"
+PROBLEM_UNAVAILABLE = "urn:idemcoord:problem:idempotency-coordinator-unavailable"
+PROBLEM_LEASE_LOST = "urn:idemcoord:problem:idempotency/lease-lost"
+PROBLEM_INTERNAL = "urn:idemcoord:problem:idempotency-coordinator-refused"
+
+
+class Problem(Exception):
+    """An answer the middleware writes itself (RFC 9457 application/problem+json)."""
+
+    def __init__(self, status, type_, title, detail="", headers=None):
+        super().__init__(detail or title)
+        self.status, self.type, self.title, self.detail = status, type_, title, detail
+        self.headers = dict(headers or {})
+
+    def body(self):
+        p = {"type": self.type, "title": self.title, "status": self.status}
+        if self.detail:
+            p["detail"] = self.detail
+        return (json.dumps(p, separators=(",", ":")) + "\n").encode()
+
+    def header_list(self, body):
+        h = [(k, v) for k, v in self.headers.items()]
+        h += [("Content-Type", "application/problem+json"), ("Content-Length", str(len(body)))]
+        return h
+
+
+def parse_idempotency_key(value):
+    """The key of an Idempotency-Key header value (bytes as sent, or a latin-1 str).
+
+    The value itself, or the content of a structured-field string; 1-255
+    bytes of valid UTF-8 without control characters. Raises ValueError.
+    """
+    raw = value if isinstance(value, bytes) else value.encode("latin-1")
+    v = raw.strip(b" \t")
+    if len(v) >= 2 and v[:1] == b'"':
+        out = bytearray()
+        i = 1
+        while i < len(v) and v[i] != 0x22:
+            c = v[i]
+            if c == 0x5C:
+                i += 1
+                if i >= len(v) or v[i] not in (0x22, 0x5C):
+                    raise ValueError('Idempotency-Key: a structured-field string escapes only \\" and \\\\')
+                c = v[i]
+            elif c < 0x20 or c > 0x7E:
+                raise ValueError("Idempotency-Key: a structured-field string holds printable ASCII only")
+            out.append(c)
+            i += 1
+        if i != len(v) - 1:
+            raise ValueError("Idempotency-Key: unterminated structured-field string, or text after it")
+        v = bytes(out)
+    if not v:
+        raise ValueError("Idempotency-Key is empty")
+    if len(v) > 255:
+        raise ValueError("Idempotency-Key is %d bytes long, more than 255" % len(v))
+    try:
+        key = v.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("Idempotency-Key is not valid UTF-8") from None
+    if any(unicodedata.category(ch) == "Cc" for ch in key):
+        raise ValueError("Idempotency-Key holds a control character")
+    return key
+
+
+def fold_principal(principal, key):
+    """The key stored for an end user's key: base64url(SHA-256(principal)) ":" key, as Go's FoldPrincipal."""
+    digest = hashlib.sha256(str(principal).encode("utf-8")).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() + ":" + key
+
+
+def http_fingerprint(method, target, body):
+    """The default fingerprint: SHA-256 of method, "\\n", path with query as sent, "\\n", body (Go's HTTPFingerprint)."""
+    h = hashlib.sha256()
+    h.update(method.encode("latin-1") + b"\n" + target.encode("latin-1") + b"\n")
+    h.update(body)
+    return h.digest()
+
+
+def canonical_header(name):
+    """Go's http.CanonicalHeaderKey: "x-extra" -> "X-Extra"."""
+    return re.sub(r"(^|-)([a-z])", lambda m: m.group(1) + m.group(2).upper(), name.lower())
+
+
+def imf_fixdate(ts):
+    """An IMF-fixdate of a google.protobuf.Timestamp, None when unset."""
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return email.utils.formatdate(ts.seconds, usegmt=True)
+
+
+def error_reason(err):
+    """The google.rpc.ErrorInfo reason in a gRPC error's status details, "" when none."""
+    md = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    for k, v in md or ():
+        if k == "grpc-status-details-bin":
+            st = _api.Status()
+            try:
+                st.ParseFromString(v)
+            except Exception:
+                return ""
+            for d in st.details:
+                if d.type_url.endswith("/google.rpc.ErrorInfo"):
+                    return _field1(d.value)
+    return ""
+
+
+def _field1(buf):
+    """Field 1 (a string) of an encoded message."""
+    i = 0
+
+    def varint():
+        nonlocal i
+        v = shift = 0
+        while i < len(buf):
+            b = buf[i]
+            i += 1
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        return v
+    while i < len(buf):
+        tag = varint()
+        wire = tag & 7
+        if wire == 2:
+            n = varint()
+            if tag >> 3 == 1:
+                return bytes(buf[i:i + n]).decode("utf-8", "replace")
+            i += n
+        elif wire == 0:
+            varint()
+        elif wire == 5:
+            i += 4
+        elif wire == 1:
+            i += 8
+        else:
+            return ""
+    return ""
+
+
+class Options:
+    """The middleware's options; each is Go's WithHTTP… option of the same name."""
+
+    def __init__(self, *, wait=5.0, require_key=False, fail_open=False, principal=None, methods=("POST", "PATCH"),
+                 fingerprint=None, replay_headers=(), replayable_statuses=(404, 409, 422), scope=DEFAULT_HTTP_SCOPE,
+                 max_body_bytes=10 << 20, mismatch_status=422, on_replay=None):
+        self.wait = max(float(wait), 0.0)
+        self.require_key = require_key
+        self.fail_open = fail_open
+        self.principal = principal
+        self.methods = {m.upper() for m in methods}
+        self.fingerprint = fingerprint
+        self.replay_headers = ["location"] + [h.lower() for h in replay_headers if h.lower() not in ("content-type", "location")]
+        self.replayable = set(replayable_statuses)
+        self.scope = scope
+        self.max_body_bytes = max_body_bytes
+        self.mismatch_status = mismatch_status
+        self.on_replay = on_replay
+
+    def kind(self, status):
+        """How a final status is recorded: None is stored as a success."""
+        if status < 400:
+            return None
+        if status in self.replayable:
+            return "FAILURE_KIND_REPLAYABLE"
+        if status < 500:
+            return "FAILURE_KIND_ABANDONED"
+        if status == 503:
+            return "FAILURE_KIND_RETRYABLE"
+        return "FAILURE_KIND_UNKNOWN"
+
+    def stores(self, status):
+        return self.kind(status) in (None, "FAILURE_KIND_REPLAYABLE")
+
+
+def key_of(o, headers):
+    """The raw header value and key of a request, from its headers [(name lower-case bytes, value bytes)].
+
+    Returns (None, None) without a key; raises Problem.
+    """
+    raw = [v for k, v in headers if k == b"idempotency-key"]
+    if not raw:
+        if o.require_key:
+            raise Problem(400, PROBLEM_KEY_MISSING, "Idempotency-Key is missing",
+                          "this request requires an Idempotency-Key header")
+        return None, None
+    if len(raw) > 1:
+        raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", "send one Idempotency-Key header")
+    try:
+        return raw[0], parse_idempotency_key(raw[0])
+    except ValueError as err:
+        raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", str(err)) from None
+
+
+def too_large(o):
+    return Problem(413, PROBLEM_BODY_TOO_LARGE, "Request body too large",
+                   "a request with an Idempotency-Key may have at most %d bytes of body" % o.max_body_bytes)
+
+
+def begin_request(client, o, key, fp):
+    req = dict(scope=o.scope, key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
+               accept_schema_versions=[HTTP_SCHEMA_VERSION])
+    if client._lease is not None:
+        req["lease"] = client._lease
+    return req
+
+
+def wait_until(o):
+    return time.monotonic() + o.wait
+
+
+def begin_failed(client, o, err):
+    """The answer to a Begin that failed: a Problem, or None to run the handler unprotected (fail open)."""
+    code = _code(err)
+    if code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
+        if o.fail_open:
+            client._log.warning("idemcoord: coordinator unreachable; running the handler unprotected (fail open): %s", err)
+            return None
+        return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator unavailable",
+                       "the request was not processed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
+    if code == _C.RESOURCE_EXHAUSTED:
+        return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator busy",
+                       "the request was not processed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
+    if code == _C.FAILED_PRECONDITION:
+        reason = error_reason(err)
+        if reason in ("FINGERPRINT_MISMATCH", "SCHEMA_VERSION_NOT_ACCEPTED"):
+            return Problem(o.mismatch_status, PROBLEM_KEY_REUSED, "Idempotency-Key reused",
+                           "this Idempotency-Key was first used with another request")
+        if reason == "KEY_EXPIRED":
+            return Problem(422, PROBLEM_KEY_EXPIRED, "Idempotency-Key expired",
+                           "the result stored for this Idempotency-Key has expired and the key may not be used again")
+        if reason == "ATTEMPTS_EXHAUSTED":
+            return Problem(422, PROBLEM_ATTEMPTS_EXHAUSTED, "Idempotency-Key attempts exhausted",
+                           "requests with this Idempotency-Key failed as many times as allowed")
+    if code == _C.INVALID_ARGUMENT:
+        details = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        return Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", details)
+    client._log.error("idemcoord: coordinator refused Begin: %s", err)
+    return Problem(500, PROBLEM_INTERNAL, "Internal Server Error", "the idempotency coordinator refused the call")
+
+
+def not_acquired(res):
+    """The Problem for a Begin answer that is neither ACQUIRED nor REPLAY."""
+    if res.record.state == _api.State.STATE_UNKNOWN:
+        return Problem(409, PROBLEM_OUTCOME_UNKNOWN, "Outcome of an earlier request unknown",
+                       "an earlier request with this Idempotency-Key may or may not have taken effect; it is held "
+                       "for an operator, and retrying does not help")
+    retry = res.retry_after.seconds + res.retry_after.nanos / 1e9
+    return Problem(409, PROBLEM_IN_PROGRESS, "Request in progress",
+                   "another request with this Idempotency-Key is in progress; retry after %.3f s" % retry,
+                   {"Retry-After": str(max(int(math.ceil(retry)), 1))})
+
+
+def lease_lost():
+    return Problem(503, PROBLEM_LEASE_LOST, "Idempotency key taken over",
+                   "this request lost its hold on the Idempotency-Key before it answered, and nothing was stored for "
+                   "it; retry with the same Idempotency-Key to get the outcome", {"Retry-After": "1"})
+
+
+def not_started():
+    return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator unavailable",
+                   "the request was not processed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
+
+
+def silent(unconfirmed):
+    if unconfirmed:
+        return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator unavailable",
+                       "the request was not completed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
+    return Problem(503, "about:blank", "Service Unavailable",
+                   "the request ended before the handler answered; retry with the same Idempotency-Key",
+                   {"Retry-After": "1"})
+
+
+def replay_answer(o, request, record):
+    """(status, [(name, value)], body) of a stored response, as replayed."""
+    stored = record.response
+    if o.on_replay is not None:
+        stored = o.on_replay(request, stored) or stored
+    headers = []
+    if stored.content_type:
+        headers.append(("Content-Type", stored.content_type))
+    for name, v in stored.metadata.items():
+        for one in v.split("\n"):
+            headers.append((canonical_header(name), one))
+    expires = imf_fixdate(record.expires_at if record.HasField("expires_at") else None)
+    if expires:
+        headers.append((EXPIRES_HEADER, expires))
+    headers.append((RESULT_HEADER, "replayed"))
+    headers.append(("Content-Length", str(len(stored.body))))
+    code = stored.status_code if 200 <= stored.status_code <= 999 else 200
+    return code, headers, bytes(stored.body)
+
+
+class Recording:
+    """The copy of the handler's response that is stored: status, stored headers, body."""
+
+    def __init__(self, o):
+        self.o = o
+        self.wrote = False
+        self.status = 0
+        self.headers = {}
+        self.body = bytearray()
+        self.overflow = False
+        self.ended = False
+
+    def head(self, status, headers):
+        """Records the status and headers [(name str, value str)]; returns the headers to send."""
+        self.wrote, self.status = True, status
+        keep = ["content-type"] + self.o.replay_headers
+        out = []
+        for name, value in headers:
+            lname = name.lower()
+            if lname == RESULT_HEADER.lower():
+                continue
+            if lname in keep:
+                self.headers.setdefault(lname, []).append(value)
+            out.append((name, value))
+        if self.o.stores(status):
+            out.append((RESULT_HEADER, "created"))
+        return out
+
+    def keep(self, chunk):
+        if self.overflow or not chunk:
+            return
+        if len(self.body) + len(chunk) > MAX_CAPTURED_BODY:
+            self.overflow = True
+            self.body = bytearray()
+            return
+        self.body += chunk
+
+    def stored(self):
+        resp = _api.StoredResponse(schema_version=HTTP_SCHEMA_VERSION, status_code=self.status, body=bytes(self.body))
+        for name, values in self.headers.items():
+            if name == "content-type":
+                resp.content_type = ", ".join(values)
+            else:
+                resp.metadata[canonical_header(name)] = "\n".join(values)
+        return resp
+
+    def ending(self, marked):
+        """The finish() arguments of the recorded response."""
+        reason = "HTTP %d" % self.status
+        kind = self.o.kind(self.status)
+        if self.overflow and kind in (None, "FAILURE_KIND_REPLAYABLE"):
+            return dict(kind="FAILURE_KIND_UNKNOWN", reason=reason + ": response body too large to store")
+        if kind is None:
+            return dict(complete=self.stored())
+        if kind == "FAILURE_KIND_REPLAYABLE":
+            return dict(kind=kind, response=self.stored(), reason=reason)
+        if marked:
+            return dict(kind="FAILURE_KIND_UNKNOWN", reason=reason + " after mark_side_effect")
+        return dict(kind=kind, reason=reason)
+
+
+def silent_ending(marked, cause):
+    reason = "the handler wrote no response after its request ended: %s" % (cause or "the client went away")
+    if marked:
+        return dict(kind="FAILURE_KIND_UNKNOWN", reason=reason + " (after mark_side_effect)")
+    return dict(kind="FAILURE_KIND_RETRYABLE", reason=reason)

@@ -1,0 +1,166 @@
+"""WSGI middleware (Flask, any WSGI app) with the semantics of Go's clients.HTTPMiddleware.
+
+    app.wsgi_app = idemcoord.wsgi.IdempotencyMiddleware(app.wsgi_app, client=client)
+
+The same answers, statuses and stored records as idemcoord.asgi and Go's
+middleware (clients/testdata/http_conformance.json), with two differences
+WSGI imposes: the answer is sent once the app has finished and the outcome
+is recorded (it is buffered, not streamed), and WSGI tells an app nothing
+when its client goes away, so a request that waits for another one with its
+key, or a handler that runs after its client left, goes on to the end. No key
+is stranded by that: the outcome is recorded and the client's retry gets it.
+"""
+
+import http
+import io
+import threading
+import urllib.parse
+
+import grpc
+
+from . import _api, _http
+from .client import Attempt, _answer_lost, _current, _Holder
+
+
+def _target(environ):
+    uri = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if uri:
+        return uri
+    path = urllib.parse.quote(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""), safe="/;=,:@!$&'()*+~")
+    qs = environ.get("QUERY_STRING", "")
+    return path + ("?" + qs if qs else "")
+
+
+class IdempotencyMiddleware:
+    """Makes a WSGI app idempotent through client (an idemcoord.Client).
+
+    Options (keywords, each as Go's WithHTTP… option): wait (seconds),
+    require_key, fail_open, principal (a function of the WSGI environ),
+    methods, fingerprint (a function of environ and body), replay_headers,
+    replayable_statuses, scope, max_body_bytes, mismatch_status, on_replay
+    (a function of environ and the StoredResponse).
+    """
+
+    def __init__(self, app, client, **options):
+        self.app = app
+        self.client = client
+        self.o = _http.Options(**options)
+
+    def __call__(self, environ, start_response):
+        o = self.o
+        if environ.get("REQUEST_METHOD", "GET") not in o.methods:
+            return self.app(environ, start_response)
+        raw_value = environ.get("HTTP_IDEMPOTENCY_KEY")
+        headers = [] if raw_value is None else [(b"idempotency-key", raw_value.encode("latin-1"))]
+        try:
+            raw, key = _http.key_of(o, headers)
+        except _http.Problem as p:
+            return self._problem(start_response, p, [])
+        if key is None:
+            return self.app(environ, start_response)
+        echo = [("Idempotency-Key", raw.decode("latin-1"))]
+        try:
+            if o.principal is not None:
+                try:
+                    key = _http.fold_principal(o.principal(environ), key)
+                except Exception as err:
+                    raise _http.Problem(400, "about:blank", "Bad Request", "idempotency principal: %s" % err)
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            if length > o.max_body_bytes:
+                raise _http.too_large(o)
+            body = environ["wsgi.input"].read(length) if length > 0 else b""
+            environ["wsgi.input"] = io.BytesIO(body)
+            try:
+                if o.fingerprint is not None:
+                    fp = o.fingerprint(environ, body)
+                else:
+                    fp = _http.http_fingerprint(environ["REQUEST_METHOD"], _target(environ), body)
+            except Exception as err:
+                raise _http.Problem(400, "about:blank", "Bad Request", "idempotency fingerprint: %s" % err)
+        except _http.Problem as p:
+            return self._problem(start_response, p, echo)
+        return self._guarded(environ, start_response, key, fp, echo)
+
+    def _problem(self, start_response, p, echo):
+        body = p.body()
+        start_response("%d %s" % (p.status, p.title), p.header_list(body) + echo)
+        return [body]
+
+    def _guarded(self, environ, start_response, key, fp, echo):
+        o, c = self.o, self.client
+        breq = _http.begin_request(c, o, key, fp)
+        try:
+            res, sent = c._begin_waiting(breq, None, None, _http.wait_until(o))
+        except grpc.RpcError as err:
+            if _answer_lost(err):
+                threading.Thread(target=c._release, args=(breq,), daemon=True).start()
+            p = _http.begin_failed(c, o, err)
+            if p is None:
+                return self.app(environ, start_response)
+            return self._problem(start_response, p, echo)
+        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
+            status, headers, stored = _http.replay_answer(o, environ, res.record)
+            start_response("%d %s" % (status, _reason(status)), headers + echo)
+            return [stored]
+        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+            return self._problem(start_response, _http.not_acquired(res), echo)
+
+        holder = _Holder(c, breq, res, sent)
+        attempt = Attempt(holder.info)
+        stop = holder.start(attempt)
+        if stop is None:
+            if holder.lost:
+                return self._problem(start_response, _http.lease_lost(), echo)
+            holder.finish(kind="FAILURE_KIND_ABANDONED",
+                          reason="the lease could not be confirmed before the handler started")
+            return self._problem(start_response, _http.not_started(), echo)
+
+        rec = _http.Recording(o)
+        answer = {}
+        parts = []  # the whole answer; rec keeps what is stored
+
+        def write(chunk):
+            parts.append(chunk)
+            rec.keep(chunk)
+
+        def recording_start_response(status, headers, exc_info=None):
+            answer["status"], answer["headers"] = status, headers
+            return write
+
+        token = _current.set(attempt)
+        try:
+            chunks = self.app(environ, recording_start_response)
+            try:
+                for chunk in chunks:
+                    write(chunk)
+            finally:
+                if hasattr(chunks, "close"):
+                    chunks.close()
+        except BaseException as err:
+            stop()
+            if not holder.lost:
+                holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the app raised %s" % type(err).__name__)
+            raise
+        finally:
+            _current.reset(token)
+        stop()
+        if holder.lost or "status" not in answer:
+            if holder.lost:
+                c._log.warning("idemcoord: lease lost while the app ran; its response is not stored (%s/%s)",
+                               holder.scope, holder.key)
+                return self._problem(start_response, _http.lease_lost(), echo)
+            answer["status"], answer["headers"] = "200 OK", []
+        code = int(answer["status"].split(" ", 1)[0])
+        out = rec.head(code, [(k, v) for k, v in answer["headers"] if k.lower() != "idempotency-key"])
+        err = holder.finish(**rec.ending(attempt._marked))
+        if err is not None:
+            c._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
+        start_response(answer["status"], out + echo)
+        return [b"".join(parts)]
+
+
+def _reason(status):
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return ""

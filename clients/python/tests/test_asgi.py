@@ -1,0 +1,179 @@
+"""Starlette and FastAPI behind idemcoord.asgi.IdempotencyMiddleware run the shared HTTP suite.
+
+The services are served by uvicorn on 127.0.0.1 and reached over real HTTP;
+the coordinator is a real one (see coordinator.py).
+"""
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import unittest
+
+import idemcoord
+from idemcoord.asgi import IdempotencyMiddleware
+
+from . import conformance
+from .coordinator import Coordinator
+
+try:
+    import fastapi
+    import starlette.applications
+    import starlette.middleware
+    import starlette.responses
+    import starlette.routing
+    import uvicorn
+except ImportError as err:  # Debian: python3-starlette python3-fastapi python3-uvicorn python3-httpx
+    if os.environ.get("CI") == "true":
+        raise
+    raise unittest.SkipTest("ASGI stack missing: %s" % err)
+
+COORD = None
+CLIENT = None
+
+
+def setUpModule():
+    global COORD, CLIENT
+    COORD = Coordinator()
+    CLIENT = idemcoord.Client(COORD.addr, token=COORD.token, lease=conformance.SUITE["client_lease_ms"] / 1000)
+
+
+def tearDownModule():
+    CLIENT.shutdown(timeout=10)
+    COORD.stop()
+
+
+def serve(app):
+    """Serves app with uvicorn on 127.0.0.1 in a thread; returns (base url, close)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    def close():
+        server.should_exit = True
+        t.join(10)
+        sock.close()
+    return "http://127.0.0.1:%d" % port, close
+
+
+def middleware_kwargs(options):
+    options = dict(options)
+    header = options.pop("principal_header", None)
+    if header:
+        name = header.lower().encode()
+        options["principal"] = lambda scope: dict(scope["headers"]).get(name, b"").decode()
+    return options
+
+
+async def act(request, calls):
+    """The suite's handler on a Starlette request; None answers nothing."""
+    a = conformance.action(request.headers, calls)
+    await request.body()
+    if a.get("sleep_ms"):
+        await asyncio.sleep(a["sleep_ms"] / 1000)
+    if a.get("mark"):
+        idemcoord.mark_side_effect()
+    if a.get("throw"):
+        raise RuntimeError("the conformance handler throws")
+    if a.get("until_disconnect"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            await asyncio.sleep(0.02)
+        return None
+    if a.get("echo_lease"):
+        return starlette.responses.Response(conformance.lease_body(), 200, media_type="application/json")
+    resp = starlette.responses.Response(a.get("body", "").encode(), a.get("status") or 200)
+    for k, v in a.get("headers", {}).items():
+        resp.headers[k] = v
+    return resp
+
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def start_starlette(options, calls):
+    async def items(request):
+        resp = await act(request, calls)
+        return resp if resp is not None else _Nothing()
+    app = starlette.applications.Starlette(
+        routes=[starlette.routing.Route("/items", items, methods=METHODS)],
+        middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, **middleware_kwargs(options))])
+    return serve(app)
+
+
+def start_fastapi(options, calls):
+    app = fastapi.FastAPI()
+    app.add_middleware(IdempotencyMiddleware, client=CLIENT, **middleware_kwargs(options))
+
+    @app.api_route("/items", methods=METHODS)
+    async def items(request: fastapi.Request):
+        resp = await act(request, calls)
+        return resp if resp is not None else _Nothing()
+    return serve(app)
+
+
+class _Nothing(starlette.responses.Response):
+    """An ASGI response that sends nothing: the handler returns without a word."""
+
+    def __init__(self):
+        super().__init__()
+
+    async def __call__(self, scope, receive, send):
+        return None
+
+
+class ASGIConformanceTest(unittest.TestCase):
+    def setUp(self):
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+
+    def test_starlette_passes_the_http_suite(self):
+        self.assertGreater(conformance.run_http_conformance(self, "asgi", CLIENT, start_starlette), 0)
+
+    def test_fastapi_passes_the_http_suite(self):
+        self.assertGreater(conformance.run_http_conformance(self, "asgi", CLIENT, start_fastapi), 0)
+
+
+class ASGIOptionsTest(unittest.TestCase):
+    def test_mismatch_status_on_replay_and_expires(self):
+        import httpx
+        import uuid
+
+        def on_replay(scope, stored):
+            out = idemcoord.StoredResponse()
+            out.CopyFrom(stored)
+            out.metadata["X-Replayed-For"] = dict(scope["headers"]).get(b"x-request-id", b"").decode()
+            return out
+
+        async def things(request):
+            return starlette.responses.Response(b"made", 201)
+        app = starlette.applications.Starlette(
+            routes=[starlette.routing.Route("/things", things, methods=["POST"])],
+            middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, mismatch_status=409,
+                                                        on_replay=on_replay)])
+        base, close = serve(app)
+        self.addCleanup(close)
+        key = "opts-" + uuid.uuid4().hex
+
+        def send(body, rid):
+            return httpx.post(base + "/things", content=body, headers={"Idempotency-Key": key, "X-Request-Id": rid})
+        self.assertEqual(send(b"a", "r1").status_code, 201)
+        replay = send(b"a", "r2")
+        self.assertEqual(replay.headers["idempotency-result"], "replayed")
+        self.assertEqual(replay.headers["x-replayed-for"], "r2")
+        self.assertRegex(replay.headers.get("idempotency-expires", ""),
+                         r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$")
+        self.assertEqual(replay.content, b"made")
+        changed = send(b"b", "r3")
+        self.assertEqual(changed.status_code, 409)
+        self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
+
+
+if __name__ == "__main__":
+    unittest.main()
