@@ -281,6 +281,10 @@ type BeginParams struct {
 type FinishParams struct {
 	ID    Identity
 	Event statemachine.Event
+	// Policy is the scope's policy in force: a Fail ABANDONED of a restart
+	// restores the expired generation as its on_expired allows (see
+	// statemachine.Next).
+	Policy statemachine.Policy
 }
 
 // Result is a decision that was applied (committed, when it wrote).
@@ -542,7 +546,7 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 			return res, err
 		}
 	}
-	return s.locked(ctx, p.ID, p.Event, statemachine.Policy{})
+	return s.locked(ctx, p.ID, p.Event, p.Policy)
 }
 
 // completeHeldSQL ends a held record (IN_PROGRESS or UNKNOWN, as

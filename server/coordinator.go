@@ -39,7 +39,7 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 			FailureTTL:           min(pol.FailureTTL, ttl),
 			Lease:                lease,
 		},
-		Policy: statemachine.Policy{OnExpired: pol.OnExpired, OnUnknown: pol.OnUnknown, MaxAttempts: pol.MaxAttempts},
+		Policy: stateMachinePolicy(pol),
 	}
 
 	res, err := s.store.BeginWait(ctx, p, req.GetWait().AsDuration())
@@ -149,13 +149,20 @@ func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequ
 // result or a gRPC status error.
 func (s *Server) finish(ctx context.Context, scope, key string, ev statemachine.Event) (*ledger.Result, error) {
 	id := identity(ctx, scope, key)
-	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev})
+	res, err := s.store.Finish(ctx, &ledger.FinishParams{ID: id, Event: ev,
+		Policy: stateMachinePolicy(s.policies.Load().For(scope))})
 	s.metrics.observeFinish(scope, res, err)
 	noteCall(ctx, id.Tenant, scope, "")
 	if err != nil {
 		return nil, s.status(ctx, err)
 	}
 	return res, nil
+}
+
+// stateMachinePolicy is the part of a scope's policy that statemachine.Next
+// decides with.
+func stateMachinePolicy(pol Policy) statemachine.Policy {
+	return statemachine.Policy{OnExpired: pol.OnExpired, OnUnknown: pol.OnUnknown, MaxAttempts: pol.MaxAttempts}
 }
 
 func (s *Server) status(ctx context.Context, err error) error {

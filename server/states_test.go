@@ -381,3 +381,31 @@ func TestWaitWakesAtLeaseExpiry(t *testing.T) {
 		t.Fatalf("waiter after lease expiry: %v", r)
 	}
 }
+
+// TestAbandonedRestartUnderRejectRestartsAgain: under on_expired: reject
+// only an expired failure restarts, so a restart that is abandoned goes
+// back to an expired failure, and the next Begin restarts again rather
+// than answering KEY_EXPIRED. Fail must therefore decide with the scope's
+// policy, not a zero one (the chaos reference test found the difference).
+func TestAbandonedRestartUnderRejectRestartsAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{config: `
+scopes:
+  - { match: "strict", ttl: 1m, failure_ttl: 1m, on_expired: reject }
+`})
+	b := e.mustBegin("strict", "k", acquired)
+	e.mustFail("strict", "k", b.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, nil)
+	e.clock.Advance(2 * time.Minute)
+	b = e.mustBegin("strict", "k", acquired)
+	if b.GetPreviousState() != idempotencyv1.State_STATE_EXPIRED || b.GetRecord().GetGeneration() != 2 {
+		t.Fatalf("restart of an expired failure: %v", b)
+	}
+	e.mustFail("strict", "k", b.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, nil)
+	if rec := e.mustLookup("strict", "k"); rec.GetState() != idempotencyv1.State_STATE_EXPIRED || rec.GetGeneration() != 1 {
+		t.Fatalf("after the abandoned restart: %v", rec)
+	}
+	b = e.mustBegin("strict", "k", acquired)
+	if b.GetPreviousState() != idempotencyv1.State_STATE_EXPIRED {
+		t.Fatalf("restart after the abandoned one: %v", b)
+	}
+}
