@@ -17,6 +17,7 @@ import (
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
 	"connectrpc.com/vanguard/vanguardgrpc"
+	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
@@ -140,6 +141,20 @@ const DefaultHTTPMaxBodyBytes = 6 << 20
 // for a request's headers and body.
 const DefaultHTTPReadTimeout = 30 * time.Second
 
+// DefaultHTTPMaxBufferedBytes is the least budget of request body bytes the
+// HTTP listener holds at once, all requests together, when
+// WithHTTPMaxBufferedBytes does not set one: the default is this or 16 body
+// caps, whichever is larger.
+const DefaultHTTPMaxBufferedBytes = 128 << 20
+
+// httpBufferedBodyCaps is how many body caps the default budget of
+// buffered body bytes holds at least.
+const httpBufferedBodyCaps = 16
+
+// httpBusyRetryAfter is the Retry-After, in seconds, of a 503 given when the
+// budget of buffered body bytes is spent.
+const httpBusyRetryAfter = "1"
+
 const (
 	// httpReadHeaderTimeout is how long the HTTP listener waits for a
 	// request's headers (or ReadTimeout when shorter).
@@ -171,6 +186,14 @@ const (
 //     identity, and per-message compression (Grpc-Encoding,
 //     Connect-Content-Encoding, a Connect GET's compression parameter) but
 //     identity, is 415: the listener inflates only what it can bound.
+//   - All requests together hold at most WithHTTPMaxBufferedBytes bytes of
+//     body (as read and, for gzip, as inflated, plus the inflater's state),
+//     charged as they are read and given back once the request is answered:
+//     a request whose next bytes do not fit gets 503 with Retry-After and
+//     its connection closed, without reading more. Many small requests fit
+//     at once; many connections that each hold a body near the cap (for
+//     instance a few KB of gzip inflating to it and never finished) cost
+//     the budget, not the cap each.
 //   - Headers take at most 10 s and 64 KiB; headers and body at most
 //     WithHTTPReadTimeout (else 408 or a closed connection). Once the body
 //     is in, the answer has the scope's longest wait (max_wait) plus 15 s
@@ -195,6 +218,7 @@ func (s *Server) NewHTTPServer(h http.Handler) *http.Server {
 func (s *Server) guardHTTP(next http.Handler) http.Handler {
 	allowed := s.opts.httpAllowedHosts
 	maxBody := s.opts.httpMaxBody
+	budget := semaphore.NewWeighted(s.opts.httpMaxBuffered)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
 			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
@@ -207,10 +231,15 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
 			return
 		}
-		body, err := readBody(w, r, gz, maxBody)
+		body, charged, err := readBody(w, r, gz, maxBody, budget)
+		defer budget.Release(charged)
 		if err != nil {
 			var tooLarge *http.MaxBytesError
 			switch {
+			case errors.Is(err, errBodyBudget):
+				w.Header().Set("Connection", "close")
+				w.Header().Set("Retry-After", httpBusyRetryAfter)
+				http.Error(w, "too many request bodies being received at once: retry later", http.StatusServiceUnavailable)
 			case errors.As(err, &tooLarge):
 				w.Header().Set("Connection", "close")
 				http.Error(w, fmt.Sprintf("request body over %d bytes (counted after decompression)", maxBody),
@@ -312,46 +341,70 @@ func requestCompression(r *http.Request) (gz bool, err error) {
 // a growing buffer would.
 const bodySlabBytes = 64 << 10
 
+// errBodyBudget is readBody's error when the listener's budget of buffered
+// body bytes cannot take the request's next bytes.
+var errBodyBudget = errors.New("the budget of buffered request bodies is spent")
+
+// gzipStateBytes is what readBody charges to the budget for a gzip
+// reader's state (its 32 KiB window, tables and buffer).
+const gzipStateBytes = 64 << 10
+
 // readBody reads r's body whole, inflating it when gz, and fails with an
 // *http.MaxBytesError once it is over maxBytes as sent or as inflated. A
-// request without a body gives nil.
-func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64) (net.Buffers, error) {
+// request without a body gives nil. Each piece of the body (and the gzip
+// reader's state) is charged to budget before it is allocated, without
+// waiting: when it does not fit, readBody fails with errBodyBudget. It
+// returns how much it charged, to release once the body is no longer
+// used, whether it fails or not.
+func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, budget *semaphore.Weighted) (_ net.Buffers, charged int64, _ error) {
 	if r.Body == nil || r.Body == http.NoBody || (r.ContentLength == 0 && len(r.TransferEncoding) == 0) {
-		return nil, nil
+		return nil, 0, nil
 	}
 	if r.ContentLength > maxBytes {
-		return nil, &http.MaxBytesError{Limit: maxBytes}
+		return nil, 0, &http.MaxBytesError{Limit: maxBytes}
+	}
+	charge := func(n int64) error {
+		if !budget.TryAcquire(n) {
+			return errBodyBudget
+		}
+		charged += n
+		return nil
 	}
 	raw := http.MaxBytesReader(w, r.Body, maxBytes)
-	if !gz && r.ContentLength > 0 {
-		body := make([]byte, r.ContentLength)
-		if _, err := io.ReadFull(raw, body); err != nil {
-			return nil, err
-		}
-		return net.Buffers{body}, nil
-	}
+	// limit is one byte more than the body can hold: reading it tells the
+	// body is over the cap, or (its length being known) at its end.
+	limit := maxBytes + 1
 	var src io.Reader = raw
 	if gz {
+		if err := charge(gzipStateBytes); err != nil {
+			return nil, charged, err
+		}
 		zr, err := gzip.NewReader(raw)
 		if err != nil {
-			return nil, fmt.Errorf("the body is not gzip: %w", err)
+			return nil, charged, fmt.Errorf("the body is not gzip: %w", err)
 		}
 		defer zr.Close()
 		src = zr
+	} else if r.ContentLength > 0 {
+		limit = r.ContentLength + 1
 	}
 	body := net.Buffers{}
 	for n := int64(0); ; {
-		slab := make([]byte, min(bodySlabBytes, maxBytes+1-n))
+		size := min(bodySlabBytes, limit-n)
+		if err := charge(size); err != nil {
+			return nil, charged, err
+		}
+		slab := make([]byte, size)
 		k, err := io.ReadFull(src, slab)
 		body = append(body, slab[:k])
 		n += int64(k)
 		switch {
 		case n > maxBytes:
-			return nil, &http.MaxBytesError{Limit: maxBytes}
+			return nil, charged, &http.MaxBytesError{Limit: maxBytes}
 		case err == io.EOF || err == io.ErrUnexpectedEOF:
-			return body, nil
+			return body, charged, nil
 		case err != nil:
-			return nil, err
+			return nil, charged, err
 		}
 	}
 }
