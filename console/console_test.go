@@ -457,7 +457,8 @@ func TestCookiesAndHeaders(t *testing.T) {
 	}
 	// Open redirects after login are refused.
 	b := e.browser()
-	for _, next := range []string{"//evil.example/", "https://evil.example/console/", "/\\evil.example", "/metrics"} {
+	for _, next := range []string{"//evil.example/", "https://evil.example/console/", "/\\evil.example", "/metrics",
+		"/console/../metrics", "/console/../idempotency.v1.Admin/ListRecords"} {
 		r := b.post("/console/login", url.Values{"csrf": {b.csrf()}, "token": {opsToken}, "next": {next}})
 		if r.code != http.StatusSeeOther || r.location != "/console/" {
 			t.Errorf("next %q: redirected to %q", next, r.location)
