@@ -604,3 +604,17 @@ func TestAuthDisabled(t *testing.T) {
 		t.Fatalf("forget without CSRF token: %d", r.code)
 	}
 }
+
+// TestSignInPageSaysWhatTheCookieHolds: the sign-in form says the cookie
+// holds a random session id, not the token (which is stored sealed on the
+// server side), as docs/security-console.md describes.
+func TestSignInPageSaysWhatTheCookieHolds(t *testing.T) {
+	t.Parallel()
+	r := newConsoleEnv(t, false).browser().get("/console/login")
+	if r.code != http.StatusOK {
+		t.Fatalf("sign-in page: %d", r.code)
+	}
+	if strings.Contains(r.body, "token is kept in") || !strings.Contains(r.body, "random session id") {
+		t.Fatalf("the sign-in page misstates what its cookie holds: %s", r.body)
+	}
+}
