@@ -3,6 +3,8 @@ package server
 import (
 	"bufio"
 	"compress/gzip"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -19,6 +21,7 @@ import (
 	"connectrpc.com/vanguard/vanguardgrpc"
 	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -194,6 +197,10 @@ const (
 //     at once; many connections that each hold a body near the cap (for
 //     instance a few KB of gzip inflating to it and never finished) cost
 //     the budget, not the cap each.
+//   - Framing mistakes the transcoder would answer as internal errors are
+//     invalid_argument: a gRPC-Web body cut inside a frame (grpc-status 3),
+//     a Connect GET whose message is not base64url or whose base64
+//     parameter is neither 0 nor 1 (400).
 //   - Headers take at most 10 s and 64 KiB; headers and body at most
 //     WithHTTPReadTimeout (else 408 or a closed connection). Once the body
 //     is in, the answer has the scope's longest wait (max_wait) plus 15 s
@@ -250,6 +257,10 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			default:
 				http.Error(w, "cannot read the request body: "+err.Error(), http.StatusBadRequest)
 			}
+			return
+		}
+		if web, err := checkFraming(r, body); err != nil {
+			refuseMalformed(w, r, web, err)
 			return
 		}
 		if body != nil {
@@ -407,6 +418,78 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 			return nil, charged, err
 		}
 	}
+}
+
+// grpcWebContentType is the media type of gRPC-Web requests with binary
+// framing; application/grpc-web-text (base64) starts with it too.
+const grpcWebContentType = "application/grpc-web"
+
+// checkFraming finds the client mistakes in framing that the transcoder
+// would answer as internal errors (gRPC-Web grpc-status 13, Connect HTTP
+// 500): a gRPC-Web body (binary framing) that does not end at the end of a
+// frame, and a Connect GET (a GET with an encoding or connect=v1 query
+// parameter) whose base64 parameter is neither 0 nor 1 or whose message is
+// not base64url. web tells whether r is gRPC-Web. gRPC-Web's text framing
+// (base64) is left to the transcoder.
+func checkFraming(r *http.Request, body net.Buffers) (web bool, err error) {
+	ct := strings.ToLower(r.Header.Get("Content-Type"))
+	if strings.HasPrefix(ct, grpcWebContentType) && !strings.HasPrefix(ct, grpcWebContentType+"-text") {
+		rest := append(net.Buffers(nil), body...) // reading a net.Buffers consumes it
+		var header [5]byte
+		for {
+			k, err := io.ReadFull(&rest, header[:])
+			switch {
+			case k == 0:
+				return true, nil
+			case err != nil:
+				return true, fmt.Errorf("the body ends inside a gRPC-Web frame header (%d of 5 bytes)", k)
+			}
+			length := int64(header[1])<<24 | int64(header[2])<<16 | int64(header[3])<<8 | int64(header[4])
+			if k, _ := io.CopyN(io.Discard, &rest, length); k < length {
+				return true, fmt.Errorf("the body ends inside a gRPC-Web frame (%d of %d bytes)", k, length)
+			}
+		}
+	}
+	q := r.URL.Query()
+	if r.Method != http.MethodGet || !(q.Has("encoding") || q.Get("connect") == "v1") {
+		return false, nil // not a Connect GET
+	}
+	switch q.Get("base64") {
+	case "", "0":
+	case "1":
+		if m := q.Get("message"); m != "" {
+			if _, err := base64.RawURLEncoding.DecodeString(m); err != nil {
+				if _, err := base64.URLEncoding.DecodeString(m); err != nil {
+					return false, errors.New("query parameter message is not base64url")
+				}
+			}
+		}
+	default:
+		return false, errors.New("query parameter base64 must be absent, 0 or 1")
+	}
+	return false, nil
+}
+
+// refuseMalformed answers a request checkFraming refused with
+// invalid_argument in its own protocol: a trailers-only gRPC-Web answer
+// (grpc-status 3), else a Connect error (HTTP 400).
+func refuseMalformed(w http.ResponseWriter, r *http.Request, web bool, err error) {
+	if web {
+		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
+		w.Header().Set("Grpc-Status", strconv.Itoa(int(codes.InvalidArgument)))
+		// The messages are printable ASCII without '%': nothing to
+		// percent-encode.
+		w.Header().Set("Grpc-Message", err.Error())
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	b, _ := json.Marshal(struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	}{connect.CodeInvalidArgument.String(), err.Error()})
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusBadRequest)
+	_, _ = w.Write(b)
 }
 
 // bodyLen is the length of a body readBody read.

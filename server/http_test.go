@@ -397,3 +397,59 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 		t.Fatalf("one ops token: %v", err)
 	}
 }
+
+// TestHTTPMalformedFramingIsInvalidArgument: client mistakes in the
+// framing that the transcoder would answer as internal errors are
+// invalid_argument: a gRPC-Web body cut inside a frame's header or
+// message, and a Connect GET whose message is not base64 or whose base64
+// parameter is neither 0 nor 1.
+func TestHTTPMalformedFramingIsInvalidArgument(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	srv := httptest.NewServer(c.Server.NewHTTPServer(c.Server.HTTPHandler()).Handler)
+	t.Cleanup(srv.Close)
+	msg := []byte(`{"scope":"build","key":"k"}`)
+	frame := append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...)
+	for name, body := range map[string][]byte{
+		"cut in the header":  frame[:2],
+		"cut in the message": frame[:10],
+		"a frame, then junk": append(append([]byte{}, frame...), 'z', 'z'),
+	} {
+		resp, err := srv.Client().Post(srv.URL+"/"+httpLookup, "application/grpc-web+json", bytes.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		gs := resp.Header.Get("Grpc-Status")
+		if gs == "" {
+			gs = resp.Trailer.Get("Grpc-Status")
+		}
+		if resp.StatusCode != http.StatusOK || gs != "3" {
+			t.Errorf("gRPC-Web %s: HTTP %d, grpc-status %q, want 3 (INVALID_ARGUMENT)", name, resp.StatusCode, gs)
+		}
+	}
+	for name, query := range map[string]string{
+		"message not base64": "connect=v1&encoding=json&base64=1&message=%21%21%21",
+		"base64=2":           "connect=v1&encoding=json&base64=2&message=e30",
+	} {
+		resp, err := srv.Client().Get(srv.URL + "/" + httpLookup + "?" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusBadRequest, "invalid_argument", "")
+		t.Logf("Connect GET, %s: %s", name, b)
+	}
+	// Well-formed, they reach the API.
+	resp, err := srv.Client().Post(srv.URL+"/"+httpLookup, "application/grpc-web+json", bytes.NewReader(frame))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if gs := resp.Header.Get("Grpc-Status") + resp.Trailer.Get("Grpc-Status"); gs != "5" {
+		t.Errorf("well-formed gRPC-Web Lookup: grpc-status %q, want 5 (NOT_FOUND)", gs)
+	}
+}
