@@ -198,7 +198,8 @@ const (
 //     instance a few KB of gzip inflating to it and never finished) cost
 //     the budget, not the cap each.
 //   - Framing mistakes the transcoder would answer as internal errors are
-//     invalid_argument: a gRPC-Web body cut inside a frame (grpc-status 3),
+//     invalid_argument: a gRPC-Web body cut inside a frame, or of more than
+//     one frame (grpc-status 3),
 //     a Connect GET whose message is not base64url or whose base64
 //     parameter is neither 0 nor 1 (400).
 //   - Headers take at most 10 s and 64 KiB; headers and body at most
@@ -427,7 +428,8 @@ const grpcWebContentType = "application/grpc-web"
 // checkFraming finds the client mistakes in framing that the transcoder
 // would answer as internal errors (gRPC-Web grpc-status 13, Connect HTTP
 // 500): a gRPC-Web body (binary framing) that does not end at the end of a
-// frame, and a Connect GET (a GET with an encoding or connect=v1 query
+// frame or holds more than one (every method served over HTTP is unary),
+// and a Connect GET (a GET with an encoding or connect=v1 query
 // parameter) whose base64 parameter is neither 0 nor 1 or whose message is
 // not base64url. web tells whether r is gRPC-Web. gRPC-Web's text framing
 // (base64) is left to the transcoder.
@@ -436,13 +438,15 @@ func checkFraming(r *http.Request, body net.Buffers) (web bool, err error) {
 	if strings.HasPrefix(ct, grpcWebContentType) && !strings.HasPrefix(ct, grpcWebContentType+"-text") {
 		rest := append(net.Buffers(nil), body...) // reading a net.Buffers consumes it
 		var header [5]byte
-		for {
+		for frames := 0; ; frames++ {
 			k, err := io.ReadFull(&rest, header[:])
 			switch {
 			case k == 0:
 				return true, nil
 			case err != nil:
 				return true, fmt.Errorf("the body ends inside a gRPC-Web frame header (%d of 5 bytes)", k)
+			case frames == 1:
+				return true, errors.New("more than one gRPC-Web frame: every method of the API takes one request message")
 			}
 			length := int64(header[1])<<24 | int64(header[2])<<16 | int64(header[3])<<8 | int64(header[4])
 			if k, _ := io.CopyN(io.Discard, &rest, length); k < length {

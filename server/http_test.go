@@ -414,6 +414,7 @@ func TestHTTPMalformedFramingIsInvalidArgument(t *testing.T) {
 		"cut in the header":  frame[:2],
 		"cut in the message": frame[:10],
 		"a frame, then junk": append(append([]byte{}, frame...), 'z', 'z'),
+		"two frames":         append(append([]byte{}, frame...), frame...),
 	} {
 		resp, err := srv.Client().Post(srv.URL+"/"+httpLookup, "application/grpc-web+json", bytes.NewReader(body))
 		if err != nil {
