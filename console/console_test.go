@@ -457,7 +457,8 @@ func TestCookiesAndHeaders(t *testing.T) {
 	}
 	// Open redirects after login are refused.
 	b := e.browser()
-	for _, next := range []string{"//evil.example/", "https://evil.example/console/", "/\\evil.example", "/metrics"} {
+	for _, next := range []string{"//evil.example/", "https://evil.example/console/", "/\\evil.example", "/metrics",
+		"/console/../metrics", "/console/../idempotency.v1.Admin/ListRecords"} {
 		r := b.post("/console/login", url.Values{"csrf": {b.csrf()}, "token": {opsToken}, "next": {next}})
 		if r.code != http.StatusSeeOther || r.location != "/console/" {
 			t.Errorf("next %q: redirected to %q", next, r.location)
@@ -601,5 +602,19 @@ func TestAuthDisabled(t *testing.T) {
 	}
 	if r := b.post("/console/forget", url.Values{"scope": {"a"}, "key": {"b"}, "confirm": {"b"}}); r.code != http.StatusForbidden {
 		t.Fatalf("forget without CSRF token: %d", r.code)
+	}
+}
+
+// TestSignInPageSaysWhatTheCookieHolds: the sign-in form says the cookie
+// holds a random session id, not the token (which is stored sealed on the
+// server side), as docs/security-console.md describes.
+func TestSignInPageSaysWhatTheCookieHolds(t *testing.T) {
+	t.Parallel()
+	r := newConsoleEnv(t, false).browser().get("/console/login")
+	if r.code != http.StatusOK {
+		t.Fatalf("sign-in page: %d", r.code)
+	}
+	if strings.Contains(r.body, "token is kept in") || !strings.Contains(r.body, "random session id") {
+		t.Fatalf("the sign-in page misstates what its cookie holds: %s", r.body)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -185,16 +186,32 @@ func (c *Console) loginForm(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, http.StatusOK, "login", view{Title: "Sign in", Page: loginPage{Next: safeNext(r.URL.Query().Get("next"))}})
 }
 
-// safeNext returns next when it is a console path of this server (never
-// another site), else the dashboard.
+// safeNext returns next when it is a console page of this server, else the
+// dashboard. next must be a path under Prefix (other than the sign-in page)
+// that is already clean once percent-decoded: no dot segments (a browser
+// resolves "/console/../metrics", or its %2e%2e form, to "/metrics"), no
+// empty segments, no backslash (some browsers read one as a slash, so
+// "/console/..\evil.example" could leave the site), no control characters,
+// and neither a scheme nor a host.
 func safeNext(next string) string {
 	u, err := url.Parse(next)
-	if err != nil || u.Scheme != "" || u.Host != "" || u.User != nil || !strings.HasPrefix(u.Path, Prefix) ||
-		strings.Contains(next, `\`) || strings.HasPrefix(next, "//") || strings.HasPrefix(u.Path, "/console/login") {
+	if err != nil || u.Scheme != "" || u.Host != "" || u.User != nil || u.Opaque != "" ||
+		!strings.HasPrefix(next, Prefix) || strings.ContainsFunc(next, unsafeInNext) || strings.ContainsFunc(u.Path, unsafeInNext) {
+		return Prefix
+	}
+	clean := path.Clean(u.Path)
+	if strings.HasSuffix(u.Path, "/") && clean != "/" {
+		clean += "/"
+	}
+	if clean != u.Path || !strings.HasPrefix(clean, Prefix) || strings.HasPrefix(clean, "/console/login") {
 		return Prefix
 	}
 	return next
 }
+
+// unsafeInNext reports whether r has no place in a sign-in redirect's
+// target: a backslash or a control character.
+func unsafeInNext(r rune) bool { return r == '\\' || r < 0x20 || r == 0x7f }
 
 func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 	if !c.parsePost(w, r) {

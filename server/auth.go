@@ -103,10 +103,16 @@ func (p *Policies) tenantByCertificate(ctx context.Context) (*tenant, error) {
 
 // tenantByToken returns the tenant of the call's bearer token, nil when the
 // call sends no authorization header, or UNAUTHENTICATED for a malformed
-// header or an unknown token.
+// header, more than one authorization value (gRPC metadata or HTTP
+// headers, which the transcoder passes as metadata: taking one of them
+// would let a proxy that checks another disagree about who calls), or an
+// unknown token.
 func (p *Policies) tenantByToken(ctx context.Context) (*tenant, error) {
-	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) == 0 {
+	switch values := metadata.ValueFromIncomingContext(ctx, "authorization"); {
+	case len(values) == 0:
 		return nil, nil
+	case len(values) > 1:
+		return nil, status.Error(codes.Unauthenticated, "more than one authorization header: send one `Bearer <token>`")
 	}
 	token, err := auth.AuthFromMD(ctx, "bearer")
 	if err != nil || token == "" {

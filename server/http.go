@@ -3,6 +3,8 @@ package server
 import (
 	"bufio"
 	"compress/gzip"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,7 +19,9 @@ import (
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
 	"connectrpc.com/vanguard/vanguardgrpc"
+	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -140,6 +144,20 @@ const DefaultHTTPMaxBodyBytes = 6 << 20
 // for a request's headers and body.
 const DefaultHTTPReadTimeout = 30 * time.Second
 
+// DefaultHTTPMaxBufferedBytes is the least budget of request body bytes the
+// HTTP listener holds at once, all requests together, when
+// WithHTTPMaxBufferedBytes does not set one: the default is this or 16 body
+// caps, whichever is larger.
+const DefaultHTTPMaxBufferedBytes = 128 << 20
+
+// httpBufferedBodyCaps is how many body caps the default budget of
+// buffered body bytes holds at least.
+const httpBufferedBodyCaps = 16
+
+// httpBusyRetryAfter is the Retry-After, in seconds, of a 503 given when the
+// budget of buffered body bytes is spent.
+const httpBusyRetryAfter = "1"
+
 const (
 	// httpReadHeaderTimeout is how long the HTTP listener waits for a
 	// request's headers (or ReadTimeout when shorter).
@@ -171,6 +189,19 @@ const (
 //     identity, and per-message compression (Grpc-Encoding,
 //     Connect-Content-Encoding, a Connect GET's compression parameter) but
 //     identity, is 415: the listener inflates only what it can bound.
+//   - All requests together hold at most WithHTTPMaxBufferedBytes bytes of
+//     body (as read and, for gzip, as inflated, plus the inflater's state),
+//     charged as they are read and given back once the request is answered:
+//     a request whose next bytes do not fit gets 503 with Retry-After and
+//     its connection closed, without reading more. Many small requests fit
+//     at once; many connections that each hold a body near the cap (for
+//     instance a few KB of gzip inflating to it and never finished) cost
+//     the budget, not the cap each.
+//   - Framing mistakes the transcoder would answer as internal errors are
+//     invalid_argument: a gRPC-Web body cut inside a frame, or of more than
+//     one frame (grpc-status 3),
+//     a Connect GET whose message is not base64url or whose base64
+//     parameter is neither 0 nor 1 (400).
 //   - Headers take at most 10 s and 64 KiB; headers and body at most
 //     WithHTTPReadTimeout (else 408 or a closed connection). Once the body
 //     is in, the answer has the scope's longest wait (max_wait) plus 15 s
@@ -195,6 +226,7 @@ func (s *Server) NewHTTPServer(h http.Handler) *http.Server {
 func (s *Server) guardHTTP(next http.Handler) http.Handler {
 	allowed := s.opts.httpAllowedHosts
 	maxBody := s.opts.httpMaxBody
+	budget := semaphore.NewWeighted(s.opts.httpMaxBuffered)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
 			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
@@ -207,10 +239,15 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
 			return
 		}
-		body, err := readBody(w, r, gz, maxBody)
+		body, charged, err := readBody(w, r, gz, maxBody, budget)
+		defer budget.Release(charged)
 		if err != nil {
 			var tooLarge *http.MaxBytesError
 			switch {
+			case errors.Is(err, errBodyBudget):
+				w.Header().Set("Connection", "close")
+				w.Header().Set("Retry-After", httpBusyRetryAfter)
+				http.Error(w, "too many request bodies being received at once: retry later", http.StatusServiceUnavailable)
 			case errors.As(err, &tooLarge):
 				w.Header().Set("Connection", "close")
 				http.Error(w, fmt.Sprintf("request body over %d bytes (counted after decompression)", maxBody),
@@ -221,6 +258,10 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			default:
 				http.Error(w, "cannot read the request body: "+err.Error(), http.StatusBadRequest)
 			}
+			return
+		}
+		if web, err := checkFraming(r, body); err != nil {
+			refuseMalformed(w, r, web, err)
 			return
 		}
 		if body != nil {
@@ -312,48 +353,147 @@ func requestCompression(r *http.Request) (gz bool, err error) {
 // a growing buffer would.
 const bodySlabBytes = 64 << 10
 
+// errBodyBudget is readBody's error when the listener's budget of buffered
+// body bytes cannot take the request's next bytes.
+var errBodyBudget = errors.New("the budget of buffered request bodies is spent")
+
+// gzipStateBytes is what readBody charges to the budget for a gzip
+// reader's state (its 32 KiB window, tables and buffer).
+const gzipStateBytes = 64 << 10
+
 // readBody reads r's body whole, inflating it when gz, and fails with an
 // *http.MaxBytesError once it is over maxBytes as sent or as inflated. A
-// request without a body gives nil.
-func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64) (net.Buffers, error) {
+// request without a body gives nil. Each piece of the body (and the gzip
+// reader's state) is charged to budget before it is allocated, without
+// waiting: when it does not fit, readBody fails with errBodyBudget. It
+// returns how much it charged, to release once the body is no longer
+// used, whether it fails or not.
+func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, budget *semaphore.Weighted) (_ net.Buffers, charged int64, _ error) {
 	if r.Body == nil || r.Body == http.NoBody || (r.ContentLength == 0 && len(r.TransferEncoding) == 0) {
-		return nil, nil
+		return nil, 0, nil
 	}
 	if r.ContentLength > maxBytes {
-		return nil, &http.MaxBytesError{Limit: maxBytes}
+		return nil, 0, &http.MaxBytesError{Limit: maxBytes}
+	}
+	charge := func(n int64) error {
+		if !budget.TryAcquire(n) {
+			return errBodyBudget
+		}
+		charged += n
+		return nil
 	}
 	raw := http.MaxBytesReader(w, r.Body, maxBytes)
-	if !gz && r.ContentLength > 0 {
-		body := make([]byte, r.ContentLength)
-		if _, err := io.ReadFull(raw, body); err != nil {
-			return nil, err
-		}
-		return net.Buffers{body}, nil
-	}
+	// limit is one byte more than the body can hold: reading it tells the
+	// body is over the cap, or (its length being known) at its end.
+	limit := maxBytes + 1
 	var src io.Reader = raw
 	if gz {
+		if err := charge(gzipStateBytes); err != nil {
+			return nil, charged, err
+		}
 		zr, err := gzip.NewReader(raw)
 		if err != nil {
-			return nil, fmt.Errorf("the body is not gzip: %w", err)
+			return nil, charged, fmt.Errorf("the body is not gzip: %w", err)
 		}
 		defer zr.Close()
 		src = zr
+	} else if r.ContentLength > 0 {
+		limit = r.ContentLength + 1
 	}
 	body := net.Buffers{}
 	for n := int64(0); ; {
-		slab := make([]byte, min(bodySlabBytes, maxBytes+1-n))
+		size := min(bodySlabBytes, limit-n)
+		if err := charge(size); err != nil {
+			return nil, charged, err
+		}
+		slab := make([]byte, size)
 		k, err := io.ReadFull(src, slab)
 		body = append(body, slab[:k])
 		n += int64(k)
 		switch {
 		case n > maxBytes:
-			return nil, &http.MaxBytesError{Limit: maxBytes}
+			return nil, charged, &http.MaxBytesError{Limit: maxBytes}
 		case err == io.EOF || err == io.ErrUnexpectedEOF:
-			return body, nil
+			return body, charged, nil
 		case err != nil:
-			return nil, err
+			return nil, charged, err
 		}
 	}
+}
+
+// grpcWebContentType is the media type of gRPC-Web requests with binary
+// framing; application/grpc-web-text (base64) starts with it too.
+const grpcWebContentType = "application/grpc-web"
+
+// checkFraming finds the client mistakes in framing that the transcoder
+// would answer as internal errors (gRPC-Web grpc-status 13, Connect HTTP
+// 500): a gRPC-Web body (binary framing) that does not end at the end of a
+// frame or holds more than one (every method served over HTTP is unary),
+// and a Connect GET (a GET with an encoding or connect=v1 query
+// parameter) whose base64 parameter is neither 0 nor 1 or whose message is
+// not base64url. web tells whether r is gRPC-Web. gRPC-Web's text framing
+// (base64) is left to the transcoder.
+func checkFraming(r *http.Request, body net.Buffers) (web bool, err error) {
+	ct := strings.ToLower(r.Header.Get("Content-Type"))
+	if strings.HasPrefix(ct, grpcWebContentType) && !strings.HasPrefix(ct, grpcWebContentType+"-text") {
+		rest := append(net.Buffers(nil), body...) // reading a net.Buffers consumes it
+		var header [5]byte
+		for frames := 0; ; frames++ {
+			k, err := io.ReadFull(&rest, header[:])
+			switch {
+			case k == 0:
+				return true, nil
+			case err != nil:
+				return true, fmt.Errorf("the body ends inside a gRPC-Web frame header (%d of 5 bytes)", k)
+			case frames == 1:
+				return true, errors.New("more than one gRPC-Web frame: every method of the API takes one request message")
+			}
+			length := int64(header[1])<<24 | int64(header[2])<<16 | int64(header[3])<<8 | int64(header[4])
+			if k, _ := io.CopyN(io.Discard, &rest, length); k < length {
+				return true, fmt.Errorf("the body ends inside a gRPC-Web frame (%d of %d bytes)", k, length)
+			}
+		}
+	}
+	q := r.URL.Query()
+	if r.Method != http.MethodGet || !(q.Has("encoding") || q.Get("connect") == "v1") {
+		return false, nil // not a Connect GET
+	}
+	switch q.Get("base64") {
+	case "", "0":
+	case "1":
+		if m := q.Get("message"); m != "" {
+			if _, err := base64.RawURLEncoding.DecodeString(m); err != nil {
+				if _, err := base64.URLEncoding.DecodeString(m); err != nil {
+					return false, errors.New("query parameter message is not base64url")
+				}
+			}
+		}
+	default:
+		return false, errors.New("query parameter base64 must be absent, 0 or 1")
+	}
+	return false, nil
+}
+
+// refuseMalformed answers a request checkFraming refused with
+// invalid_argument in its own protocol: a trailers-only gRPC-Web answer
+// (grpc-status 3), else a Connect error (HTTP 400).
+func refuseMalformed(w http.ResponseWriter, r *http.Request, web bool, err error) {
+	if web {
+		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
+		w.Header().Set("Grpc-Status", strconv.Itoa(int(codes.InvalidArgument)))
+		// The messages are printable ASCII without '%': nothing to
+		// percent-encode.
+		w.Header().Set("Grpc-Message", err.Error())
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	b, _ := json.Marshal(struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	}{connect.CodeInvalidArgument.String(), err.Error()})
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusBadRequest)
+	_, _ = w.Write(b)
 }
 
 // bodyLen is the length of a body readBody read.

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"bytes"
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
@@ -13,7 +14,9 @@ import (
 	"testing"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
@@ -341,5 +344,113 @@ func TestHTTPClientCertificate(t *testing.T) {
 	// The token of the same tenant sees the record the certificate made.
 	if r := client().post(httpBegin, `{"scope":"build","key":"k"}`, "Authorization: Bearer build-secret"); r.json(t)["outcome"] != "OUTCOME_IN_PROGRESS" {
 		t.Fatalf("token over TLS: HTTP %d %s", r.status, r.body)
+	}
+}
+
+// TestDuplicateAuthorizationRefused: a call with more than one
+// authorization value, over gRPC (metadata) or HTTP (headers), is
+// UNAUTHENTICATED whatever the values: neither valid then invalid, nor a
+// tenant's token then an admin's, picks one of them.
+func TestDuplicateAuthorizationRefused(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig()})
+	admin := idempotencyv1.NewAdminClient(c.Dial(t))
+	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
+	api := newHTTPAPI(t, c)
+	for name, tokens := range map[string][]string{
+		"valid then invalid": {"pay-secret", "wrong"},
+		"invalid then valid": {"wrong", "pay-secret"},
+		"payments then ops":  {"pay-secret", "ops-secret"},
+		"ops twice":          {"ops-secret", "ops-secret"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			for _, tok := range tokens {
+				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+			}
+			_, err := client.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: "build", Key: "k"})
+			wantCode(t, err, codes.Unauthenticated, "")
+			_, err = admin.ListRecords(ctx, &idempotencyv1.ListRecordsRequest{})
+			wantCode(t, err, codes.Unauthenticated, "")
+
+			for path, body := range map[string]string{httpLookup: `{"scope":"build","key":"k"}`, "idempotency.v1.Admin/ListRecords": `{}`} {
+				req, err := http.NewRequest(http.MethodPost, api.url+"/"+path, strings.NewReader(body))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Content-Type", "application/json")
+				for _, tok := range tokens {
+					req.Header.Add("Authorization", "Bearer "+tok)
+				}
+				resp, err := api.client.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+			}
+		})
+	}
+	// One value is still enough.
+	if _, err := admin.ListRecords(withToken("ops-secret"), &idempotencyv1.ListRecordsRequest{}); err != nil {
+		t.Fatalf("one ops token: %v", err)
+	}
+}
+
+// TestHTTPMalformedFramingIsInvalidArgument: client mistakes in the
+// framing that the transcoder would answer as internal errors are
+// invalid_argument: a gRPC-Web body cut inside a frame's header or
+// message, and a Connect GET whose message is not base64 or whose base64
+// parameter is neither 0 nor 1.
+func TestHTTPMalformedFramingIsInvalidArgument(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	srv := httptest.NewServer(c.Server.NewHTTPServer(c.Server.HTTPHandler()).Handler)
+	t.Cleanup(srv.Close)
+	msg := []byte(`{"scope":"build","key":"k"}`)
+	frame := append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...)
+	for name, body := range map[string][]byte{
+		"cut in the header":  frame[:2],
+		"cut in the message": frame[:10],
+		"a frame, then junk": append(append([]byte{}, frame...), 'z', 'z'),
+		"two frames":         append(append([]byte{}, frame...), frame...),
+	} {
+		resp, err := srv.Client().Post(srv.URL+"/"+httpLookup, "application/grpc-web+json", bytes.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		gs := resp.Header.Get("Grpc-Status")
+		if gs == "" {
+			gs = resp.Trailer.Get("Grpc-Status")
+		}
+		if resp.StatusCode != http.StatusOK || gs != "3" {
+			t.Errorf("gRPC-Web %s: HTTP %d, grpc-status %q, want 3 (INVALID_ARGUMENT)", name, resp.StatusCode, gs)
+		}
+	}
+	for name, query := range map[string]string{
+		"message not base64": "connect=v1&encoding=json&base64=1&message=%21%21%21",
+		"base64=2":           "connect=v1&encoding=json&base64=2&message=e30",
+	} {
+		resp, err := srv.Client().Get(srv.URL + "/" + httpLookup + "?" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusBadRequest, "invalid_argument", "")
+		t.Logf("Connect GET, %s: %s", name, b)
+	}
+	// Well-formed, they reach the API.
+	resp, err := srv.Client().Post(srv.URL+"/"+httpLookup, "application/grpc-web+json", bytes.NewReader(frame))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if gs := resp.Header.Get("Grpc-Status") + resp.Trailer.Get("Grpc-Status"); gs != "5" {
+		t.Errorf("well-formed gRPC-Web Lookup: grpc-status %q, want 5 (NOT_FOUND)", gs)
 	}
 }

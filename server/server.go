@@ -68,6 +68,7 @@ type options struct {
 
 	httpMaxBody      int64
 	httpReadTimeout  time.Duration
+	httpMaxBuffered  int64
 	httpAllowedHosts map[string]bool
 }
 
@@ -97,6 +98,12 @@ func WithMetricsToken(token string) Option { return func(o *options) { o.metrics
 // and once inflated, and one message of the HTTP/JSON API either way
 // (default DefaultHTTPMaxBodyBytes); see NewHTTPServer.
 func WithHTTPMaxBodyBytes(n int64) Option { return func(o *options) { o.httpMaxBody = n } }
+
+// WithHTTPMaxBufferedBytes bounds the request body bytes the HTTP listener
+// holds at once, all requests together, as read and as inflated (default:
+// DefaultHTTPMaxBufferedBytes or 16 body caps, whichever is larger; 0 keeps
+// the default). It must be at least the body cap. See NewHTTPServer.
+func WithHTTPMaxBufferedBytes(n int64) Option { return func(o *options) { o.httpMaxBuffered = n } }
 
 // WithHTTPReadTimeout bounds how long the HTTP listener waits for a
 // request's headers and body (default DefaultHTTPReadTimeout); see
@@ -145,6 +152,12 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	}
 	if o.httpMaxBody <= 0 || o.httpMaxBody > math.MaxUint32 {
 		return nil, fmt.Errorf("server: HTTP body cap %d: want 1 to %d bytes", o.httpMaxBody, uint32(math.MaxUint32))
+	}
+	if o.httpMaxBuffered == 0 {
+		o.httpMaxBuffered = max(DefaultHTTPMaxBufferedBytes, httpBufferedBodyCaps*o.httpMaxBody)
+	}
+	if o.httpMaxBuffered < o.httpMaxBody {
+		return nil, fmt.Errorf("server: HTTP buffered body budget %d: want at least the body cap, %d bytes", o.httpMaxBuffered, o.httpMaxBody)
 	}
 	if o.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("server: HTTP read timeout %v: want more than 0", o.httpReadTimeout)

@@ -390,3 +390,74 @@ func TestHTTPSlowBodyDisconnected(t *testing.T) {
 	}
 	p.stop()
 }
+
+// TestHTTPBufferedBodiesBounded: bodies of unknown length being buffered at
+// once share the listener's budget (--http-max-buffered-bytes): 40
+// connections that each send a few KB of gzip inflating to just under the
+// body cap, and never finish it, cost the coordinator at most the budget;
+// those past it get 503 with Retry-After, and once they are gone a request
+// is served again.
+func TestHTTPBufferedBodiesBounded(t *testing.T) {
+	const budget = 8 << 20
+	p, addr := startListener(t, "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES="+strconv.Itoa(budget))
+	wantOutcome(t, "warm-up Begin", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_ACQUIRED")
+
+	// A gzip stream flushed but never finished: the coordinator inflates
+	// it and waits for the rest.
+	var part bytes.Buffer
+	zw, _ := gzip.NewWriterLevel(&part, gzip.BestCompression)
+	prefix := `{"scope":"build","key":"held","fingerprint":"`
+	_, _ = io.WriteString(zw, prefix+strings.Repeat("a", server.DefaultHTTPMaxBodyBytes-len(prefix)-200))
+	_ = zw.Flush()
+
+	before := processMemory(t, p.cmd.Process.Pid)
+	const conns = 60
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for range conns {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"+
+			"Transfer-Encoding: chunked\r\n\r\n%x\r\n", lookupPath, addr, part.Len())
+		_, _ = c.Write(part.Bytes())
+		_, _ = io.WriteString(c, "\r\n")
+	}
+	time.Sleep(3 * time.Second)
+	wantMemoryBounded(t, p, fmt.Sprintf("%d unfinished gzip bodies of %d MiB", conns, server.DefaultHTTPMaxBodyBytes>>20),
+		before, 4*budget+rssBoundBytes)
+
+	refused := 0
+	for _, c := range held {
+		_ = c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			continue // still held
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+			t.Fatalf("an unfinished gzip body: HTTP %d (Retry-After %q), want 503 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+		refused++
+	}
+	if refused == 0 {
+		t.Fatalf("none of %d unfinished gzip bodies was refused", conns)
+	}
+	t.Logf("%d of %d unfinished gzip bodies refused with 503", refused, conns)
+	for _, c := range held {
+		c.Close()
+	}
+	held = nil
+	time.Sleep(500 * time.Millisecond)
+	wantOutcome(t, "Begin once the budget is free", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_IN_PROGRESS")
+	chunked := gzipped(t, `{"scope":"build","key":"k"}`)
+	wantOutcome(t, "chunked gzip Begin once the budget is free", httpCall{path: beginPath, header: map[string]string{"Content-Encoding": "gzip"},
+		body: io.MultiReader(bytes.NewReader(chunked)), length: -1}.do(t, addr), "OUTCOME_IN_PROGRESS")
+	p.stop()
+}

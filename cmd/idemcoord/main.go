@@ -78,6 +78,7 @@ type config struct {
 	console         bool
 	httpMaxBody     int64
 	httpReadTimeout time.Duration
+	httpMaxBuffered int64
 	httpHosts       []string
 	slowCall        time.Duration
 	batchWorkers    uint
@@ -114,6 +115,9 @@ func parseFlags(args []string) (*config, error) {
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	maxBody := fs.String("http-max-body-bytes", env("IDEMCOORD_HTTP_MAX_BODY_BYTES", strconv.Itoa(server.DefaultHTTPMaxBodyBytes)),
 		"largest request body on --http-listen, counted after gzip decompression; larger gets 413 (IDEMCOORD_HTTP_MAX_BODY_BYTES)")
+	maxBuffered := fs.String("http-max-buffered-bytes", env("IDEMCOORD_HTTP_MAX_BUFFERED_BYTES", "0"),
+		"most request body bytes --http-listen holds at once, all requests together, counted after gzip decompression; a request past it gets 503 with Retry-After; "+
+			"0: 128 MiB or 16 times --http-max-body-bytes, whichever is larger (IDEMCOORD_HTTP_MAX_BUFFERED_BYTES)")
 	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
 		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
 	fs.UintVar(&c.batchWorkers, "batch-workers", envUint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
@@ -128,6 +132,10 @@ func parseFlags(args []string) (*config, error) {
 	var err error
 	if c.httpMaxBody, err = strconv.ParseInt(*maxBody, 10, 64); err != nil || c.httpMaxBody < 1 || c.httpMaxBody > math.MaxUint32 {
 		return nil, fmt.Errorf("--http-max-body-bytes %q: want a number of bytes from 1 to %d", *maxBody, uint32(math.MaxUint32))
+	}
+	if c.httpMaxBuffered, err = strconv.ParseInt(*maxBuffered, 10, 64); err != nil || c.httpMaxBuffered < 0 ||
+		(c.httpMaxBuffered > 0 && c.httpMaxBuffered < c.httpMaxBody) {
+		return nil, fmt.Errorf("--http-max-buffered-bytes %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *maxBuffered, c.httpMaxBody)
 	}
 	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
@@ -346,7 +354,7 @@ func run(args []string, logOut *os.File) error {
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))),
-		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
+		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPMaxBufferedBytes(c.httpMaxBuffered), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
 		server.WithSlowCallThreshold(c.slowCall)}
 	if metricsToken != "" {
 		sopts = append(sopts, server.WithMetricsToken(metricsToken))

@@ -465,18 +465,19 @@ func TestHTTPListenerFlags(t *testing.T) {
 	t.Setenv("IDEMCOORD_HTTP_MAX_BODY_BYTES", "")
 	t.Setenv("IDEMCOORD_HTTP_READ_TIMEOUT", "")
 	t.Setenv("IDEMCOORD_HTTP_ALLOWED_HOSTS", "")
-	for _, name := range []string{"IDEMCOORD_HTTP_MAX_BODY_BYTES", "IDEMCOORD_HTTP_READ_TIMEOUT", "IDEMCOORD_HTTP_ALLOWED_HOSTS"} {
+	t.Setenv("IDEMCOORD_HTTP_MAX_BUFFERED_BYTES", "")
+	for _, name := range []string{"IDEMCOORD_HTTP_MAX_BODY_BYTES", "IDEMCOORD_HTTP_READ_TIMEOUT", "IDEMCOORD_HTTP_ALLOWED_HOSTS", "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES"} {
 		if err := os.Unsetenv(name); err != nil {
 			t.Fatal(err)
 		}
 	}
 	c, err := parseFlags([]string{"--database-url", "postgres://x"})
-	if err != nil || c.httpMaxBody != 6<<20 || c.httpReadTimeout != 30*time.Second || len(c.httpHosts) != 0 {
+	if err != nil || c.httpMaxBody != 6<<20 || c.httpReadTimeout != 30*time.Second || len(c.httpHosts) != 0 || c.httpMaxBuffered != 0 {
 		t.Fatalf("defaults: %+v %v", c, err)
 	}
 	c, err = parseFlags([]string{"--database-url", "postgres://x", "--http-max-body-bytes", "1024", "--http-read-timeout", "5s",
-		"--http-allowed-hosts", " a.example, ,b.example:9090 "})
-	if err != nil || c.httpMaxBody != 1024 || c.httpReadTimeout != 5*time.Second || strings.Join(c.httpHosts, "|") != "a.example|b.example:9090" {
+		"--http-allowed-hosts", " a.example, ,b.example:9090 ", "--http-max-buffered-bytes", "4096"})
+	if err != nil || c.httpMaxBody != 1024 || c.httpMaxBuffered != 4096 || c.httpReadTimeout != 5*time.Second || strings.Join(c.httpHosts, "|") != "a.example|b.example:9090" {
 		t.Fatalf("flags: %+v %v", c, err)
 	}
 	t.Setenv("IDEMCOORD_HTTP_MAX_BODY_BYTES", "2048")
@@ -487,7 +488,8 @@ func TestHTTPListenerFlags(t *testing.T) {
 		t.Fatalf("environment: %+v %v", c, err)
 	}
 	for _, args := range [][]string{{"--http-max-body-bytes", "0"}, {"--http-max-body-bytes", "6MiB"}, {"--http-max-body-bytes", "5000000000"},
-		{"--http-read-timeout", "0s"}, {"--http-read-timeout", "-1s"}, {"--http-read-timeout", "soon"}} {
+		{"--http-read-timeout", "0s"}, {"--http-read-timeout", "-1s"}, {"--http-read-timeout", "soon"},
+		{"--http-max-buffered-bytes", "-1"}, {"--http-max-buffered-bytes", "1MiB"}, {"--http-max-body-bytes", "2048", "--http-max-buffered-bytes", "1024"}} {
 		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...)); err == nil {
 			t.Fatalf("%v accepted", args)
 		}
