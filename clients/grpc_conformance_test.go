@@ -2,13 +2,10 @@ package clients_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -24,39 +21,21 @@ import (
 
 	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
-	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
 
-// grpcConformance is clients/testdata/grpc_conformance.json, the suite
-// that every gRPC server interceptor (Go, Node, Python) runs; its "about"
-// says what each field means.
-type grpcConformance struct {
-	ClientLeaseMS int `json:"client_lease_ms"`
-	Scenarios     []struct {
-		Name    string            `json:"name"`
-		Skip    map[string]string `json:"skip"`
-		HoldKey bool              `json:"hold_key"`
-		Options struct {
-			WaitMS     int  `json:"wait_ms"`
-			RequireKey bool `json:"require_key"`
-		} `json:"options"`
-		Steps        []grpcStep `json:"steps"`
-		State        string     `json:"state"`
-		HandlerCalls *int       `json:"handler_calls"`
-	} `json:"scenarios"`
+// grpcOptions, grpcStep and grpcScenario are the parts of
+// clients/testdata/grpc_conformance.json, the suite that every gRPC server
+// interceptor (Go, Node, Python) runs; its "about" says what each field
+// means.
+type grpcOptions struct {
+	WaitMS     int  `json:"wait_ms"`
+	RequireKey bool `json:"require_key"`
 }
 
 type grpcStep struct {
-	Background   bool              `json:"background"`
-	StartAfterMS int               `json:"start_after_ms"`
-	TimeoutMS    int               `json:"timeout_ms"`
-	Repeat       int               `json:"repeat"`
-	ReleaseHold  bool              `json:"release_hold"`
-	SettleMS     int               `json:"settle_ms"`
-	State        string            `json:"state"`
+	conformanceStepBase
 	Metadata     map[string]string `json:"metadata"`
 	RequestScope string            `json:"request_scope"`
-	Handler      json.RawMessage   `json:"handler"`
 	Expect       struct {
 		Code     string  `json:"code"`
 		Message  *string `json:"message"`
@@ -64,8 +43,11 @@ type grpcStep struct {
 		Result   *string `json:"result"`
 		Pushback bool    `json:"pushback"`
 	} `json:"expect"`
-	ExpectCounts map[string]int `json:"expect_counts"`
 }
+
+func (st grpcStep) checksState() bool { return st.State != "" }
+
+type grpcScenario = conformanceScenario[grpcOptions, grpcStep]
 
 const conformanceMethod = "/idempotency.v1.Coordinator/Begin"
 
@@ -151,30 +133,12 @@ func codeName(c codes.Code) string {
 // TestGRPCConformance runs the shared gRPC suite against UnaryServerInterceptor.
 func TestGRPCConformance(t *testing.T) {
 	t.Parallel()
-	raw, err := os.ReadFile("testdata/grpc_conformance.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var suite grpcConformance
-	if err := json.Unmarshal(raw, &suite); err != nil {
-		t.Fatal(err)
-	}
-	coord := coordtest.Start(t, coordtest.Options{})
-	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelError}))
-	idem := clients.New(coord.Dial(t), clients.WithLogger(logger),
-		clients.WithLease(time.Duration(suite.ClientLeaseMS)*time.Millisecond))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		_ = idem.Shutdown(ctx)
-	})
 	svc := &conformanceService{calls: map[string]int{}}
-	for _, sc := range suite.Scenarios {
-		t.Run(sc.Name, func(t *testing.T) {
-			if why := sc.Skip["go"]; why != "" {
-				t.Skip(why)
-			}
-			t.Parallel()
+	conformanceRunner[grpcOptions, grpcStep]{
+		path:     "testdata/grpc_conformance.json",
+		scope:    conformanceMethod,
+		logLevel: slog.LevelError,
+		serve: func(t *testing.T, idem *clients.Client, sc grpcScenario) func(int, string, grpcStep) (string, error) {
 			opts := []clients.InterceptorOption{clients.WithoutPrincipal(),
 				clients.WithWaitForResult(time.Duration(sc.Options.WaitMS) * time.Millisecond)}
 			if sc.Options.RequireKey {
@@ -198,107 +162,23 @@ func TestGRPCConformance(t *testing.T) {
 			}
 			t.Cleanup(func() { _ = conn.Close() })
 			api := idempotencyv1.NewCoordinatorClient(conn)
-			var b [12]byte
-			_, _ = rand.Read(b[:])
-			key := "conf-" + hex.EncodeToString(b[:])
-			lookup := func() string {
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: conformanceMethod, Key: key})
-				if status.Code(err) == codes.NotFound {
-					return "absent"
-				}
+			return func(i int, key string, st grpcStep) (string, error) {
+				r, err := grpcConformanceCall(api, key, st)
 				if err != nil {
-					t.Fatal(err)
+					return "", fmt.Errorf("step %d: %w", i, err)
 				}
-				return res.GetRecord().GetState().String()
+				return r, nil
 			}
-			wantState := func(want string) {
-				t.Helper()
-				deadline := time.Now().Add(10 * time.Second)
-				for got := lookup(); got != want; got = lookup() {
-					if time.Now().After(deadline) {
-						t.Fatalf("state %s, want %s", got, want)
-					}
-					time.Sleep(50 * time.Millisecond)
-				}
-			}
-			var holdToken string
-			if sc.HoldKey {
-				res, err := idem.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: conformanceMethod, Key: key, AttemptId: "holder"})
-				if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
-					t.Fatalf("hold: %v %v", res, err)
-				}
-				holdToken = res.GetLeaseToken()
-			}
-			var wg sync.WaitGroup
-			errs := make(chan error, 64)
-			for i, st := range sc.Steps {
-				switch {
-				case st.ReleaseHold:
-					time.Sleep(time.Duration(st.SettleMS) * time.Millisecond)
-					if _, err := idem.Fail(context.Background(), &idempotencyv1.FailRequest{Scope: conformanceMethod, Key: key,
-						LeaseToken: holdToken, Kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, Reason: "released"}); err != nil {
-						t.Fatalf("step %d: release: %v", i, err)
-					}
-					continue
-				case st.State != "":
-					wantState(st.State)
-					continue
-				}
-				run := func() {
-					time.Sleep(time.Duration(st.StartAfterMS) * time.Millisecond)
-					n := max(st.Repeat, 1)
-					results := make(chan string, n)
-					var inner sync.WaitGroup
-					for range n {
-						inner.Go(func() {
-							r, err := grpcConformanceCall(api, key, st)
-							if err != nil {
-								errs <- fmt.Errorf("step %d: %w", i, err)
-								return
-							}
-							results <- r
-						})
-					}
-					inner.Wait()
-					close(results)
-					if st.ExpectCounts != nil {
-						got := map[string]int{}
-						for r := range results {
-							got[r]++
-						}
-						for k, v := range st.ExpectCounts {
-							if got[k] != v {
-								errs <- fmt.Errorf("step %d: idempotency-result counts %v", i, got)
-							}
-						}
-					}
-				}
-				if st.Background {
-					wg.Go(run)
-				} else {
-					run()
-				}
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Error(err)
-			}
-			if sc.State != "" {
-				wantState(sc.State)
-			}
-			if sc.HandlerCalls != nil {
-				svc.mu.Lock()
-				got := svc.calls[key]
-				svc.mu.Unlock()
-				if got != *sc.HandlerCalls {
-					t.Errorf("handler ran %d times, want %d", got, *sc.HandlerCalls)
-				}
-			}
-		})
-	}
+		},
+		handlerCalls: func(key string) int {
+			svc.mu.Lock()
+			defer svc.mu.Unlock()
+			return svc.calls[key]
+		},
+		countsError: func(i int, got map[string]int) error {
+			return fmt.Errorf("step %d: idempotency-result counts %v", i, got)
+		},
+	}.run(t)
 }
 
 // grpcConformanceCall makes a step's call and checks the answer; it

@@ -1,64 +1,38 @@
 package clients_test
 
 import (
-	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	"github.com/idemcoord/idemcoord/clients"
-	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
-	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
 
-// httpConformance is clients/testdata/http_conformance.json, the suite that
-// every HTTP middleware (Go, Express, Fastify, ASGI, WSGI) runs; its
-// "about" says what each field means.
-type httpConformance struct {
-	ClientLeaseMS int `json:"client_lease_ms"`
-	Scenarios     []struct {
-		Name    string            `json:"name"`
-		Skip    map[string]string `json:"skip"`
-		HoldKey bool              `json:"hold_key"`
-		Options struct {
-			WaitMS             *int     `json:"wait_ms"`
-			RequireKey         bool     `json:"require_key"`
-			Methods            []string `json:"methods"`
-			ReplayHeaders      []string `json:"replay_headers"`
-			ReplayableStatuses []int    `json:"replayable_statuses"`
-			MaxBodyBytes       int64    `json:"max_body_bytes"`
-			PrincipalHeader    string   `json:"principal_header"`
-		} `json:"options"`
-		Steps        []conformanceStep `json:"steps"`
-		State        string            `json:"state"`
-		HandlerCalls *int              `json:"handler_calls"`
-	} `json:"scenarios"`
+// httpOptions, conformanceStep and httpScenario are the parts of
+// clients/testdata/http_conformance.json, the suite that every HTTP
+// middleware (Go, Express, Fastify, ASGI, WSGI) runs; its "about" says what
+// each field means.
+type httpOptions struct {
+	WaitMS             *int     `json:"wait_ms"`
+	RequireKey         bool     `json:"require_key"`
+	Methods            []string `json:"methods"`
+	ReplayHeaders      []string `json:"replay_headers"`
+	ReplayableStatuses []int    `json:"replayable_statuses"`
+	MaxBodyBytes       int64    `json:"max_body_bytes"`
+	PrincipalHeader    string   `json:"principal_header"`
 }
 
 type conformanceStep struct {
-	Background   bool            `json:"background"`
-	StartAfterMS int             `json:"start_after_ms"`
-	TimeoutMS    int             `json:"timeout_ms"`
-	Repeat       int             `json:"repeat"`
-	ReleaseHold  bool            `json:"release_hold"`
-	SettleMS     int             `json:"settle_ms"`
-	State        string          `json:"state"`
-	Handler      json.RawMessage `json:"handler"`
-	Request      *struct {
+	conformanceStepBase
+	Request *struct {
 		Method  string            `json:"method"`
 		Path    string            `json:"path"`
 		Headers map[string]string `json:"headers"`
@@ -73,8 +47,11 @@ type conformanceStep struct {
 		Body          *string           `json:"body"`
 		Problem       string            `json:"problem"`
 	} `json:"expect"`
-	ExpectCounts map[string]int `json:"expect_counts"`
 }
+
+func (st conformanceStep) checksState() bool { return st.Request == nil }
+
+type httpScenario = conformanceScenario[httpOptions, conformanceStep]
 
 // conformanceAction is what the suite's handler does (X-Conformance).
 type conformanceAction struct {
@@ -134,30 +111,12 @@ var mu sync.Mutex
 // TestHTTPConformance runs the shared HTTP suite against HTTPMiddleware.
 func TestHTTPConformance(t *testing.T) {
 	t.Parallel()
-	raw, err := os.ReadFile("testdata/http_conformance.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var suite httpConformance
-	if err := json.Unmarshal(raw, &suite); err != nil {
-		t.Fatal(err)
-	}
-	coord := coordtest.Start(t, coordtest.Options{})
-	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	idem := clients.New(coord.Dial(t), clients.WithLogger(logger),
-		clients.WithLease(time.Duration(suite.ClientLeaseMS)*time.Millisecond))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		_ = idem.Shutdown(ctx)
-	})
 	var calls sync.Map
-	for _, sc := range suite.Scenarios {
-		t.Run(sc.Name, func(t *testing.T) {
-			if why := sc.Skip["go"]; why != "" {
-				t.Skip(why)
-			}
-			t.Parallel()
+	conformanceRunner[httpOptions, conformanceStep]{
+		path:     "testdata/http_conformance.json",
+		scope:    clients.DefaultHTTPScope,
+		logLevel: slog.LevelWarn,
+		serve: func(t *testing.T, idem *clients.Client, sc httpScenario) func(int, string, conformanceStep) (string, error) {
 			var opts []clients.HTTPOption
 			o := sc.Options
 			if o.WaitMS != nil {
@@ -191,108 +150,19 @@ func TestHTTPConformance(t *testing.T) {
 				guarded.ServeHTTP(w, r)
 			}))
 			t.Cleanup(srv.Close)
-			var b [12]byte
-			_, _ = rand.Read(b[:])
-			key := "conf-" + hex.EncodeToString(b[:])
-			lookup := func() string {
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: clients.DefaultHTTPScope, Key: key})
-				if status.Code(err) == codes.NotFound {
-					return "absent"
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				return res.GetRecord().GetState().String()
-			}
-			wantState := func(want string) {
-				t.Helper()
-				deadline := time.Now().Add(10 * time.Second)
-				for got := lookup(); got != want; got = lookup() {
-					if time.Now().After(deadline) {
-						t.Fatalf("state %s, want %s", got, want)
-					}
-					time.Sleep(50 * time.Millisecond)
-				}
-			}
-			var holdToken string
-			if sc.HoldKey {
-				res, err := idem.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: clients.DefaultHTTPScope, Key: key, AttemptId: "holder"})
-				if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
-					t.Fatalf("hold: %v %v", res, err)
-				}
-				holdToken = res.GetLeaseToken()
-			}
-			var wg sync.WaitGroup
-			errs := make(chan error, 64)
-			for i, st := range sc.Steps {
-				switch {
-				case st.ReleaseHold:
-					time.Sleep(time.Duration(st.SettleMS) * time.Millisecond)
-					if _, err := idem.Fail(context.Background(), &idempotencyv1.FailRequest{Scope: clients.DefaultHTTPScope, Key: key,
-						LeaseToken: holdToken, Kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, Reason: "released"}); err != nil {
-						t.Fatalf("step %d: release: %v", i, err)
-					}
-					continue
-				case st.Request == nil:
-					wantState(st.State)
-					continue
-				}
-				run := func() {
-					time.Sleep(time.Duration(st.StartAfterMS) * time.Millisecond)
-					n := max(st.Repeat, 1)
-					results := make(chan string, n)
-					var inner sync.WaitGroup
-					for range n {
-						inner.Go(func() {
-							res, err := conformanceSend(srv.URL, key, st)
-							if err != nil {
-								errs <- err
-								return
-							}
-							results <- res
-						})
-					}
-					inner.Wait()
-					close(results)
-					if st.ExpectCounts != nil {
-						got := map[string]int{}
-						for r := range results {
-							got[r]++
-						}
-						for k, v := range st.ExpectCounts {
-							if got[k] != v {
-								errs <- errors.New("step " + strconv.Itoa(i) + ": Idempotency-Result counts " + fmtCounts(got))
-							}
-						}
-					}
-				}
-				if st.Background {
-					wg.Go(run)
-				} else {
-					run()
-				}
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				t.Error(err)
-			}
-			if sc.State != "" {
-				wantState(sc.State)
-			}
-			if sc.HandlerCalls != nil {
-				n, _ := calls.LoadOrStore(key, new(int64))
-				mu.Lock()
-				got := *n.(*int64)
-				mu.Unlock()
-				if got != int64(*sc.HandlerCalls) {
-					t.Errorf("handler ran %d times, want %d", got, *sc.HandlerCalls)
-				}
-			}
-		})
-	}
+			return func(_ int, key string, st conformanceStep) (string, error) { return conformanceSend(srv.URL, key, st) }
+		},
+		handlerCalls: func(key string) int {
+			n, _ := calls.LoadOrStore(key, new(int64))
+			mu.Lock()
+			got := *n.(*int64)
+			mu.Unlock()
+			return int(got)
+		},
+		countsError: func(i int, got map[string]int) error {
+			return errors.New("step " + strconv.Itoa(i) + ": Idempotency-Result counts " + fmtCounts(got))
+		},
+	}.run(t)
 }
 
 func fmtCounts(m map[string]int) string {

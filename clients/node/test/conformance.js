@@ -11,7 +11,9 @@ const fs = require('node:fs');
 const path = require('node:path');
 const { markSideEffect, currentLease } = require('..');
 
-const suite = JSON.parse(fs.readFileSync(path.join(__dirname, '..', '..', 'testdata', 'http_conformance.json'), 'utf8'));
+/** The suite clients/testdata/<name>. */
+const loadSuite = (name) => JSON.parse(fs.readFileSync(path.join(__dirname, '..', '..', 'testdata', name), 'utf8'));
+const suite = loadSuite('http_conformance.json');
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -92,6 +94,68 @@ async function send(base, key, st) {
 }
 
 /**
+ * Runs scenario sc of either suite (HTTP, gRPC) and checks its outcome; its
+ * key is recorded in scope by client. send(key, st) makes step st's call,
+ * checks the answer and resolves with its idempotency-result;
+ * checksState(st): st only checks the record's state; countsLabel names the
+ * idempotency-result counts in a failure; holdMustAcquire: the scenario's
+ * hold of the key is checked to acquire it. calls counts the handler's runs
+ * by key.
+ */
+async function runScenario({ client, scope, sc, calls, send: sendStep, checksState, countsLabel, holdMustAcquire }) {
+  const key = `conf-${crypto.randomBytes(12).toString('hex')}`;
+  const lookup = async () => {
+    try {
+      return (await client.lookup({ scope, key })).record.state;
+    } catch (err) {
+      if (err.code === 5) return 'absent'; // NOT_FOUND
+      throw err;
+    }
+  };
+  const wantState = async (want) => {
+    const deadline = Date.now() + 10000;
+    let got = await lookup();
+    while (got !== want && Date.now() < deadline) {
+      await sleep(50);
+      got = await lookup();
+    }
+    assert.equal(got, want, 'state');
+  };
+  let holdToken;
+  if (sc.hold_key) {
+    const res = await client.begin({ scope, key, attempt_id: 'holder' });
+    if (holdMustAcquire) assert.equal(res.outcome, 'OUTCOME_ACQUIRED');
+    holdToken = res.lease_token;
+  }
+  const background = [];
+  for (const st of sc.steps) {
+    if (st.release_hold) {
+      await sleep(st.settle_ms ?? 0);
+      await client.fail({ scope, key, lease_token: holdToken, kind: 'FAILURE_KIND_ABANDONED', reason: 'released' });
+      continue;
+    }
+    if (checksState(st)) {
+      await wantState(st.state);
+      continue;
+    }
+    const run = async () => {
+      await sleep(st.start_after_ms ?? 0);
+      const results = await Promise.all(Array.from({ length: st.repeat ?? 1 }, () => sendStep(key, st)));
+      if (st.expect_counts) {
+        const got = {};
+        for (const r of results) got[r] = (got[r] ?? 0) + 1;
+        for (const [k, v] of Object.entries(st.expect_counts)) assert.equal(got[k] ?? 0, v, `${countsLabel} ${JSON.stringify(got)}`);
+      }
+    };
+    if (st.background) background.push(run());
+    else await run();
+  }
+  await Promise.all(background);
+  if (sc.state) await wantState(sc.state);
+  if (sc.handler_calls !== undefined) assert.equal(calls.get(key) ?? 0, sc.handler_calls, 'handler runs');
+}
+
+/**
  * Runs every scenario as a subtest of t. startService(options, act)
  * resolves with { url, close }.
  */
@@ -107,57 +171,10 @@ async function runHttpConformance(t, stack, client, startService) {
       }
       const svc = await startService(middlewareOptions(sc.options), act);
       try {
-        const key = `conf-${crypto.randomBytes(12).toString('hex')}`;
-        const lookup = async () => {
-          try {
-            const res = await client.lookup({ scope: 'http', key });
-            return res.record.state;
-          } catch (err) {
-            if (err.code === 5) return 'absent';
-            throw err;
-          }
-        };
-        const wantState = async (want) => {
-          const deadline = Date.now() + 10000;
-          let got = await lookup();
-          while (got !== want && Date.now() < deadline) {
-            await sleep(50);
-            got = await lookup();
-          }
-          assert.equal(got, want, 'state');
-        };
-        let holdToken;
-        if (sc.hold_key) {
-          const res = await client.begin({ scope: 'http', key, attempt_id: 'holder' });
-          assert.equal(res.outcome, 'OUTCOME_ACQUIRED');
-          holdToken = res.lease_token;
-        }
-        const background = [];
-        for (const st of sc.steps) {
-          if (st.release_hold) {
-            await sleep(st.settle_ms ?? 0);
-            await client.fail({ scope: 'http', key, lease_token: holdToken, kind: 'FAILURE_KIND_ABANDONED', reason: 'released' });
-            continue;
-          }
-          if (!st.request) {
-            await wantState(st.state);
-            continue;
-          }
-          const run = async () => {
-            await sleep(st.start_after_ms ?? 0);
-            const results = await Promise.all(Array.from({ length: st.repeat ?? 1 }, () => send(svc.url, key, st)));
-            if (st.expect_counts) {
-              const got = {};
-              for (const r of results) got[r] = (got[r] ?? 0) + 1;
-              for (const [k, v] of Object.entries(st.expect_counts)) assert.equal(got[k] ?? 0, v, `Idempotency-Result counts ${JSON.stringify(got)}`);
-            }
-          };
-          if (st.background) background.push(run());
-          else await run();
-        }
-        await Promise.all(background);
-        if (sc.state) await wantState(sc.state);
-        if (sc.handler_calls !== undefined) assert.equal(calls.get(key) ?? 0, sc.handler_calls, 'handler runs');
+        await runScenario({
+          client, scope: 'http', sc, calls, send: (key, st) => send(svc.url, key, st),
+          checksState: (st) => !st.request, countsLabel: 'Idempotency-Result counts', holdMustAcquire: true,
+        });
         ran++;
       } finally {
         await svc.close();
@@ -167,4 +184,4 @@ async function runHttpConformance(t, stack, client, startService) {
   return ran;
 }
 
-module.exports = { runHttpConformance, suite };
+module.exports = { runHttpConformance, runScenario, loadSuite, suite };

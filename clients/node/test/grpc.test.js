@@ -5,17 +5,14 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const crypto = require('node:crypto');
-const fs = require('node:fs');
-const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const { Client, serverInterceptor, markSideEffect, currentLease } = require('..');
 const api = require('../lib/api');
 const { startCoordinator } = require('./coordinator');
+const { loadSuite, runScenario } = require('./conformance');
 
-const suite = JSON.parse(fs.readFileSync(path.join(__dirname, '..', '..', 'testdata', 'grpc_conformance.json'), 'utf8'));
+const suite = loadSuite('grpc_conformance.json');
 const METHOD = '/idempotency.v1.Coordinator/Begin';
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const codeName = (c) => Object.keys(grpc.status).find((k) => grpc.status[k] === c);
 
 let coord;
@@ -118,54 +115,10 @@ test('the grpc-js server interceptor passes the gRPC conformance suite', { timeo
       }
       const { stub, close } = await startServer(sc.options ?? {});
       try {
-        const key = `conf-${crypto.randomBytes(12).toString('hex')}`;
-        const lookup = async () => {
-          try {
-            return (await client.lookup({ scope: METHOD, key })).record.state;
-          } catch (err) {
-            if (err.code === grpc.status.NOT_FOUND) return 'absent';
-            throw err;
-          }
-        };
-        const wantState = async (want) => {
-          const deadline = Date.now() + 10000;
-          let got = await lookup();
-          while (got !== want && Date.now() < deadline) {
-            await sleep(50);
-            got = await lookup();
-          }
-          assert.equal(got, want, 'state');
-        };
-        let hold;
-        if (sc.hold_key) {
-          hold = (await client.begin({ scope: METHOD, key, attempt_id: 'holder' })).lease_token;
-        }
-        const background = [];
-        for (const st of sc.steps) {
-          if (st.release_hold) {
-            await sleep(st.settle_ms ?? 0);
-            await client.fail({ scope: METHOD, key, lease_token: hold, kind: 'FAILURE_KIND_ABANDONED', reason: 'released' });
-            continue;
-          }
-          if (st.state) {
-            await wantState(st.state);
-            continue;
-          }
-          const run = async () => {
-            await sleep(st.start_after_ms ?? 0);
-            const results = await Promise.all(Array.from({ length: st.repeat ?? 1 }, () => send(stub, key, st)));
-            if (st.expect_counts) {
-              const got = {};
-              for (const r of results) got[r] = (got[r] ?? 0) + 1;
-              for (const [k, v] of Object.entries(st.expect_counts)) assert.equal(got[k] ?? 0, v, `counts ${JSON.stringify(got)}`);
-            }
-          };
-          if (st.background) background.push(run());
-          else await run();
-        }
-        await Promise.all(background);
-        if (sc.state) await wantState(sc.state);
-        if (sc.handler_calls !== undefined) assert.equal(calls.get(key) ?? 0, sc.handler_calls, 'handler runs');
+        await runScenario({
+          client, scope: METHOD, sc, calls, send: (key, st) => send(stub, key, st),
+          checksState: (st) => Boolean(st.state), countsLabel: 'counts', holdMustAcquire: false,
+        });
       } finally {
         close();
       }

@@ -15,7 +15,6 @@ and idemcoord.current_lease() work inside it.
 """
 
 import asyncio
-import logging
 import random
 import time
 
@@ -23,11 +22,11 @@ import grpc
 import grpc.aio
 
 from . import _api
-from .client import (DEFAULT_LEASE, MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_REASON, RELEASE_TIMEOUT, Attempt, Lease,
-                     Result, _C, _code, _credentials, _current, _duration, _fail_reason, _failure_kind,
-                     _lease_gone, _lease_length, _new_attempt_id, _seconds, _status_response, _stored_failure,
-                     _unreachable)
-from .errors import FailureError, LeaseLost, LeaseUnconfirmed, UnknownHeld
+from .client import (MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_TIMEOUT, Attempt, _C, _HolderBase, _begin_fields,
+                     _begin_outcome, _configure, _code, _credentials, _current, _duration, _fail_reason, _lease_gone,
+                     _lease_length, _new_attempt_id, _once_ending, _once_request, _once_result, _release_fail,
+                     _seconds, _status_response, _unreachable, _without_wait)
+from .errors import LeaseLost, LeaseUnconfirmed
 
 FINISH_TIMEOUT = 5.0
 
@@ -44,16 +43,7 @@ class Client:
         creds = _credentials(tls)
         self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
                          else grpc.aio.insecure_channel(address, options))
-        self._metadata = (("authorization", "Bearer " + token),) if token else ()
-        self._max_attempts = max(1, max_attempts)
-        self._backoff, self._max_backoff, self._timeout = backoff, max_backoff, timeout
-        self._lease = _duration(lease)
-        self._log = logger or logging.getLogger("idemcoord")
-        self._stubs = {
-            m: self._channel.unary_unary("/%s/%s" % (_api.SERVICE, m), request_serializer=lambda r: r.SerializeToString(),
-                                         response_deserializer=_api.RESPONSES[m].FromString)
-            for m in _api.METHODS
-        }
+        _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
         self._background = set()
 
     async def __aenter__(self):
@@ -77,12 +67,7 @@ class Client:
 
     async def begin(self, *, timeout=None, **fields):
         """Claims a key; as idemcoord.Client.begin."""
-        for name in ("ttl", "lease", "wait"):
-            if fields.get(name) is not None:
-                fields[name] = _duration(fields[name])
-        fields.setdefault("attempt_id", _new_attempt_id())
-        if not fields["attempt_id"]:
-            fields["attempt_id"] = _new_attempt_id()
+        _begin_fields(fields)
         return await self._call("Begin", fields, timeout, _seconds(fields.get("wait")))
 
     async def complete(self, *, timeout=None, **fields):
@@ -110,25 +95,16 @@ class Client:
         wait_until (a time.monotonic() value) bounds the wait for another
         attempt (then TimeoutError); cancel the awaiting task to give up.
         """
-        breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
-        if self._lease is not None:
-            breq["lease"] = self._lease
+        breq = _once_request(scope, key, fingerprint, self._lease)
         try:
             res, sent = await self._begin_waiting(breq, wait_until)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as err:
             if _answer_lost(err):
                 await asyncio.shield(self._release(breq))
             raise
-        rec = res.record
-        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
-            result = Result(rec.response, True, rec.state, rec.attempt)
-            if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
-                raise _stored_failure(rec, result)
-            return result
-        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
-            if rec.state == _api.State.STATE_UNKNOWN:
-                raise UnknownHeld()
-            raise TimeoutError("idemcoord: another attempt with this idempotency key is still in progress")
+        replayed = _begin_outcome(res)
+        if replayed is not None:
+            return replayed
         holder = _AsyncHolder(self, breq, res, sent)
         try:
             value, error, marked, started = await holder.run(fn)
@@ -144,32 +120,8 @@ class Client:
             await holder.finish(kind="FAILURE_KIND_ABANDONED",
                                 reason="the lease could not be confirmed before the attempt started")
             raise LeaseUnconfirmed()
-        if error is None:
-            response = value if value is not None else _api.StoredResponse()
-            if isinstance(response, dict):
-                response = _api.StoredResponse(**response)
-            err = await holder.finish(complete=response)
-            if err is not None:
-                raise err
-            return Result(response, False, _api.State.STATE_COMPLETED, rec.attempt)
-        kind = _failure_kind(error, marked)
-        reason = _fail_reason(error)
-        if kind != "FAILURE_KIND_REPLAYABLE":
-            err = await holder.finish(kind=kind, reason=reason)
-            if err is not None:
-                raise err from error
-            raise error
-        if isinstance(error, FailureError) and error.response is not None:
-            response = error.response
-            if isinstance(response, dict):
-                response = _api.StoredResponse(**response)
-        else:
-            response = _status_response(error)
-        result = Result(response, False, _api.State.STATE_FAILED_REPLAYABLE, rec.attempt)
-        err = await holder.finish(kind=kind, response=response, reason=reason)
-        if err is not None:
-            raise err from error
-        raise _stored_failure(_api.Record(response=response, failure_reason=reason), result) from error
+        ending, outcome = _once_ending(value, error, marked, res.record.attempt)
+        return _once_result(error, outcome, await holder.finish(**ending))
 
     async def _begin_waiting(self, req, wait_until=None):
         """Begin, then Begin's long poll while another attempt holds the key, until wait_until (None: no limit)."""
@@ -190,12 +142,11 @@ class Client:
         try:
             async with asyncio.timeout(RELEASE_TIMEOUT) if hasattr(asyncio, "timeout") else _Nothing():
                 if not token:
-                    res = await self.begin(**{k: v for k, v in req.items() if k != "wait"}, timeout=RELEASE_TIMEOUT)
+                    res = await self.begin(**_without_wait(req), timeout=RELEASE_TIMEOUT)
                     if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
                         return
                     token = res.lease_token
-                await self.fail(scope=req["scope"], key=req["key"], lease_token=token, kind="FAILURE_KIND_ABANDONED",
-                                reason=RELEASE_REASON, timeout=RELEASE_TIMEOUT)
+                await self.fail(**_release_fail(req, token), timeout=RELEASE_TIMEOUT)
         except Exception as err:
             self._log.warning("idemcoord: could not release an acquisition nobody will act on of %s/%s; the key "
                               "stays held until its lease runs out: %s", req["scope"], req["key"], err)
@@ -224,31 +175,15 @@ class _Nothing:
         return False
 
 
-class _AsyncHolder:
+class _AsyncHolder(_HolderBase):
     """An acquisition this task holds: heartbeats while fn runs, then ends it."""
 
     def __init__(self, client, req, res, sent):
-        self.client = client
-        self.scope, self.key = req["scope"], req["key"]
-        self.token = res.lease_token
-        self.request = req.get("lease")
-        rec = res.record
-        self.length = _seconds(self.request) if self.request is not None else _lease_length(rec)
-        if self.length <= 0:
-            self.length = DEFAULT_LEASE
-        self.info = Lease(self.scope, self.key, self.token, rec.generation, rec.attempt, res.previous_state,
-                          bool(getattr(rec, "uncertain", False)))
-        self.sent = sent
-        self.lost = False
+        super().__init__(client, req, res, sent)
         self.started = False
 
-    @property
-    def margin(self):
-        return max(self.length / 10, MIN_HEARTBEAT)
-
     async def heartbeat(self, timeout=None):
-        res = await self.client.heartbeat(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request,
-                                          timeout=timeout)
+        res = await self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
     async def run(self, fn):
@@ -319,11 +254,8 @@ class _AsyncHolder:
                 next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
 
     async def _send(self, ending, timeout):
-        base = dict(scope=self.scope, key=self.key, lease_token=self.token)
-        if "complete" in ending:
-            return await self.client.complete(response=ending["complete"], timeout=timeout, **base)
-        return await self.client.fail(kind=ending["kind"], response=ending.get("response"),
-                                      reason=ending.get("reason", ""), timeout=timeout, **base)
+        method, fields = self._ending_call(ending)
+        return await getattr(self.client, method)(timeout=timeout, **fields)
 
     async def finish(self, **ending):
         """Ends the attempt; None when done or retrying in the background, else the refusal."""
@@ -334,8 +266,9 @@ class _AsyncHolder:
             if _unreachable(err):
                 self.client._run_in_background(self._finish_later(ending))
                 return None
-            if err.code() == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
-                return await self.finish(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
+            instead = self._unstored(err, ending)
+            if instead is not None:
+                return await self.finish(**instead)
             return err
 
     async def _finish_later(self, ending):

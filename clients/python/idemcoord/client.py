@@ -221,6 +221,113 @@ def _new_attempt_id():
     return os.urandom(16).hex()
 
 
+# The I/O-free parts of once, shared by Client and idemcoord.aio.Client.
+
+def _begin_fields(fields):
+    """Begin's fields as sent: durations as Durations, and a fresh attempt_id unless one is given."""
+    for name in ("ttl", "lease", "wait"):
+        if fields.get(name) is not None:
+            fields[name] = _duration(fields[name])
+    if not fields.get("attempt_id"):
+        fields["attempt_id"] = _new_attempt_id()
+    return fields
+
+
+def _once_request(scope, key, fingerprint, lease):
+    """The Begin request once sends."""
+    breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
+    if lease is not None:
+        breq["lease"] = lease
+    return breq
+
+
+def _begin_outcome(res, cancel_event=None):
+    """What once makes of Begin's last answer: the Result of a replay, or None when it acquired the key.
+
+    Raises the stored failure of a replayed one, UnknownHeld, and, while
+    another attempt holds the key, concurrent.futures.CancelledError when
+    cancel_event is set, else TimeoutError.
+    """
+    rec = res.record
+    if res.outcome == _api.Outcome.OUTCOME_REPLAY:
+        result = Result(rec.response, True, rec.state, rec.attempt)
+        if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
+            raise _stored_failure(rec, result)
+        return result
+    if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+        if rec.state == _api.State.STATE_UNKNOWN:
+            raise UnknownHeld()
+        if cancel_event is not None and cancel_event.is_set():
+            raise _cancelled()
+        raise TimeoutError("idemcoord: another attempt with this idempotency key is still in progress")
+    return None
+
+
+def _stored_response(response):
+    return _api.StoredResponse(**response) if isinstance(response, dict) else response
+
+
+def _once_ending(value, error, marked, attempt):
+    """How once ends an attempt whose fn returned value or raised error.
+
+    Returns (ending, outcome): ending, the keywords of the holder's finish;
+    outcome, the Result to return, or the exception to raise (error itself,
+    or the StoredFailure of a replayable error).
+    """
+    if error is None:
+        response = _stored_response(value if value is not None else _api.StoredResponse())
+        return dict(complete=response), Result(response, False, _api.State.STATE_COMPLETED, attempt)
+    kind = _failure_kind(error, marked)
+    reason = _fail_reason(error)
+    if kind != "FAILURE_KIND_REPLAYABLE":
+        return dict(kind=kind, reason=reason), error
+    if isinstance(error, FailureError) and error.response is not None:
+        response = _stored_response(error.response)
+    else:
+        response = _status_response(error)
+    result = Result(response, False, _api.State.STATE_FAILED_REPLAYABLE, attempt)
+    failure = _stored_failure(_api.Record(response=response, failure_reason=reason), result)
+    return dict(kind=kind, response=response, reason=reason), failure
+
+
+def _once_result(error, outcome, finish_err):
+    """Returns or raises what once does once the ending (see _once_ending) was sent, refused with finish_err or not."""
+    if finish_err is not None:
+        if error is None:
+            raise finish_err
+        raise finish_err from error
+    if isinstance(outcome, Result):
+        return outcome
+    if outcome is error:
+        raise error
+    raise outcome from error
+
+
+def _without_wait(req):
+    """The Begin a release re-sends: req without its wait."""
+    return {k: v for k, v in req.items() if k != "wait"}
+
+
+def _release_fail(req, token):
+    """The Fail fields that release the acquisition token of req's key."""
+    return dict(scope=req["scope"], key=req["key"], lease_token=token, kind="FAILURE_KIND_ABANDONED",
+                reason=RELEASE_REASON)
+
+
+def _configure(client, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger):
+    """Sets what Client and idemcoord.aio.Client share: the call settings, and the stubs on channel."""
+    client._metadata = (("authorization", "Bearer " + token),) if token else ()
+    client._max_attempts = max(1, max_attempts)
+    client._backoff, client._max_backoff, client._timeout = backoff, max_backoff, timeout
+    client._lease = _duration(lease)
+    client._log = logger or logging.getLogger("idemcoord")
+    client._stubs = {
+        m: channel.unary_unary("/%s/%s" % (_api.SERVICE, m), request_serializer=lambda r: r.SerializeToString(),
+                               response_deserializer=_api.RESPONSES[m].FromString)
+        for m in _api.METHODS
+    }
+
+
 class Client:
     """Calls an idemcoord coordinator. Safe for concurrent use from many threads.
 
@@ -242,16 +349,7 @@ class Client:
         self._channel = channel
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)
-        self._metadata = (("authorization", "Bearer " + token),) if token else ()
-        self._max_attempts = max(1, max_attempts)
-        self._backoff, self._max_backoff, self._timeout = backoff, max_backoff, timeout
-        self._lease = _duration(lease)
-        self._log = logger or logging.getLogger("idemcoord")
-        self._stubs = {
-            m: channel.unary_unary("/%s/%s" % (_api.SERVICE, m), request_serializer=lambda r: r.SerializeToString(),
-                                   response_deserializer=_api.RESPONSES[m].FromString)
-            for m in _api.METHODS
-        }
+        _configure(self, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
         self._background = set()
         self._bg_lock = threading.Lock()
         self._bg_stop = threading.Event()
@@ -327,11 +425,7 @@ class Client:
         """
         if request is not None:
             fields = dict(_as_dict(request), **fields)
-        for name in ("ttl", "lease", "wait"):
-            if fields.get(name) is not None:
-                fields[name] = _duration(fields[name])
-        if not fields.get("attempt_id"):
-            fields["attempt_id"] = _new_attempt_id()
+        _begin_fields(fields)
         return self._call("Begin", None, fields, timeout, _seconds(fields.get("wait")))
 
     def complete(self, request=None, *, timeout=None, **fields):
@@ -400,9 +494,7 @@ class Client:
         """
         if cancel_event is not None and cancel_event.is_set():
             raise _cancelled()  # nothing sent
-        breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
-        if self._lease is not None:
-            breq["lease"] = self._lease
+        breq = _once_request(scope, key, fingerprint, self._lease)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             res, sent = self._begin_waiting(breq, deadline, cancel_event)
@@ -412,18 +504,9 @@ class Client:
             if isinstance(err, grpc.RpcError) and cancel_event is not None and cancel_event.is_set():
                 raise _cancelled() from err
             raise
-        rec = res.record
-        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
-            result = Result(rec.response, True, rec.state, rec.attempt)
-            if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
-                raise _stored_failure(rec, result)
-            return result
-        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
-            if rec.state == _api.State.STATE_UNKNOWN:
-                raise UnknownHeld()
-            if cancel_event is not None and cancel_event.is_set():
-                raise _cancelled()
-            raise TimeoutError("idemcoord: another attempt with this idempotency key is still in progress")
+        replayed = _begin_outcome(res, cancel_event)
+        if replayed is not None:
+            return replayed
 
         lease = _Holder(self, breq, res, sent)
         attempt = Attempt(lease.info, cancel_event)
@@ -439,33 +522,8 @@ class Client:
             if finish_err is not None:
                 raise finish_err from LeaseUnconfirmed()
             raise LeaseUnconfirmed()
-        if error is None:
-            response = value if value is not None else _api.StoredResponse()
-            if isinstance(response, dict):
-                response = _api.StoredResponse(**response)
-            finish_err = lease.finish(complete=response)
-            if finish_err is not None:
-                raise finish_err
-            return Result(response, False, _api.State.STATE_COMPLETED, rec.attempt)
-        kind = _failure_kind(error, marked)
-        reason = _fail_reason(error)
-        if kind != "FAILURE_KIND_REPLAYABLE":
-            finish_err = lease.finish(kind=kind, reason=reason)
-            if finish_err is not None:
-                raise finish_err from error
-            raise error
-        if isinstance(error, FailureError) and error.response is not None:
-            response = error.response
-            if isinstance(response, dict):
-                response = _api.StoredResponse(**response)
-        else:
-            response = _status_response(error)
-        result = Result(response, False, _api.State.STATE_FAILED_REPLAYABLE, rec.attempt)
-        finish_err = lease.finish(kind=kind, response=response, reason=reason)
-        failure = _stored_failure(_api.Record(response=response, failure_reason=reason), result)
-        if finish_err is not None:
-            raise finish_err from error
-        raise failure from error
+        ending, outcome = _once_ending(value, error, marked, res.record.attempt)
+        return _once_result(error, outcome, lease.finish(**ending))
 
     def _begin_waiting(self, req, give_up, cancel_event, wait_until=None):
         """Begin, then, while another attempt holds the key, Begin's long poll until give_up or cancel_event.
@@ -512,14 +570,11 @@ class Client:
         deadline = time.monotonic() + RELEASE_TIMEOUT
         try:
             if not token:
-                res = self._call("Begin", None, {k: v for k, v in req.items() if k != "wait"}, RELEASE_TIMEOUT,
-                                 deadline=deadline)
+                res = self._call("Begin", None, _without_wait(req), RELEASE_TIMEOUT, deadline=deadline)
                 if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
                     return  # another attempt holds the key, or it has an outcome
                 token = res.lease_token
-            self._call("Fail", None, dict(scope=req["scope"], key=req["key"], lease_token=token,
-                                          kind="FAILURE_KIND_ABANDONED", reason=RELEASE_REASON),
-                       RELEASE_TIMEOUT, deadline=deadline)
+            self._call("Fail", None, _release_fail(req, token), RELEASE_TIMEOUT, deadline=deadline)
         except Exception as err:  # logged: the caller gets its own error
             if token and _code(err) == _C.NOT_FOUND:
                 return  # the abandoned record is deleted already
@@ -569,8 +624,8 @@ def _as_dict(msg):
     return {f.name: v for f, v in msg.ListFields()}
 
 
-class _Holder:
-    """An acquisition this process holds: heartbeats while fn runs, then ends it."""
+class _HolderBase:
+    """What _Holder and idemcoord.aio's _AsyncHolder share: the acquisition's state and the calls that end it."""
 
     def __init__(self, client, req, res, sent):
         self.client = client
@@ -588,12 +643,37 @@ class _Holder:
                           bool(getattr(rec, "uncertain", False)))
         self.sent = sent
         self.lost = False
-        self.gave_up = False
 
     @property
     def margin(self):
         """How long before the lease would run out, by the local clock, fn is cancelled unless confirmed."""
         return max(self.length / 10, MIN_HEARTBEAT)
+
+    def _heartbeat_fields(self):
+        return dict(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request)
+
+    def _ending_call(self, ending):
+        """The client method that sends ending ("complete" or "fail") and its fields."""
+        base = dict(scope=self.scope, key=self.key, lease_token=self.token)
+        if "complete" in ending:
+            return "complete", dict(response=ending["complete"], **base)
+        return "fail", dict(kind=ending["kind"], response=ending.get("response"), reason=ending.get("reason", ""),
+                            **base)
+
+    @staticmethod
+    def _unstored(err, ending):
+        """The ending to send instead when the coordinator refused ending's response with err, else None."""
+        if _code(err) == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
+            return dict(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
+        return None
+
+
+class _Holder(_HolderBase):
+    """An acquisition this process holds: heartbeats while fn runs, then ends it."""
+
+    def __init__(self, client, req, res, sent):
+        super().__init__(client, req, res, sent)
+        self.gave_up = False
 
     def run(self, fn, attempt):
         """Runs fn(attempt) with heartbeats; returns (value, error, marked, started) once they stopped.
@@ -694,16 +774,12 @@ class _Holder:
 
     def heartbeat(self, timeout=None):
         """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
-        res = self.client.heartbeat(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request,
-                                    timeout=timeout)
+        res = self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
     def _send(self, ending, timeout):
-        base = dict(scope=self.scope, key=self.key, lease_token=self.token)
-        if "complete" in ending:
-            return self.client.complete(response=ending["complete"], timeout=timeout, **base)
-        return self.client.fail(kind=ending["kind"], response=ending.get("response"), reason=ending.get("reason", ""),
-                                timeout=timeout, **base)
+        method, fields = self._ending_call(ending)
+        return getattr(self.client, method)(timeout=timeout, **fields)
 
     def finish(self, **ending):
         """Ends the attempt; returns None when done or retrying in the background, else the refusal."""
@@ -716,8 +792,9 @@ class _Holder:
                                          "retrying in the background", self.scope, self.key)
                 self.client._run_in_background(lambda stop: self._finish_later(ending, stop))
                 return None
-            if _code(err) == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
-                return self.finish(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
+            instead = self._unstored(err, ending)
+            if instead is not None:
+                return self.finish(**instead)
             return err
 
     def _finish_later(self, ending, stop):

@@ -15,8 +15,7 @@ import unittest
 import idemcoord
 from idemcoord.asgi import IdempotencyMiddleware
 
-from . import conformance
-from .coordinator import Coordinator
+from . import conformance, scaffold
 
 try:
     import fastapi
@@ -32,17 +31,7 @@ except ImportError as err:  # Debian: python3-starlette python3-fastapi python3-
 
 COORD = None
 CLIENT = None
-
-
-def setUpModule():
-    global COORD, CLIENT
-    COORD = Coordinator()
-    CLIENT = idemcoord.Client(COORD.addr, token=COORD.token, lease=conformance.SUITE["client_lease_ms"] / 1000)
-
-
-def tearDownModule():
-    CLIENT.shutdown(timeout=10)
-    COORD.stop()
+setUpModule, tearDownModule = scaffold.coordinator_module(globals(), conformance.SUITE["client_lease_ms"])
 
 
 def serve(app):
@@ -74,14 +63,9 @@ def middleware_kwargs(options):
 
 async def act(request, calls):
     """The suite's handler on a Starlette request; None answers nothing."""
-    a = conformance.action(request.headers, calls)
+    a = scaffold.action(request.headers, calls)
     await request.body()
-    if a.get("sleep_ms"):
-        await asyncio.sleep(a["sleep_ms"] / 1000)
-    if a.get("mark"):
-        idemcoord.mark_side_effect()
-    if a.get("throw"):
-        raise RuntimeError("the conformance handler throws")
+    await scaffold.begin_action_async(a)
     if a.get("until_disconnect"):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not await request.is_disconnected():

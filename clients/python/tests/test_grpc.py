@@ -8,9 +8,6 @@ real one (see coordinator.py).
 import asyncio
 import concurrent.futures
 import json
-import os
-import secrets
-import threading
 import time
 import unittest
 
@@ -21,49 +18,21 @@ import idemcoord.aio
 from idemcoord import _api
 from idemcoord.grpc import ServerInterceptor
 
-from .coordinator import Coordinator
+from . import scaffold
 
-SUITE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testdata", "grpc_conformance.json")
-with open(SUITE_PATH, encoding="utf-8") as f:
-    SUITE = json.load(f)
+SUITE = scaffold.load_suite("grpc_conformance.json")
 METHOD = "/idempotency.v1.Coordinator/Begin"
 BeginRequest, BeginResponse = _api.REQUESTS["Begin"], _api.RESPONSES["Begin"]
 
 COORD = None
 CLIENT = None
-
-
-def setUpModule():
-    global COORD, CLIENT
-    COORD = Coordinator()
-    CLIENT = idemcoord.Client(COORD.addr, token=COORD.token, lease=SUITE["client_lease_ms"] / 1000)
-
-
-def tearDownModule():
-    CLIENT.shutdown(timeout=10)
-    COORD.stop()
-
-
-class Calls:
-    def __init__(self):
-        self.lock, self.n = threading.Lock(), {}
-
-    def add(self, k):
-        with self.lock:
-            self.n[k] = self.n.get(k, 0) + 1
+setUpModule, tearDownModule = scaffold.coordinator_module(globals(), SUITE["client_lease_ms"])
 
 
 def begin_handler(calls):
     def begin(request, context):
-        md = dict(context.invocation_metadata())
-        calls.add(md.get("x-scenario", ""))
-        a = json.loads(md.get("x-conformance") or "{}")
-        if a.get("sleep_ms"):
-            time.sleep(a["sleep_ms"] / 1000)
-        if a.get("mark"):
-            idemcoord.mark_side_effect()
-        if a.get("throw"):
-            raise RuntimeError("the conformance handler throws")
+        a = scaffold.action(dict(context.invocation_metadata()), calls)
+        scaffold.begin_action(a)
         if a.get("until_cancelled"):
             deadline = time.monotonic() + 5
             while context.is_active() and time.monotonic() < deadline:
@@ -124,89 +93,18 @@ def call(tc, stub, key, st):
 
 
 def run_grpc_conformance(tc, stack, start):
-    calls = Calls()
-    ran = 0
-    for sc in SUITE["scenarios"]:
-        with tc.subTest(stack=stack, scenario=sc["name"]):
-            if stack in sc.get("skip", {}):
-                tc.skipTest(sc["skip"][stack])
-            stub, close = start(sc.get("options", {}), calls)
-            try:
-                run_scenario(tc, sc, stub, calls)
-                ran += 1
-            finally:
-                close()
-    return ran
+    return scaffold.run_suite(tc, stack, SUITE, start, run_scenario)
 
 
 def run_scenario(tc, sc, stub, calls):
-    key = "conf-" + secrets.token_hex(12)
-
-    def lookup():
-        try:
-            return idemcoord.State.Name(CLIENT.lookup(scope=METHOD, key=key).record.state)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return "absent"
-            raise
-
-    def want_state(want):
-        deadline = time.monotonic() + 10
-        got = lookup()
-        while got != want and time.monotonic() < deadline:
-            time.sleep(0.05)
-            got = lookup()
-        tc.assertEqual(got, want, "state of %s" % sc["name"])
-    hold = None
-    if sc.get("hold_key"):
-        hold = CLIENT.begin(scope=METHOD, key=key, attempt_id="holder").lease_token
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=16)
-    background = []
-    try:
-        for st in sc["steps"]:
-            if st.get("release_hold"):
-                time.sleep(st.get("settle_ms", 0) / 1000)
-                CLIENT.fail(scope=METHOD, key=key, lease_token=hold, kind="FAILURE_KIND_ABANDONED", reason="released")
-                continue
-            if "state" in st:
-                want_state(st["state"])
-                continue
-
-            def run(st=st):
-                time.sleep(st.get("start_after_ms", 0) / 1000)
-                futs = [pool.submit(call, tc, stub, key, st) for _ in range(st.get("repeat", 1))]
-                results = [f.result() for f in futs]
-                if "expect_counts" in st:
-                    got = {}
-                    for r in results:
-                        got[r] = got.get(r, 0) + 1
-                    for k, v in st["expect_counts"].items():
-                        tc.assertEqual(got.get(k, 0), v, "counts %s" % got)
-            if st.get("background"):
-                background.append(pool.submit(run))
-            else:
-                run()
-        for b in background:
-            b.result()
-    finally:
-        pool.shutdown(wait=True)
-    if "state" in sc:
-        want_state(sc["state"])
-    if "handler_calls" in sc:
-        tc.assertEqual(calls.n.get(key, 0), sc["handler_calls"], "handler runs of %s" % sc["name"])
+    scaffold.run_steps(tc, sc, CLIENT, METHOD, calls, lambda key, st: call(tc, stub, key, st),
+                       checks_state=lambda st: "state" in st, counts_label="counts", hold_must_acquire=False)
 
 
 def async_begin_handler(calls):
     async def begin(request, context):
-        md = dict(context.invocation_metadata())
-        calls.add(md.get("x-scenario", ""))
-        a = json.loads(md.get("x-conformance") or "{}")
-        if a.get("sleep_ms"):
-            await asyncio.sleep(a["sleep_ms"] / 1000)
-        if a.get("mark"):
-            idemcoord.mark_side_effect()
-        if a.get("throw"):
-            raise RuntimeError("the conformance handler throws")
+        a = scaffold.action(dict(context.invocation_metadata()), calls)
+        await scaffold.begin_action_async(a)
         if a.get("code"):
             await context.abort(getattr(grpc.StatusCode, a["code"]), a.get("message", ""))
         if a.get("echo_lease"):

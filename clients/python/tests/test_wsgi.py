@@ -8,15 +8,12 @@ import logging
 import os
 import socketserver
 import threading
-import time
 import unittest
 import wsgiref.simple_server
 
-import idemcoord
 from idemcoord.wsgi import IdempotencyMiddleware
 
-from . import conformance
-from .coordinator import Coordinator
+from . import conformance, scaffold
 
 try:
     import flask
@@ -27,17 +24,7 @@ except ImportError as err:  # Debian: python3-flask python3-httpx
 
 COORD = None
 CLIENT = None
-
-
-def setUpModule():
-    global COORD, CLIENT
-    COORD = Coordinator()
-    CLIENT = idemcoord.Client(COORD.addr, token=COORD.token, lease=conformance.SUITE["client_lease_ms"] / 1000)
-
-
-def tearDownModule():
-    CLIENT.shutdown(timeout=10)
-    COORD.stop()
+setUpModule, tearDownModule = scaffold.coordinator_module(globals(), conformance.SUITE["client_lease_ms"])
 
 
 class _Server(socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer):
@@ -71,14 +58,9 @@ def start_flask(options, calls):
 
     @app.route("/items", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     def items():
-        a = conformance.action({k.lower(): v for k, v in flask.request.headers.items()}, calls)
+        a = scaffold.action({k.lower(): v for k, v in flask.request.headers.items()}, calls)
         flask.request.get_data()
-        if a.get("sleep_ms"):
-            time.sleep(a["sleep_ms"] / 1000)
-        if a.get("mark"):
-            idemcoord.mark_side_effect()
-        if a.get("throw"):
-            raise RuntimeError("the conformance handler throws")
+        scaffold.begin_action(a)
         if a.get("echo_lease"):
             return flask.Response(conformance.lease_body(), 200, content_type="application/json")
         resp = flask.Response(a.get("body", "").encode(), a.get("status") or 200)
