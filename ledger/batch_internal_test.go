@@ -146,12 +146,12 @@ func TestBeginBatchFailingAsAWhole(t *testing.T) {
 		if r.p.ID == huge {
 			continue
 		}
-		res, err := s.begin(ctx, r.p, r.ev)
+		res, err := s.begin(ctx, r.p, &r.ev)
 		if err != nil || res.Outcome != statemachine.OutcomeAcquired || res.Record.LeaseToken != r.ev.NewToken {
 			t.Fatalf("%s on its own: %+v %v", r.p.ID.Key, res, err)
 		}
 		// As if that had been the batch, committed, and this the retry.
-		again, err := s.begin(ctx, r.p, r.ev)
+		again, err := s.begin(ctx, r.p, &r.ev)
 		if err != nil || again.Outcome != statemachine.OutcomeAcquired || again.Record.LeaseToken != r.ev.NewToken {
 			t.Fatalf("%s run again with its committed token: %+v %v", r.p.ID.Key, again, err)
 		}

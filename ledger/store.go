@@ -346,10 +346,8 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	}
 	ev := p.Event
 	ev.Kind = statemachine.EventBegin
-	res, err := s.begin(ctx, p, ev)
-	// begin chooses the new token unless the caller did: an acquisition
-	// this call wrote carries it.
-	if err == nil && res != nil && ctx.Err() != nil && madeBy(res, res.Record.LeaseToken) {
+	res, err := s.begin(ctx, p, &ev)
+	if err == nil && ctx.Err() != nil && madeBy(res, ev.NewToken) {
 		s.releaseGone(ctx, p, res.Record)
 		return nil, ctx.Err()
 	}
@@ -358,20 +356,22 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 
 // begin is Begin with ev's kind set; it chooses ev's new token unless the
 // caller did, and only when the Begin may acquire (a replay from the
-// cache needs none).
-func (s *Store) begin(ctx context.Context, p *BeginParams, ev statemachine.Event) (*Result, error) {
+// cache needs none), and leaves it in *ev, so the caller can tell an
+// acquisition this call wrote from a holder's renewed one.
+func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Event) (*Result, error) {
 	var seq uint64
 	if s.cache != nil {
-		if res, ok := s.beginCached(p, ev); ok {
+		if res, ok := s.beginCached(p, *evp); ok {
 			s.cache.hits.Add(1)
 			return res, res.Err
 		}
 		s.cache.misses.Add(1)
 		seq = s.cache.snapshot()
 	}
-	if ev.NewToken == "" {
-		ev.NewToken = newToken()
+	if evp.NewToken == "" {
+		evp.NewToken = newToken()
 	}
+	ev := *evp
 	// ev carries the caller's fingerprint; a new row stores it keyed under
 	// the active key, an existing one is compared in its own stored form.
 	insert := ev
