@@ -13,6 +13,36 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
+// holdNewKey starts a RunTx on the new key id whose fn blocks, and returns
+// once fn runs: the RunTx's uncommitted insert then holds the key's row.
+// rollBack makes fn fail and returns once the RunTx has rolled back (it
+// fails the test if the RunTx committed); the test's cleanup calls it too.
+func holdNewKey(t *testing.T, db *txDB, id ledger.Identity) (rollBack func()) {
+	t.Helper()
+	running, fail := make(chan struct{}), make(chan struct{})
+	rolledBack := make(chan error, 1)
+	go func() {
+		_, _, err := db.store.RunTx(context.Background(), id, ledger.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+			close(running)
+			<-fail
+			return nil, errors.New("the business write failed")
+		})
+		rolledBack <- err
+	}()
+	<-running
+	var once sync.Once
+	rollBack = func() {
+		once.Do(func() {
+			close(fail)
+			if err := <-rolledBack; err == nil {
+				t.Error("RunTx committed; want fn's error")
+			}
+		})
+	}
+	t.Cleanup(rollBack)
+	return rollBack
+}
+
 // TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition: a Begin whose
 // caller gives up while its write is in flight returns at once, and its
 // write may still commit afterwards (it is never cancelled: see
@@ -38,20 +68,7 @@ func TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition(t *testing.T) {
 			t.Parallel()
 			db := newTxDB(t, mode.opts...)
 			id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "late"}
-			running, fail := make(chan struct{}), make(chan struct{})
-			var failOnce sync.Once
-			failNow := func() { failOnce.Do(func() { close(fail) }) }
-			t.Cleanup(failNow)
-			rolledBack := make(chan error, 1)
-			go func() {
-				_, _, err := db.store.RunTx(context.Background(), id, ledger.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
-					close(running)
-					<-fail
-					return nil, errors.New("the business write failed")
-				})
-				rolledBack <- err
-			}()
-			<-running
+			failNow := holdNewKey(t, db, id)
 
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -71,9 +88,6 @@ func TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition(t *testing.T) {
 			// The holder rolls back at once, well within the statement's
 			// lock wait, so the statement goes on and creates the key.
 			failNow()
-			if err := <-rolledBack; err == nil {
-				t.Fatal("RunTx committed; want fn's error")
-			}
 			deadline := time.Now().Add(5 * time.Second)
 			for db.records(t, id.Key) != 0 {
 				if time.Now().After(deadline) {
