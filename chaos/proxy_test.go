@@ -13,20 +13,7 @@ import (
 // at its first chunk.
 func TestProxyForwardsAndCuts(t *testing.T) {
 	t.Parallel()
-	echo, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer echo.Close()
-	go func() {
-		for {
-			c, err := echo.Accept()
-			if err != nil {
-				return
-			}
-			go func() { _, _ = io.Copy(c, c); _ = c.Close() }()
-		}
-	}()
+	echo := startEcho(t)
 	p, err := NewProxy(echo.Addr().String(), 1)
 	if err != nil {
 		t.Fatal(err)
@@ -88,4 +75,25 @@ func TestDoubleLeasesFound(t *testing.T) {
 	if got := doubleLeases([]*hold{a, overlapping}); len(got) != 1 {
 		t.Fatalf("found %d violations in two overlapping tokens, want 1", len(got))
 	}
+}
+
+// startEcho serves on a loopback port a TCP server that writes back what
+// it reads, until the test ends.
+func startEcho(t *testing.T) net.Listener {
+	t.Helper()
+	echo, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = echo.Close() })
+	go func() {
+		for {
+			c, err := echo.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(c, c); _ = c.Close() }()
+		}
+	}()
+	return echo
 }

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -26,20 +25,7 @@ import (
 // reset that times out is done by a restart. Past the bound, a call fails
 // naming the upstream issue.
 func TestToxiproxyRestartsWhenItsAPIHangs(t *testing.T) {
-	echo, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer echo.Close()
-	go func() {
-		for {
-			c, err := echo.Accept()
-			if err != nil {
-				return
-			}
-			go func() { _, _ = io.Copy(c, c); _ = c.Close() }()
-		}
-	}()
+	echo := startEcho(t)
 
 	tp := startToxiproxy(t)
 	tp.callTimeout, tp.maxRestarts = 3*time.Second, 2
