@@ -166,8 +166,8 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 	giveUp := waitEnd(ctx, time.Now(), wait)
 	// One lease token for every try: a try whose commit's answer was lost
 	// may have committed, and the next then finds that record its own.
-	ev := statemachine.Event{Kind: statemachine.EventBegin, Fingerprint: opts.Fingerprint,
-		TTL: ttl, FailureTTL: ttl, Lease: txLease, NewToken: newToken()}
+	ev := storedDurations(statemachine.Event{Kind: statemachine.EventBegin, Fingerprint: opts.Fingerprint,
+		TTL: ttl, FailureTTL: ttl, Lease: txLease, NewToken: newToken()})
 
 	// A finished record replays from a plain read, as a Begin's does: it
 	// changes only by expiry, Forget or an operator, and a duplicate of a

@@ -304,6 +304,19 @@ func (s *Store) now() *time.Time {
 	return &t
 }
 
+// storedDurations returns ev with its TTLs and lease at the precision a
+// record keeps them (PostgreSQL stores microseconds): a finer part is
+// rounded up, so a lease or TTL is never shorter than asked for, a 1 ns TTL
+// is not stored as none, and the record a call answers is the one stored.
+func storedDurations(ev statemachine.Event) statemachine.Event {
+	for _, d := range []*time.Duration{&ev.TTL, &ev.FailureTTL, &ev.Lease} {
+		if r := *d % time.Microsecond; r > 0 {
+			*d += time.Microsecond - r
+		}
+	}
+	return ev
+}
+
 // NewLeaseToken returns a fresh lease token for BeginParams.Event.NewToken.
 func NewLeaseToken() string { return newToken() }
 
@@ -344,7 +357,7 @@ func (s *Store) Begin(ctx context.Context, p *BeginParams) (*Result, error) {
 	if err := checkIdentity(p.ID); err != nil {
 		return nil, err
 	}
-	ev := p.Event
+	ev := storedDurations(p.Event)
 	ev.Kind = statemachine.EventBegin
 	res, err := s.begin(ctx, p, &ev)
 	if err == nil && ctx.Err() != nil && madeBy(res, ev.NewToken) {
@@ -538,15 +551,16 @@ func submitErr(ctx context.Context) error {
 // and every Complete when responses are encrypted) takes the locked path,
 // which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
+	ev := storedDurations(p.Event)
 	// With a keyring the response is sealed bound to the record's
 	// generation and attempt, which only the locked path reads first.
 	if p.Event.Kind == statemachine.EventComplete && s.keyring == nil {
-		res, err := s.completeHeld(ctx, p.ID, p.Event)
+		res, err := s.completeHeld(ctx, p.ID, ev)
 		if err != nil || res != nil {
 			return res, err
 		}
 	}
-	return s.locked(ctx, p.ID, p.Event, p.Policy)
+	return s.locked(ctx, p.ID, ev, p.Policy)
 }
 
 // completeHeldSQL ends a held record (IN_PROGRESS or UNKNOWN, as

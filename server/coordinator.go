@@ -51,7 +51,7 @@ func (s *Server) Begin(ctx context.Context, req *idempotencyv1.BeginRequest) (*i
 	noteCall(ctx, p.ID.Tenant, p.ID.Scope, outcomeLabels[res.Outcome])
 	out := beginResponse(req, res)
 	if res.Outcome == statemachine.OutcomeAcquired {
-		out.Ttl, out.FailureTtl = optDuration(p.Event.TTL), optDuration(p.Event.FailureTTL)
+		out.Ttl, out.FailureTtl = optDuration(res.Record.TTL), optDuration(res.Record.FailureTTL)
 	}
 	return out, nil
 }

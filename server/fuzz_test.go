@@ -56,6 +56,7 @@ func FuzzBegin(f *testing.F) {
 		{Scope: "s", Key: "k", Ttl: &durationpb.Duration{Seconds: 1, Nanos: 1_000_000_000}},
 		{Scope: "s", Key: "k", Ttl: &durationpb.Duration{Seconds: 1 << 62}},
 		{Scope: "s", Key: "k", Lease: dur(999 * time.Millisecond)},
+		{Scope: "s", Key: "k", Lease: &durationpb.Duration{Seconds: 144, Nanos: 1}}, // once failed: stored 144 s
 		{Scope: "s", Key: "k", Lease: dur(time.Hour + time.Nanosecond)},
 		{Scope: "s", Key: "k", Lease: &durationpb.Duration{Seconds: -1, Nanos: 5}},
 		{Scope: "s", Key: "k", Wait: dur(31 * time.Second)},
@@ -169,8 +170,8 @@ func FuzzFail(f *testing.F) {
 
 // checkAcquired looks up the record an accepted Begin acquired: it must be
 // stored IN_PROGRESS with the request's fingerprint (if it has one) and a lease of the
-// request's length (the policy's 30 s without one) from now, exactly as the
-// Begin answered it.
+// request's length (the policy's 30 s without one) from now, rounded up to
+// the microsecond, exactly as the Begin answered it.
 func checkAcquired(t *testing.T, e *testEnv, m proto.Message, out []byte) {
 	t.Helper()
 	req := m.(*idempotencyv1.BeginRequest)
@@ -185,6 +186,9 @@ func checkAcquired(t *testing.T, e *testEnv, m proto.Message, out []byte) {
 	lease := 30 * time.Second
 	if req.GetLease() != nil {
 		lease = req.GetLease().AsDuration()
+	}
+	if r := lease % time.Microsecond; r > 0 {
+		lease += time.Microsecond - r
 	}
 	// A request without a fingerprint matches any; one with must be stored.
 	if rec.GetState() != idempotencyv1.State_STATE_IN_PROGRESS ||
