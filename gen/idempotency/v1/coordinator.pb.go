@@ -8,6 +8,7 @@ package idempotencyv1
 
 import (
 	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
+	status "google.golang.org/genproto/googleapis/rpc/status"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -1165,11 +1166,410 @@ func (x *HeartbeatResponse) GetRecord() *Record {
 	return nil
 }
 
+// BatchRequest carries the calls of a Batch.
+type BatchRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The calls, at most 256; each is handled as its own unary call.
+	Calls         []*BatchCall `protobuf:"bytes,1,rep,name=calls,proto3" json:"calls,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchRequest) Reset() {
+	*x = BatchRequest{}
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchRequest) ProtoMessage() {}
+
+func (x *BatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchRequest.ProtoReflect.Descriptor instead.
+func (*BatchRequest) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *BatchRequest) GetCalls() []*BatchCall {
+	if x != nil {
+		return x.Calls
+	}
+	return nil
+}
+
+// BatchCall is one call of a Batch.
+type BatchCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The request, as the unary method of the same name takes it.
+	//
+	// Types that are valid to be assigned to Call:
+	//
+	//	*BatchCall_Begin
+	//	*BatchCall_Complete
+	//	*BatchCall_Fail
+	//	*BatchCall_Lookup
+	//	*BatchCall_Heartbeat
+	Call isBatchCall_Call `protobuf_oneof:"call"`
+	// How long this call may take, counted from the start of the RPC (absent:
+	// until the RPC's deadline); it ends this call as the deadline of a unary
+	// call would.
+	Timeout       *durationpb.Duration `protobuf:"bytes,10,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchCall) Reset() {
+	*x = BatchCall{}
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchCall) ProtoMessage() {}
+
+func (x *BatchCall) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchCall.ProtoReflect.Descriptor instead.
+func (*BatchCall) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *BatchCall) GetCall() isBatchCall_Call {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
+func (x *BatchCall) GetBegin() *BeginRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchCall_Begin); ok {
+			return x.Begin
+		}
+	}
+	return nil
+}
+
+func (x *BatchCall) GetComplete() *CompleteRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchCall_Complete); ok {
+			return x.Complete
+		}
+	}
+	return nil
+}
+
+func (x *BatchCall) GetFail() *FailRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchCall_Fail); ok {
+			return x.Fail
+		}
+	}
+	return nil
+}
+
+func (x *BatchCall) GetLookup() *LookupRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchCall_Lookup); ok {
+			return x.Lookup
+		}
+	}
+	return nil
+}
+
+func (x *BatchCall) GetHeartbeat() *HeartbeatRequest {
+	if x != nil {
+		if x, ok := x.Call.(*BatchCall_Heartbeat); ok {
+			return x.Heartbeat
+		}
+	}
+	return nil
+}
+
+func (x *BatchCall) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+type isBatchCall_Call interface {
+	isBatchCall_Call()
+}
+
+type BatchCall_Begin struct {
+	// A Begin; its wait must be absent or 0.
+	Begin *BeginRequest `protobuf:"bytes,1,opt,name=begin,proto3,oneof"`
+}
+
+type BatchCall_Complete struct {
+	// A Complete.
+	Complete *CompleteRequest `protobuf:"bytes,2,opt,name=complete,proto3,oneof"`
+}
+
+type BatchCall_Fail struct {
+	// A Fail.
+	Fail *FailRequest `protobuf:"bytes,3,opt,name=fail,proto3,oneof"`
+}
+
+type BatchCall_Lookup struct {
+	// A Lookup.
+	Lookup *LookupRequest `protobuf:"bytes,4,opt,name=lookup,proto3,oneof"`
+}
+
+type BatchCall_Heartbeat struct {
+	// A Heartbeat.
+	Heartbeat *HeartbeatRequest `protobuf:"bytes,5,opt,name=heartbeat,proto3,oneof"`
+}
+
+func (*BatchCall_Begin) isBatchCall_Call() {}
+
+func (*BatchCall_Complete) isBatchCall_Call() {}
+
+func (*BatchCall_Fail) isBatchCall_Call() {}
+
+func (*BatchCall_Lookup) isBatchCall_Call() {}
+
+func (*BatchCall_Heartbeat) isBatchCall_Call() {}
+
+// BatchResponse carries one result per call, in the order of the calls.
+type BatchResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The results; results[i] answers calls[i].
+	Results       []*BatchResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchResponse) Reset() {
+	*x = BatchResponse{}
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchResponse) ProtoMessage() {}
+
+func (x *BatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchResponse.ProtoReflect.Descriptor instead.
+func (*BatchResponse) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *BatchResponse) GetResults() []*BatchResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+// BatchResult is the answer to one call of a Batch: the response its unary
+// call would have answered, or the status it would have failed with
+// (google.rpc.Status, with the same ErrorInfo, BadRequest and RetryInfo
+// details).
+type BatchResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The response or the error.
+	//
+	// Types that are valid to be assigned to Result:
+	//
+	//	*BatchResult_Begin
+	//	*BatchResult_Complete
+	//	*BatchResult_Fail
+	//	*BatchResult_Lookup
+	//	*BatchResult_Heartbeat
+	//	*BatchResult_Error
+	Result        isBatchResult_Result `protobuf_oneof:"result"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchResult) Reset() {
+	*x = BatchResult{}
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchResult) ProtoMessage() {}
+
+func (x *BatchResult) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchResult.ProtoReflect.Descriptor instead.
+func (*BatchResult) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *BatchResult) GetResult() isBatchResult_Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *BatchResult) GetBegin() *BeginResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Begin); ok {
+			return x.Begin
+		}
+	}
+	return nil
+}
+
+func (x *BatchResult) GetComplete() *CompleteResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Complete); ok {
+			return x.Complete
+		}
+	}
+	return nil
+}
+
+func (x *BatchResult) GetFail() *FailResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Fail); ok {
+			return x.Fail
+		}
+	}
+	return nil
+}
+
+func (x *BatchResult) GetLookup() *LookupResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Lookup); ok {
+			return x.Lookup
+		}
+	}
+	return nil
+}
+
+func (x *BatchResult) GetHeartbeat() *HeartbeatResponse {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Heartbeat); ok {
+			return x.Heartbeat
+		}
+	}
+	return nil
+}
+
+func (x *BatchResult) GetError() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*BatchResult_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+type isBatchResult_Result interface {
+	isBatchResult_Result()
+}
+
+type BatchResult_Begin struct {
+	// The answer to a Begin.
+	Begin *BeginResponse `protobuf:"bytes,1,opt,name=begin,proto3,oneof"`
+}
+
+type BatchResult_Complete struct {
+	// The answer to a Complete.
+	Complete *CompleteResponse `protobuf:"bytes,2,opt,name=complete,proto3,oneof"`
+}
+
+type BatchResult_Fail struct {
+	// The answer to a Fail.
+	Fail *FailResponse `protobuf:"bytes,3,opt,name=fail,proto3,oneof"`
+}
+
+type BatchResult_Lookup struct {
+	// The answer to a Lookup.
+	Lookup *LookupResponse `protobuf:"bytes,4,opt,name=lookup,proto3,oneof"`
+}
+
+type BatchResult_Heartbeat struct {
+	// The answer to a Heartbeat.
+	Heartbeat *HeartbeatResponse `protobuf:"bytes,5,opt,name=heartbeat,proto3,oneof"`
+}
+
+type BatchResult_Error struct {
+	// The call failed with this status.
+	Error *status.Status `protobuf:"bytes,15,opt,name=error,proto3,oneof"`
+}
+
+func (*BatchResult_Begin) isBatchResult_Result() {}
+
+func (*BatchResult_Complete) isBatchResult_Result() {}
+
+func (*BatchResult_Fail) isBatchResult_Result() {}
+
+func (*BatchResult_Lookup) isBatchResult_Result() {}
+
+func (*BatchResult_Heartbeat) isBatchResult_Result() {}
+
+func (*BatchResult_Error) isBatchResult_Result() {}
+
 var File_idempotency_v1_coordinator_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\n" +
-	" idempotency/v1/coordinator.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc0\x02\n" +
+	" idempotency/v1/coordinator.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"\xc0\x02\n" +
 	"\x0eStoredResponse\x12:\n" +
 	"\x0eschema_version\x18\x01 \x01(\tB\x13\xbaH\x10r\x0e2\f^[^\\p{Cc}]*$R\rschemaVersion\x126\n" +
 	"\fcontent_type\x18\x02 \x01(\tB\x13\xbaH\x10r\x0e2\f^[^\\p{Cc}]*$R\vcontentType\x12\x12\n" +
@@ -1255,7 +1655,28 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"leaseToken\x12/\n" +
 	"\x05lease\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x05lease\"C\n" +
 	"\x11HeartbeatResponse\x12.\n" +
-	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record*\xa9\x01\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"L\n" +
+	"\fBatchRequest\x12<\n" +
+	"\x05calls\x18\x01 \x03(\v2\x19.idempotency.v1.BatchCallB\v\xbaH\b\x92\x01\x05\b\x01\x10\x80\x02R\x05calls\"\xeb\x02\n" +
+	"\tBatchCall\x124\n" +
+	"\x05begin\x18\x01 \x01(\v2\x1c.idempotency.v1.BeginRequestH\x00R\x05begin\x12=\n" +
+	"\bcomplete\x18\x02 \x01(\v2\x1f.idempotency.v1.CompleteRequestH\x00R\bcomplete\x121\n" +
+	"\x04fail\x18\x03 \x01(\v2\x1b.idempotency.v1.FailRequestH\x00R\x04fail\x127\n" +
+	"\x06lookup\x18\x04 \x01(\v2\x1d.idempotency.v1.LookupRequestH\x00R\x06lookup\x12@\n" +
+	"\theartbeat\x18\x05 \x01(\v2 .idempotency.v1.HeartbeatRequestH\x00R\theartbeat\x123\n" +
+	"\atimeout\x18\n" +
+	" \x01(\v2\x19.google.protobuf.DurationR\atimeoutB\x06\n" +
+	"\x04call\"F\n" +
+	"\rBatchResponse\x125\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.idempotency.v1.BatchResultR\aresults\"\xeb\x02\n" +
+	"\vBatchResult\x125\n" +
+	"\x05begin\x18\x01 \x01(\v2\x1d.idempotency.v1.BeginResponseH\x00R\x05begin\x12>\n" +
+	"\bcomplete\x18\x02 \x01(\v2 .idempotency.v1.CompleteResponseH\x00R\bcomplete\x122\n" +
+	"\x04fail\x18\x03 \x01(\v2\x1c.idempotency.v1.FailResponseH\x00R\x04fail\x128\n" +
+	"\x06lookup\x18\x04 \x01(\v2\x1e.idempotency.v1.LookupResponseH\x00R\x06lookup\x12A\n" +
+	"\theartbeat\x18\x05 \x01(\v2!.idempotency.v1.HeartbeatResponseH\x00R\theartbeat\x12*\n" +
+	"\x05error\x18\x0f \x01(\v2\x12.google.rpc.StatusH\x00R\x05errorB\b\n" +
+	"\x06result*\xa9\x01\n" +
 	"\x05State\x12\x15\n" +
 	"\x11STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11STATE_IN_PROGRESS\x10\x01\x12\x13\n" +
@@ -1274,13 +1695,14 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x16FAILURE_KIND_RETRYABLE\x10\x01\x12\x1b\n" +
 	"\x17FAILURE_KIND_REPLAYABLE\x10\x02\x12\x18\n" +
 	"\x14FAILURE_KIND_UNKNOWN\x10\x03\x12\x1a\n" +
-	"\x16FAILURE_KIND_ABANDONED\x10\x042\x85\x03\n" +
+	"\x16FAILURE_KIND_ABANDONED\x10\x042\xcb\x03\n" +
 	"\vCoordinator\x12D\n" +
 	"\x05Begin\x12\x1c.idempotency.v1.BeginRequest\x1a\x1d.idempotency.v1.BeginResponse\x12M\n" +
 	"\bComplete\x12\x1f.idempotency.v1.CompleteRequest\x1a .idempotency.v1.CompleteResponse\x12A\n" +
 	"\x04Fail\x12\x1b.idempotency.v1.FailRequest\x1a\x1c.idempotency.v1.FailResponse\x12L\n" +
 	"\x06Lookup\x12\x1d.idempotency.v1.LookupRequest\x1a\x1e.idempotency.v1.LookupResponse\"\x03\x90\x02\x01\x12P\n" +
-	"\tHeartbeat\x12 .idempotency.v1.HeartbeatRequest\x1a!.idempotency.v1.HeartbeatResponseBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
+	"\tHeartbeat\x12 .idempotency.v1.HeartbeatRequest\x1a!.idempotency.v1.HeartbeatResponse\x12D\n" +
+	"\x05Batch\x12\x1c.idempotency.v1.BatchRequest\x1a\x1d.idempotency.v1.BatchResponseBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
 	file_idempotency_v1_coordinator_proto_rawDescOnce sync.Once
@@ -1295,7 +1717,7 @@ func file_idempotency_v1_coordinator_proto_rawDescGZIP() []byte {
 }
 
 var file_idempotency_v1_coordinator_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_idempotency_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_idempotency_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_idempotency_v1_coordinator_proto_goTypes = []any{
 	(State)(0),                    // 0: idempotency.v1.State
 	(Outcome)(0),                  // 1: idempotency.v1.Outcome
@@ -1312,51 +1734,72 @@ var file_idempotency_v1_coordinator_proto_goTypes = []any{
 	(*LookupResponse)(nil),        // 12: idempotency.v1.LookupResponse
 	(*HeartbeatRequest)(nil),      // 13: idempotency.v1.HeartbeatRequest
 	(*HeartbeatResponse)(nil),     // 14: idempotency.v1.HeartbeatResponse
-	nil,                           // 15: idempotency.v1.StoredResponse.MetadataEntry
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 17: google.protobuf.Duration
+	(*BatchRequest)(nil),          // 15: idempotency.v1.BatchRequest
+	(*BatchCall)(nil),             // 16: idempotency.v1.BatchCall
+	(*BatchResponse)(nil),         // 17: idempotency.v1.BatchResponse
+	(*BatchResult)(nil),           // 18: idempotency.v1.BatchResult
+	nil,                           // 19: idempotency.v1.StoredResponse.MetadataEntry
+	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 21: google.protobuf.Duration
+	(*status.Status)(nil),         // 22: google.rpc.Status
 }
 var file_idempotency_v1_coordinator_proto_depIdxs = []int32{
-	15, // 0: idempotency.v1.StoredResponse.metadata:type_name -> idempotency.v1.StoredResponse.MetadataEntry
+	19, // 0: idempotency.v1.StoredResponse.metadata:type_name -> idempotency.v1.StoredResponse.MetadataEntry
 	0,  // 1: idempotency.v1.Record.state:type_name -> idempotency.v1.State
 	3,  // 2: idempotency.v1.Record.response:type_name -> idempotency.v1.StoredResponse
-	16, // 3: idempotency.v1.Record.created_at:type_name -> google.protobuf.Timestamp
-	16, // 4: idempotency.v1.Record.updated_at:type_name -> google.protobuf.Timestamp
-	16, // 5: idempotency.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
-	16, // 6: idempotency.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
-	16, // 7: idempotency.v1.Record.archived_at:type_name -> google.protobuf.Timestamp
-	17, // 8: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
-	17, // 9: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
-	17, // 10: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
+	20, // 3: idempotency.v1.Record.created_at:type_name -> google.protobuf.Timestamp
+	20, // 4: idempotency.v1.Record.updated_at:type_name -> google.protobuf.Timestamp
+	20, // 5: idempotency.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
+	20, // 6: idempotency.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
+	20, // 7: idempotency.v1.Record.archived_at:type_name -> google.protobuf.Timestamp
+	21, // 8: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
+	21, // 9: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
+	21, // 10: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
 	1,  // 11: idempotency.v1.BeginResponse.outcome:type_name -> idempotency.v1.Outcome
 	4,  // 12: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
-	17, // 13: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
+	21, // 13: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
 	0,  // 14: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
-	17, // 15: idempotency.v1.BeginResponse.ttl:type_name -> google.protobuf.Duration
-	17, // 16: idempotency.v1.BeginResponse.failure_ttl:type_name -> google.protobuf.Duration
+	21, // 15: idempotency.v1.BeginResponse.ttl:type_name -> google.protobuf.Duration
+	21, // 16: idempotency.v1.BeginResponse.failure_ttl:type_name -> google.protobuf.Duration
 	3,  // 17: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
 	4,  // 18: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
 	2,  // 19: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
 	3,  // 20: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
 	4,  // 21: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
 	4,  // 22: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
-	17, // 23: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
+	21, // 23: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
 	4,  // 24: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
-	5,  // 25: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
-	7,  // 26: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
-	9,  // 27: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
-	11, // 28: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
-	13, // 29: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
-	6,  // 30: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
-	8,  // 31: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
-	10, // 32: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
-	12, // 33: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
-	14, // 34: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
-	30, // [30:35] is the sub-list for method output_type
-	25, // [25:30] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	16, // 25: idempotency.v1.BatchRequest.calls:type_name -> idempotency.v1.BatchCall
+	5,  // 26: idempotency.v1.BatchCall.begin:type_name -> idempotency.v1.BeginRequest
+	7,  // 27: idempotency.v1.BatchCall.complete:type_name -> idempotency.v1.CompleteRequest
+	9,  // 28: idempotency.v1.BatchCall.fail:type_name -> idempotency.v1.FailRequest
+	11, // 29: idempotency.v1.BatchCall.lookup:type_name -> idempotency.v1.LookupRequest
+	13, // 30: idempotency.v1.BatchCall.heartbeat:type_name -> idempotency.v1.HeartbeatRequest
+	21, // 31: idempotency.v1.BatchCall.timeout:type_name -> google.protobuf.Duration
+	18, // 32: idempotency.v1.BatchResponse.results:type_name -> idempotency.v1.BatchResult
+	6,  // 33: idempotency.v1.BatchResult.begin:type_name -> idempotency.v1.BeginResponse
+	8,  // 34: idempotency.v1.BatchResult.complete:type_name -> idempotency.v1.CompleteResponse
+	10, // 35: idempotency.v1.BatchResult.fail:type_name -> idempotency.v1.FailResponse
+	12, // 36: idempotency.v1.BatchResult.lookup:type_name -> idempotency.v1.LookupResponse
+	14, // 37: idempotency.v1.BatchResult.heartbeat:type_name -> idempotency.v1.HeartbeatResponse
+	22, // 38: idempotency.v1.BatchResult.error:type_name -> google.rpc.Status
+	5,  // 39: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
+	7,  // 40: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
+	9,  // 41: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
+	11, // 42: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
+	13, // 43: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
+	15, // 44: idempotency.v1.Coordinator.Batch:input_type -> idempotency.v1.BatchRequest
+	6,  // 45: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
+	8,  // 46: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
+	10, // 47: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
+	12, // 48: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
+	14, // 49: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
+	17, // 50: idempotency.v1.Coordinator.Batch:output_type -> idempotency.v1.BatchResponse
+	45, // [45:51] is the sub-list for method output_type
+	39, // [39:45] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_coordinator_proto_init() }
@@ -1364,13 +1807,28 @@ func file_idempotency_v1_coordinator_proto_init() {
 	if File_idempotency_v1_coordinator_proto != nil {
 		return
 	}
+	file_idempotency_v1_coordinator_proto_msgTypes[13].OneofWrappers = []any{
+		(*BatchCall_Begin)(nil),
+		(*BatchCall_Complete)(nil),
+		(*BatchCall_Fail)(nil),
+		(*BatchCall_Lookup)(nil),
+		(*BatchCall_Heartbeat)(nil),
+	}
+	file_idempotency_v1_coordinator_proto_msgTypes[15].OneofWrappers = []any{
+		(*BatchResult_Begin)(nil),
+		(*BatchResult_Complete)(nil),
+		(*BatchResult_Fail)(nil),
+		(*BatchResult_Lookup)(nil),
+		(*BatchResult_Heartbeat)(nil),
+		(*BatchResult_Error)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idempotency_v1_coordinator_proto_rawDesc), len(file_idempotency_v1_coordinator_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   13,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -24,6 +24,7 @@ const (
 	Coordinator_Fail_FullMethodName      = "/idempotency.v1.Coordinator/Fail"
 	Coordinator_Lookup_FullMethodName    = "/idempotency.v1.Coordinator/Lookup"
 	Coordinator_Heartbeat_FullMethodName = "/idempotency.v1.Coordinator/Heartbeat"
+	Coordinator_Batch_FullMethodName     = "/idempotency.v1.Coordinator/Batch"
 )
 
 // CoordinatorClient is the client API for Coordinator service.
@@ -50,6 +51,15 @@ type CoordinatorClient interface {
 	// Fail with the token it fails ALREADY_FINISHED: it never revives an
 	// ended attempt.
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
+	// Batch makes several calls in one RPC: each call is handled exactly as
+	// the unary call of the same request would be (validation, scope
+	// permission, rate limit, policy, metrics) and gets its own answer or its
+	// own error, in the order of the calls; one call's error does not fail the
+	// others. A call's answer is built only after its own write has
+	// committed. A Begin in a batch may not wait (wait must be absent or 0).
+	// The Go client uses it to let concurrent calls share RPCs
+	// (clients.WithCallBatching).
+	Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error)
 }
 
 type coordinatorClient struct {
@@ -110,6 +120,16 @@ func (c *coordinatorClient) Heartbeat(ctx context.Context, in *HeartbeatRequest,
 	return out, nil
 }
 
+func (c *coordinatorClient) Batch(ctx context.Context, in *BatchRequest, opts ...grpc.CallOption) (*BatchResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BatchResponse)
+	err := c.cc.Invoke(ctx, Coordinator_Batch_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CoordinatorServer is the server API for Coordinator service.
 // All implementations must embed UnimplementedCoordinatorServer
 // for forward compatibility.
@@ -134,6 +154,15 @@ type CoordinatorServer interface {
 	// Fail with the token it fails ALREADY_FINISHED: it never revives an
 	// ended attempt.
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
+	// Batch makes several calls in one RPC: each call is handled exactly as
+	// the unary call of the same request would be (validation, scope
+	// permission, rate limit, policy, metrics) and gets its own answer or its
+	// own error, in the order of the calls; one call's error does not fail the
+	// others. A call's answer is built only after its own write has
+	// committed. A Begin in a batch may not wait (wait must be absent or 0).
+	// The Go client uses it to let concurrent calls share RPCs
+	// (clients.WithCallBatching).
+	Batch(context.Context, *BatchRequest) (*BatchResponse, error)
 	mustEmbedUnimplementedCoordinatorServer()
 }
 
@@ -158,6 +187,9 @@ func (UnimplementedCoordinatorServer) Lookup(context.Context, *LookupRequest) (*
 }
 func (UnimplementedCoordinatorServer) Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Heartbeat not implemented")
+}
+func (UnimplementedCoordinatorServer) Batch(context.Context, *BatchRequest) (*BatchResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Batch not implemented")
 }
 func (UnimplementedCoordinatorServer) mustEmbedUnimplementedCoordinatorServer() {}
 func (UnimplementedCoordinatorServer) testEmbeddedByValue()                     {}
@@ -270,6 +302,24 @@ func _Coordinator_Heartbeat_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Coordinator_Batch_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServer).Batch(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Coordinator_Batch_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServer).Batch(ctx, req.(*BatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Coordinator_ServiceDesc is the grpc.ServiceDesc for Coordinator service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -296,6 +346,10 @@ var Coordinator_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Heartbeat",
 			Handler:    _Coordinator_Heartbeat_Handler,
+		},
+		{
+			MethodName: "Batch",
+			Handler:    _Coordinator_Batch_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
