@@ -80,7 +80,7 @@ func TestReport(t *testing.T) {
 	}
 	pairs := map[string]Latency{"begin": {P50: 2, P99: 8}, "complete": {P50: 3, P99: 9}}
 	direct := map[string]Latency{"insert": {P50: 1}, "update": {P50: 1}}
-	r := &report{Schema: reportSchema, Settings: &settings{Concurrency: []int{16, 64}, Rounds: 2}, TotalSeconds: 300}
+	r := &report{Schema: reportSchema, Settings: &settings{Concurrency: []int{16, 64}, Rounds: 2, Client: clientStub}, TotalSeconds: 300}
 	for _, c := range []int{16, 64} {
 		r.Cells = append(r.Cells, cell(kindBaseline, c, 1250, direct))
 	}
@@ -106,32 +106,128 @@ func TestReport(t *testing.T) {
 	if row.CPUPerPairRatio != 2 {
 		t.Fatalf("CPU per pair ratio = %v, want 2", row.CPUPerPairRatio)
 	}
+	// PostgreSQL: 1 CPU s per cell, 2000 ops a cell on both sides.
+	if row.PGCPUPerPairRatio != 1 {
+		t.Fatalf("PostgreSQL CPU per pair ratio = %v, want 1", row.PGCPUPerPairRatio)
+	}
 	want := map[string]string{
-		"pairs/s vs lean baseline at 64 callers":          "met",
+		"pairs/s vs lean baseline at 64 callers":          "not met", // 1.0x < 1.2x
 		"pairs/s vs lean baseline at 256 callers":         "not measured",
-		"replays/s vs pairs/s at 64 callers":              "met",
-		"Begin p99 at 16 callers":                         "met",
-		"CPU/pair (coord+PG) vs lean (PG+client) at 64":   "not met",
+		"replays/s vs pairs/s at 64 callers":              "not met", // 4x < 8x
+		"PostgreSQL CPU/pair vs lean's PostgreSQL at 64":  "not met", // 1.0x > 0.5x
+		"Begin p99 at 16 callers":                         "not met", // 8 ms > 5 ms
+		"no errors (sum over the rows)":                   "met",
 		"reaper (defaults) rows/s vs the highest pairs/s": "not met", // 1500 deleted/s < 2000 pairs/s
 		"records gauge reading at 10M records":            "met",
 		"coordinator peak RSS at 256 callers":             "not measured",
 		"make bench run time (driver)":                    "met",
 	}
-	for _, g := range r.Goals {
-		if w, ok := want[g.Name]; ok && g.Status != w {
-			t.Errorf("goal %q: %s, want %s", g.Name, g.Status, w)
-		}
-	}
+	checkGoals(t, r.Goals, want)
 	var out bytes.Buffer
 	if err := r.print(&out); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(out.String(), "[not met]") || !strings.Contains(out.String(), "lean/s") {
-		t.Errorf("table without goal statuses or the lean column:\n%s", out.String())
+	for _, text := range []string{"[not met]", "lean/s", "PG vs lean PG", "callers' client: stub",
+		"coordinator 1.000 + callers 0.250 CPU ms/pair"} {
+		if !strings.Contains(out.String(), text) {
+			t.Errorf("table without %q:\n%s", text, out.String())
+		}
 	}
 	dir := t.TempDir()
 	if _, err := r.write(dir, time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// checkGoals fails t unless gs holds every goal of want with its status.
+func checkGoals(t *testing.T, gs []Goal, want map[string]string) {
+	t.Helper()
+	seen := map[string]bool{}
+	for _, g := range gs {
+		seen[g.Name] = true
+		if w, ok := want[g.Name]; ok && g.Status != w {
+			t.Errorf("goal %q: %s (%v %s), want %s", g.Name, g.Status, g.Value, g.Unit, w)
+		}
+	}
+	for name := range want {
+		if !seen[name] {
+			t.Errorf("no goal %q", name)
+		}
+	}
+}
+
+// TestGoalsAgainstLean checks each goal judged on the 16-, 64- and
+// 256-caller rows on either side of its target.
+func TestGoalsAgainstLean(t *testing.T) {
+	// good meets every goal, just.
+	good := func() []Row {
+		return []Row{
+			{Concurrency: 16, PairsPerSec: 1000, LeanPerSec: 1000, BeginP99MS: 5},
+			{Concurrency: 64, PairsPerSec: 1200, LeanPerSec: 1000, LeanRatio: 1.2, ReplaysPerSec: 9600, ReplayPairRatio: 8,
+				PGCPUPer1000: 0.1, LeanPGPer1000: 0.2, CoordCPUPer1000: 0.15, CallersCPUPer1000: 0.05},
+			{Concurrency: 256, PairsPerSec: 2500, LeanPerSec: 1000, LeanRatio: 2.5},
+		}
+	}
+	goals := []string{"pairs/s vs lean baseline at 64 callers", "pairs/s vs lean baseline at 256 callers",
+		"replays/s vs pairs/s at 64 callers", "PostgreSQL CPU/pair vs lean's PostgreSQL at 64",
+		"Begin p99 at 16 callers", "no errors (sum over the rows)"}
+	for _, tc := range []struct {
+		name   string
+		change func(rows []Row)
+		missed string // the goal not met, "" for none
+	}{
+		{"all met", func([]Row) {}, ""},
+		{"pairs at 64 under 1.2x", func(rows []Row) { rows[1].LeanRatio = 1.19 }, goals[0]},
+		{"pairs at 256 under 2.5x", func(rows []Row) { rows[2].LeanRatio = 2.49 }, goals[1]},
+		{"replays under 8x pairs", func(rows []Row) { rows[1].ReplayPairRatio = 7.9 }, goals[2]},
+		{"PostgreSQL CPU over 0.5x", func(rows []Row) { rows[1].PGCPUPer1000 = 0.11 }, goals[3]},
+		{"Begin p99 over 5 ms", func(rows []Row) { rows[0].BeginP99MS = 5.01 }, goals[4]},
+		{"one error", func(rows []Row) { rows[2].Errors = 1 }, goals[5]},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rows := good()
+			tc.change(rows)
+			for i := range rows {
+				rows[i].derive()
+			}
+			r := &report{Settings: &settings{}, Rows: rows}
+			want := map[string]string{}
+			for _, name := range goals {
+				want[name] = map[bool]string{true: "not met", false: "met"}[name == tc.missed]
+			}
+			gs := r.goals()
+			checkGoals(t, gs, want)
+			for _, g := range gs {
+				if g.Issue == 28 && g.Name == goals[3] && g.Note != "reported, not a goal: coordinator 0.150 + callers 0.050 CPU ms/pair" {
+					t.Errorf("goal %q: note %q", g.Name, g.Note)
+				}
+			}
+		})
+	}
+	t.Run("no rows", func(t *testing.T) {
+		want := map[string]string{}
+		for _, name := range goals {
+			want[name] = "not measured"
+		}
+		checkGoals(t, (&report{Settings: &settings{}}).goals(), want)
+	})
+}
+
+// TestRenderEarlierReport renders a report written before the PostgreSQL
+// ratio and -client existed: the ratio comes from its rows, the goals are
+// today's.
+func TestRenderEarlierReport(t *testing.T) {
+	var out bytes.Buffer
+	if err := render("results/20261123T232305Z.json", &out); err != nil {
+		t.Fatal(err)
+	}
+	for _, text := range []string{"callers' client: stub", "PG vs lean PG", "(target >= 1.2x)", "(target >= 2.5x)",
+		"(target >= 8.0x)", "(target <= 0.5x)", "(target <= 5 ms)", "no errors (sum over the rows)",
+		// PostgreSQL 0.157 against the lean table's 0.218 CPU ms per pair at 64 callers.
+		"0.72 x  (target <= 0.5x)  reported, not a goal: coordinator 0.192 CPU ms/pair, callers' not recorded"} {
+		if !strings.Contains(out.String(), text) {
+			t.Errorf("rendered report without %q:\n%s", text, out.String())
+		}
 	}
 }
 
@@ -145,5 +241,16 @@ func TestBacklogSummarize(t *testing.T) {
 		{at(7), 0, 1000}, {at(8), 0, 500}, {at(9), 0, 0}, {at(10), 0, 0}})
 	if b.FirstPassSeconds != 6 || b.ExpiredPerSec != 500 || b.DeletedPerSec != 250 || !b.Drained || b.Seconds != 10 {
 		t.Fatalf("summarize = %+v", b)
+	}
+}
+
+func TestParseFlagsClient(t *testing.T) {
+	t.Setenv("BENCH_CLIENT", "")
+	s, err := parseFlags(nil)
+	if err != nil || s.Client != clientStub {
+		t.Fatalf("parseFlags() = %+v, %v; want -client %s", s, err, clientStub)
+	}
+	if _, err := parseFlags([]string{"-client", "grpcurl"}); err == nil {
+		t.Fatal("parseFlags accepted -client grpcurl")
 	}
 }

@@ -39,7 +39,7 @@ type environment struct {
 	coordLog  string
 	coordDone chan struct{} // closed when the coordinator has exited
 	conns     []*grpc.ClientConn
-	clients   []idempotencyv1.CoordinatorClient
+	clients   []coordinatorCalls // one per connection, of the -client kind
 	// admin runs the bench's own statements (CHECKPOINT, the scale
 	// check's loads and counts); baseline and lean are the baselines'
 	// pools, open only during their cells.
@@ -178,7 +178,7 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 			return err
 		}
 		e.conns = append(e.conns, conn)
-		e.clients = append(e.clients, idempotencyv1.NewCoordinatorClient(conn))
+		e.clients = append(e.clients, newCoordinatorCalls(e.s, conn))
 	}
 	health := healthpb.NewHealthClient(e.conns[0])
 	deadline := time.Now().Add(60 * time.Second)
@@ -202,8 +202,28 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 	}
 }
 
-// client returns the gRPC client of caller w.
-func (e *environment) client(w int) idempotencyv1.CoordinatorClient {
+// Values of -client: what the pairs and replays cells call the coordinator
+// through.
+const (
+	clientStub = "stub" // the generated idempotencyv1.CoordinatorClient
+)
+
+// coordinatorCalls is what the pairs and replays cells call: the
+// coordinator's Begin and Complete, with the signatures of the generated
+// idempotencyv1.CoordinatorClient, which the Go client library's
+// *clients.Client shares.
+type coordinatorCalls interface {
+	Begin(ctx context.Context, in *idempotencyv1.BeginRequest, opts ...grpc.CallOption) (*idempotencyv1.BeginResponse, error)
+	Complete(ctx context.Context, in *idempotencyv1.CompleteRequest, opts ...grpc.CallOption) (*idempotencyv1.CompleteResponse, error)
+}
+
+// newCoordinatorCalls returns the -client of s over one connection.
+func newCoordinatorCalls(_ *settings, conn *grpc.ClientConn) coordinatorCalls {
+	return idempotencyv1.NewCoordinatorClient(conn)
+}
+
+// client returns the coordinator client of caller w.
+func (e *environment) client(w int) coordinatorCalls {
 	return e.clients[w%len(e.clients)]
 }
 

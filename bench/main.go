@@ -9,7 +9,8 @@
 // the reaper every 10 s) as a separate process talking gRPC over loopback,
 // and measures at each concurrency:
 //
-//   - pairs/s: Begin on a new key then Complete, through gRPC;
+//   - pairs/s: Begin on a new key then Complete, through gRPC (-client
+//     says through which client);
 //   - replays/s: Begin on a COMPLETED key;
 //   - lean baseline pairs/s: the table a user would write by hand (primary
 //     key only, no trigger) and the two statements of issue 17 (INSERT …
@@ -34,7 +35,7 @@
 // size (and of the whole-table count it replaced), and the coordinator's
 // own reaper, at its default settings, working through a backlog of
 // records to expire and to delete while pairs run. It prints one table
-// with the goals of issues 6 and 17 marked met or not, and writes it as
+// with the goals of issues 6, 17 and 28 marked met or not, and writes it as
 // JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
 //
 // Every cell runs for a fixed time after a warm-up and starts with a
@@ -81,6 +82,9 @@ type settings struct {
 	ScaleConcurrency int           `json:"scale_concurrency"`
 	// Rounds is how many lean, pairs cell pairs run at each concurrency.
 	Rounds int `json:"rounds"`
+	// Client is what the callers of the pairs and replays cells call the
+	// coordinator through (-client).
+	Client string `json:"client"`
 	// Quick marks a short run (fewer cells, shorter ones): its figures are
 	// rougher and the 10M-record goals are not measured.
 	Quick         bool   `json:"quick,omitempty"`
@@ -118,6 +122,8 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.Rounds, "rounds", envInt("BENCH_ROUNDS", 2), "lean-baseline and pairs cells alternated at each concurrency, each this many times (BENCH_ROUNDS)")
 	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the coordinator's-table baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
 	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
+	fs.StringVar(&s.Client, "client", env("BENCH_CLIENT", clientStub), "what the pairs and replays callers call the coordinator through: "+
+		clientStub+", the generated idempotencyv1 client, one per connection (BENCH_CLIENT)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
@@ -151,6 +157,8 @@ func parseFlags(args []string) (*settings, error) {
 		return nil, errors.New("-rounds, -pool, -grpc-conns, -replay-keys, -ghz-concurrency and -scale-concurrency must be positive")
 	case s.BodyBytes < 0 || s.ScaleRecords < 0:
 		return nil, errors.New("-body-bytes and -scale-records must not be negative")
+	case s.Client != clientStub:
+		return nil, fmt.Errorf("-client %q: want %s", s.Client, clientStub)
 	}
 	s.WarmupSeconds, s.DurationSeconds = s.Warmup.Seconds(), s.Duration.Seconds()
 	return s, nil

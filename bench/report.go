@@ -64,16 +64,20 @@ type Row struct {
 	LeanPGPer1000     float64 `json:"lean_postgres_cpu_s_per_1000_pairs"`
 	LeanClientPer1000 float64 `json:"lean_client_cpu_s_per_1000_pairs"`
 	// CallersCPUPer1000 is the coordinator's callers' side (this driver's
-	// gRPC clients) during the pairs cells: not part of the issue-17 goal
-	// (coordinator + PostgreSQL), but on one machine it takes the same
-	// CPUs, so the whole machine's cost of a pair is callers + coordinator
-	// + PostgreSQL against the lean baseline's client + PostgreSQL.
+	// gRPC clients) during the pairs cells: not part of a CPU goal, but on
+	// one machine it takes the same CPUs, so the whole machine's cost of a
+	// pair is callers + coordinator + PostgreSQL against the lean
+	// baseline's client + PostgreSQL.
 	CallersCPUPer1000 float64 `json:"callers_cpu_s_per_1000_pairs"`
 	BaselinePGPer1000 float64 `json:"baseline_postgres_cpu_s_per_1000_pairs"`
 	// CPUPerPairRatio is (coordinator + PostgreSQL) over (PostgreSQL +
 	// client) of the lean baseline, CPU per pair.
 	CPUPerPairRatio float64 `json:"cpu_per_pair_vs_lean"`
-	CoordPeakRSSMB  float64 `json:"coordinator_peak_rss_mb"` // over the row's pairs and replays cells
+	// PGCPUPerPairRatio is PostgreSQL's CPU per pair on the coordinator's
+	// path over PostgreSQL's CPU per pair of the lean baseline
+	// (PGCPUPer1000 / LeanPGPer1000).
+	PGCPUPerPairRatio float64 `json:"postgres_cpu_per_pair_vs_lean"`
+	CoordPeakRSSMB    float64 `json:"coordinator_peak_rss_mb"` // over the row's pairs and replays cells
 	// OthersCPUShare is the largest share of the CPUs other processes took
 	// during one of the row's cells.
 	OthersCPUShare float64 `json:"others_cpu_share"`
@@ -89,6 +93,8 @@ type Goal struct {
 	Unit   string  `json:"unit"`
 	// Status is "met", "not met" or "not measured".
 	Status string `json:"status"`
+	// Note is a figure reported beside the goal that is not part of it.
+	Note string `json:"note,omitempty"`
 }
 
 // cells returns every cell of kind at concurrency, in run order.
@@ -170,6 +176,7 @@ func (r *report) finish() {
 		row.LeanRatio = ratio(row.PairsPerSec, row.LeanPerSec)
 		row.ReplayPairRatio = ratio(row.ReplaysPerSec, row.PairsPerSec)
 		row.CPUPerPairRatio = ratio(row.CoordCPUPer1000+row.PGCPUPer1000, row.LeanPGPer1000+row.LeanClientPer1000)
+		row.derive()
 		for i := range min(len(pc), len(lc)) {
 			row.LeanRatios = append(row.LeanRatios, ratio(pc[i].OpsPerSec, lc[i].OpsPerSec))
 		}
@@ -185,6 +192,13 @@ func (r *report) finish() {
 		}
 	}
 	r.Goals = r.goals()
+}
+
+// derive sets the row's figures that later versions of the report added
+// and that the row's own figures determine, so that a report an earlier
+// version wrote renders with them.
+func (row *Row) derive() {
+	row.PGCPUPerPairRatio = ratio(row.PGCPUPer1000, row.LeanPGPer1000)
 }
 
 // maxPairsPerSec is the highest pairs/s of the run's rows: the pair rate
@@ -206,12 +220,13 @@ func ratio(a, b float64) float64 {
 
 func (r *report) goals() []Goal {
 	var gs []Goal
-	add := func(issue int, name, target, unit string, value float64, measured, met bool) {
+	add := func(issue int, name, target, unit string, value float64, measured, met bool) *Goal {
 		g := Goal{Issue: issue, Name: name, Target: target, Value: value, Unit: unit, Status: "not measured"}
 		if measured {
 			g.Status = map[bool]string{true: "met", false: "not met"}[met]
 		}
 		gs = append(gs, g)
+		return &gs[len(gs)-1]
 	}
 	row64, row16, row256 := r.row(64), r.row(16), r.row(256)
 	v := func(row *Row, f func(*Row) float64) float64 {
@@ -222,17 +237,33 @@ func (r *report) goals() []Goal {
 	}
 	has := func(row *Row) bool { return row != nil && row.LeanPerSec > 0 }
 
-	// Issue 17: faster than the table a user would write by hand.
+	// Issue 28: faster and lighter on PostgreSQL than the table a user
+	// would write by hand.
 	lean64 := v(row64, func(x *Row) float64 { return x.LeanRatio })
-	add(17, "pairs/s vs lean baseline at 64 callers", ">= 1.0x", "x", lean64, has(row64), lean64 >= 1.0)
+	add(28, "pairs/s vs lean baseline at 64 callers", ">= 1.2x", "x", lean64, has(row64), lean64 >= 1.2)
 	lean256 := v(row256, func(x *Row) float64 { return x.LeanRatio })
-	add(17, "pairs/s vs lean baseline at 256 callers", ">= 1.5x", "x", lean256, has(row256), lean256 >= 1.5)
+	add(28, "pairs/s vs lean baseline at 256 callers", ">= 2.5x", "x", lean256, has(row256), lean256 >= 2.5)
 	rp64 := v(row64, func(x *Row) float64 { return x.ReplayPairRatio })
-	add(17, "replays/s vs pairs/s at 64 callers", ">= 4.0x", "x", rp64, row64 != nil, rp64 >= 4.0)
+	add(28, "replays/s vs pairs/s at 64 callers", ">= 8.0x", "x", rp64, row64 != nil, rp64 >= 8.0)
+	pgCPU := v(row64, func(x *Row) float64 { return x.PGCPUPerPairRatio })
+	g := add(28, "PostgreSQL CPU/pair vs lean's PostgreSQL at 64", "<= 0.5x", "x", pgCPU,
+		has(row64) && row64.LeanPGPer1000 > 0, pgCPU <= 0.5)
+	switch {
+	case row64 != nil && row64.CallersCPUPer1000 > 0:
+		g.Note = fmt.Sprintf("reported, not a goal: coordinator %.3f + callers %.3f CPU ms/pair",
+			row64.CoordCPUPer1000, row64.CallersCPUPer1000)
+	case row64 != nil: // a report from before the callers' CPU was recorded
+		g.Note = fmt.Sprintf("reported, not a goal: coordinator %.3f CPU ms/pair, callers' not recorded", row64.CoordCPUPer1000)
+	}
 	p99 := v(row16, func(x *Row) float64 { return x.BeginP99MS })
-	add(17, "Begin p99 at 16 callers", "<= 10 ms", "ms", p99, row16 != nil, p99 <= 10)
-	cpu := v(row64, func(x *Row) float64 { return x.CPUPerPairRatio })
-	add(17, "CPU/pair (coord+PG) vs lean (PG+client) at 64", "< 1.0x", "x", cpu, has(row64), cpu < 1.0)
+	add(28, "Begin p99 at 16 callers", "<= 5 ms", "ms", p99, row16 != nil, p99 <= 5)
+	var errs int64
+	for _, row := range r.Rows {
+		errs += row.Errors
+	}
+	add(28, "no errors (sum over the rows)", "= 0", "", float64(errs), len(r.Rows) > 0, errs == 0)
+
+	// Issue 17, still held: the reaper keeps pace, the gauge stays cheap.
 	var pace float64
 	paceMeasured := r.Scale != nil && r.Scale.Backlog.FirstPassSeconds > 0 && r.maxPairsPerSec() > 0
 	if paceMeasured {
@@ -286,18 +317,18 @@ func (r *report) print(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "\nidemcoord bench (%s) — %s, %s, %d CPUs, PostgreSQL %s durable (fsync, synchronous_commit, full_page_writes on)\n",
 		r.Command, commit, r.StartedAt, r.Machine.CPUs, r.Postgres.Version)
-	fmt.Fprintf(out, "%s warm-up + %s measured per cell, %d rounds of lean/pairs; lean baseline: pool of as many connections as callers; "+
+	fmt.Fprintf(out, "%s warm-up + %s measured per cell, %d rounds of lean/pairs; callers' client: %s; lean baseline: pool of as many connections as callers; "+
 		"baseline on the coordinator's table: pool %d; %d-byte responses; total %.0f s\n\n",
-		s.Warmup, s.Duration, s.Rounds, s.PoolConns, s.BodyBytes, r.TotalSeconds)
+		s.Warmup, s.Duration, s.Rounds, s.Client, s.PoolConns, s.BodyBytes, r.TotalSeconds)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tpairs/s\tlean/s\tvs lean\tbaseline/s\tvs base\treplays/s\treplay/pair\tBegin p50/p99 ms\tComplete p50/p99 ms\treplay p50/p99 ms\tlean p50 ms\t"+
-		"CPU s/1k pairs coord+PG\tlean PG+client\tgRPC callers\tcoord RSS MB\tothers CPU\terrors\t")
+		"CPU s/1k pairs coord+PG\tlean PG+client\tPG vs lean PG\tgRPC callers\tcoord RSS MB\tothers CPU\terrors\t")
 	for _, row := range r.Rows {
-		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f\t%.3f+%.3f\t%.3f+%.3f\t%.3f\t%.0f\t%.0f%%\t%d\t\n",
+		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.2f\t%.0f\t%.2f\t%.0f\t%.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f / %.2f\t%.2f\t%.3f+%.3f\t%.3f+%.3f\t%.2f\t%.3f\t%.0f\t%.0f%%\t%d\t\n",
 			row.Concurrency, row.PairsPerSec, row.LeanPerSec, row.LeanRatio, row.BaselinePerSec, row.Ratio,
 			row.ReplaysPerSec, row.ReplayPairRatio,
 			row.BeginP50MS, row.BeginP99MS, row.CompleteP50MS, row.CompleteP99MS, row.ReplayP50MS, row.ReplayP99MS, row.LeanP50MS,
-			row.CoordCPUPer1000, row.PGCPUPer1000, row.LeanPGPer1000, row.LeanClientPer1000, row.CallersCPUPer1000, row.CoordPeakRSSMB,
+			row.CoordCPUPer1000, row.PGCPUPer1000, row.LeanPGPer1000, row.LeanClientPer1000, row.PGCPUPerPairRatio, row.CallersCPUPer1000, row.CoordPeakRSSMB,
 			row.OthersCPUShare*100, row.Errors)
 	}
 	if err := tw.Flush(); err != nil {
@@ -332,7 +363,11 @@ func (r *report) print(out io.Writer) error {
 	}
 	fmt.Fprintln(out, "\ngoals:")
 	for _, g := range r.Goals {
-		fmt.Fprintf(out, "  %-15s %-50s %8.2f %-2s (target %s)\n", "["+g.Status+"]", g.Name, g.Value, g.Unit, g.Target)
+		note := ""
+		if g.Note != "" {
+			note = "  " + g.Note
+		}
+		fmt.Fprintf(out, "  %-15s %-50s %8.2f %-2s (target %s)%s\n", "["+g.Status+"]", g.Name, g.Value, g.Unit, g.Target, note)
 	}
 	cells := append([]Cell(nil), r.Cells...)
 	if r.Scale != nil {
@@ -360,9 +395,12 @@ func (r *report) print(out io.Writer) error {
 	return nil
 }
 
-// render prints the report stored in a JSON file by an earlier run, as that
-// run printed it (`go run ./bench -render FILE`): the figures of the
-// documentation's performance page are this output, not a paste.
+// render prints the report stored in a JSON file by an earlier run (`go run
+// ./bench -render FILE`): the figures of the documentation's performance
+// page are this output, not a paste. The figures are the run's own, as it
+// printed them, with the columns later versions added where the run's rows
+// determine them; the goals are today's, judged on those rows (the JSON
+// keeps the goals the run was judged by).
 func render(path string, out io.Writer) error {
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -377,6 +415,14 @@ func render(path string, out io.Writer) error {
 	}
 	r.Settings.Warmup = time.Duration(r.Settings.WarmupSeconds * float64(time.Second))
 	r.Settings.Duration = time.Duration(r.Settings.DurationSeconds * float64(time.Second))
+	if r.Settings.Client == "" {
+		// Runs from before -client drove the cells with the generated stub.
+		r.Settings.Client = clientStub
+	}
+	for i := range r.Rows {
+		r.Rows[i].derive()
+	}
+	r.Goals = r.goals()
 	return r.print(out)
 }
 
