@@ -250,6 +250,9 @@ func TestParseFlagsClient(t *testing.T) {
 	if err != nil || s.Client != clientStub {
 		t.Fatalf("parseFlags() = %+v, %v; want -client %s", s, err, clientStub)
 	}
+	if s, err := parseFlags([]string{"-client", "go"}); err != nil || s.Client != clientGo {
+		t.Fatalf("parseFlags(-client go) = %+v, %v", s, err)
+	}
 	if _, err := parseFlags([]string{"-client", "grpcurl"}); err == nil {
 		t.Fatal("parseFlags accepted -client grpcurl")
 	}

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/idemcoord/idemcoord/clients"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
@@ -206,6 +207,7 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 // through.
 const (
 	clientStub = "stub" // the generated idempotencyv1.CoordinatorClient
+	clientGo   = "go"   // the Go client library: clients.New(conn, goClientOptions(s)...)
 )
 
 // coordinatorCalls is what the pairs and replays cells call: the
@@ -218,8 +220,17 @@ type coordinatorCalls interface {
 }
 
 // newCoordinatorCalls returns the -client of s over one connection.
-func newCoordinatorCalls(_ *settings, conn *grpc.ClientConn) coordinatorCalls {
+func newCoordinatorCalls(s *settings, conn *grpc.ClientConn) coordinatorCalls {
+	if s.Client == clientGo {
+		return clients.New(conn, goClientOptions(s)...)
+	}
 	return idempotencyv1.NewCoordinatorClient(conn)
+}
+
+// goClientOptions are the Go client's options that the flags choose; with
+// none, clients.New's defaults.
+func goClientOptions(*settings) []clients.Option {
+	return nil
 }
 
 // client returns the coordinator client of caller w.

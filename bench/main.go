@@ -123,7 +123,7 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the coordinator's-table baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
 	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
 	fs.StringVar(&s.Client, "client", env("BENCH_CLIENT", clientStub), "what the pairs and replays callers call the coordinator through: "+
-		clientStub+", the generated idempotencyv1 client, one per connection (BENCH_CLIENT)")
+		clientStub+" (the generated idempotencyv1 client) or "+clientGo+" (the Go client library, clients.New), one per connection (BENCH_CLIENT)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
@@ -157,8 +157,8 @@ func parseFlags(args []string) (*settings, error) {
 		return nil, errors.New("-rounds, -pool, -grpc-conns, -replay-keys, -ghz-concurrency and -scale-concurrency must be positive")
 	case s.BodyBytes < 0 || s.ScaleRecords < 0:
 		return nil, errors.New("-body-bytes and -scale-records must not be negative")
-	case s.Client != clientStub:
-		return nil, fmt.Errorf("-client %q: want %s", s.Client, clientStub)
+	case s.Client != clientStub && s.Client != clientGo:
+		return nil, fmt.Errorf("-client %q: want %s or %s", s.Client, clientStub, clientGo)
 	}
 	s.WarmupSeconds, s.DurationSeconds = s.Warmup.Seconds(), s.Duration.Seconds()
 	return s, nil

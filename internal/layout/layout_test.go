@@ -59,7 +59,8 @@ var layout = map[string]rule{
 	// Examples import what a user's service can: public packages only.
 	"examples": {own: []string{"examples", "clients", "ledger", "statemachine", "gen"}},
 	// The benchmark driver (go run ./bench) starts its own PostgreSQL.
-	"bench": {own: []string{"gen", "ledger", "internal/pgtest"}},
+	// extra: clients, the Go client library the callers can drive the cells with (-client go).
+	"bench": {own: []string{"gen", "ledger", "internal/pgtest", "clients"}},
 	"chaos": {own: []string{}}, // tests only
 	// The deployment files' checks (chart, alerts, dashboard, image, unit).
 	"deploy": {stdOnly: true}, // tests only
