@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -202,6 +203,12 @@ func TestBatchRefusedWhole(t *testing.T) {
 		}
 		wantViolation(t, st, field)
 	}
+	// Invalid UTF-8 in calls[0].begin.key: the codec marks the whole
+	// request, not the call.
+	raw := []byte("\x0a\x09\x0a\x07\x0a\x01s\x12\x02\xff\xfe")
+	var out []byte
+	err := e.coord.Dial(t).Invoke(ctx(t), idempotencyv1.Coordinator_Batch_FullMethodName, &raw, &out, grpc.ForceCodecV2(rawCodec{}))
+	wantViolation(t, wantCode(t, err, codes.InvalidArgument, ""), "calls.begin.key")
 	if n := e.rowCount(); n != 0 {
 		t.Fatalf("rows = %d after refused batches", n)
 	}
