@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -427,5 +428,27 @@ func TestHTTPBatch(t *testing.T) {
 	if begin["outcome"] != "OUTCOME_ACQUIRED" || denied["code"] != float64(codes.PermissionDenied) ||
 		invalid["code"] != float64(codes.InvalidArgument) || !strings.Contains(string(r.body), "google.rpc.BadRequest") {
 		t.Fatalf("Batch results: %s", r.body)
+	}
+}
+
+// The gRPC metrics count the Batch RPC, not its calls; the domain metrics
+// count every call as its unary call.
+func TestBatchMetrics(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{config: "scopes:\n  - { match: s }\n"})
+	res := batch(t, ctx(t), e.client, batchBegin("s", "k"), batchBegin("s", "k"), batchBegin("s", "other"), batchBegin("s", ""))
+	wantCode(t, resultErr(res[3]), codes.InvalidArgument, "")
+	rec := httptest.NewRecorder()
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	text := rec.Body.String()
+	for _, line := range []string{
+		`idempotency_begin_total{outcome="acquired",scope="s"} 2`,
+		`idempotency_begin_total{outcome="in_progress",scope="s"} 1`,
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Batch",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
+		`grpc_server_handled_total{grpc_code="OK",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 0`,
+	} {
+		if !strings.Contains(text, "\n"+line+"\n") {
+			t.Errorf("/metrics lacks %s", line)
+		}
 	}
 }
