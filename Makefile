@@ -98,6 +98,7 @@ fuzz-short:
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzBegin$$'
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzComplete$$'
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzFail$$'
+	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzBatch$$'
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_PARSE) -fuzz '^FuzzParsePolicies$$'
 	go test ./server $(FUZZFLAGS) -fuzztime $(FUZZ_DB) -fuzz '^FuzzAuthenticate$$'
 	go test ./clients $(FUZZFLAGS) -fuzztime $(FUZZ_PARSE) -fuzz '^FuzzParseIdempotencyKey$$'

@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
 )
 
@@ -42,6 +43,12 @@ func unauthenticatedService(_ context.Context, c interceptors.CallMeta) bool {
 		return false
 	}
 	return true
+}
+
+// rateLimited reports whether a call takes a token of its tenant's rate
+// limit: every authenticated call but a Batch, whose calls take one each.
+func rateLimited(ctx context.Context, c interceptors.CallMeta) bool {
+	return unauthenticatedService(ctx, c) && c.FullMethod() != idempotencyv1.Coordinator_Batch_FullMethodName
 }
 
 // authenticate finds the caller's tenant from a verified TLS client

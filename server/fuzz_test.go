@@ -168,6 +168,70 @@ func FuzzFail(f *testing.F) {
 	})
 }
 
+// FuzzBatch sends arbitrary bytes as a BatchRequest: besides what every
+// target requires of the RPC, each call's own error must be one a unary
+// call may answer (DEADLINE_EXCEEDED too: a call's timeout), an
+// INVALID_ARGUMENT with a field violation, and there is one result per
+// call.
+func FuzzBatch(f *testing.F) {
+	begin := func(r *idempotencyv1.BeginRequest) *idempotencyv1.BatchCall {
+		return &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Begin{Begin: r}}
+	}
+	lookup := &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Lookup{Lookup: &idempotencyv1.LookupRequest{Scope: "s", Key: "k"}}}
+	complete := &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Complete{Complete: &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: "t"}}}
+	timed := func(c *idempotencyv1.BatchCall, d *durationpb.Duration) *idempotencyv1.BatchCall {
+		return &idempotencyv1.BatchCall{Call: c.GetCall(), Timeout: d}
+	}
+	for _, r := range []*idempotencyv1.BatchRequest{
+		{},
+		{Calls: []*idempotencyv1.BatchCall{begin(&idempotencyv1.BeginRequest{Scope: "s", Key: "k"}), lookup, complete}},
+		{Calls: []*idempotencyv1.BatchCall{begin(&idempotencyv1.BeginRequest{Scope: "s", Key: "k"}), begin(&idempotencyv1.BeginRequest{Scope: "s", Key: "k"})}},
+		{Calls: []*idempotencyv1.BatchCall{begin(&idempotencyv1.BeginRequest{Scope: "s", Key: ""}), lookup}},
+		{Calls: []*idempotencyv1.BatchCall{begin(&idempotencyv1.BeginRequest{Scope: "s", Key: "w", Wait: dur(time.Second)})}},
+		{Calls: []*idempotencyv1.BatchCall{timed(lookup, dur(0)), timed(lookup, dur(time.Nanosecond)), timed(lookup, &durationpb.Duration{Seconds: 1 << 62})}},
+		{Calls: []*idempotencyv1.BatchCall{lookup, {}}},
+	} {
+		f.Add(marshal(f, r), uint8(0))
+	}
+	f.Add([]byte("\x0a\x09\x0a\x07\x0a\x01s\x12\x02\xff\xfe"), uint8(0)) // calls[0].begin.key is not UTF-8
+	fuzzCall(f, fuzzMethod{
+		name:     "Batch",
+		req:      func() proto.Message { return &idempotencyv1.BatchRequest{} },
+		answered: checkBatchResults,
+	})
+}
+
+// checkBatchResults checks the results of a Batch that answered OK.
+func checkBatchResults(t *testing.T, _ *testEnv, m proto.Message, out []byte) {
+	t.Helper()
+	req := m.(*idempotencyv1.BatchRequest)
+	var resp idempotencyv1.BatchResponse
+	if err := proto.Unmarshal(out, &resp); err != nil {
+		t.Fatalf("Batch answered undecodable bytes %q: %v", out, err)
+	}
+	if len(resp.GetResults()) != len(req.GetCalls()) {
+		t.Fatalf("Batch of %d calls answered %d results", len(req.GetCalls()), len(resp.GetResults()))
+	}
+	for i, r := range resp.GetResults() {
+		if r.GetResult() == nil {
+			t.Fatalf("result %d is empty", i)
+		}
+		if r.GetError() == nil {
+			continue
+		}
+		st := status.FromProto(r.GetError())
+		switch st.Code() {
+		case codes.FailedPrecondition, codes.NotFound, codes.DeadlineExceeded:
+		case codes.InvalidArgument:
+			if !hasFieldViolation(st) {
+				t.Fatalf("call %d answered INVALID_ARGUMENT without a BadRequest field violation: %v", i, st.Err())
+			}
+		default:
+			t.Fatalf("call %d answered %v: %v; call %v", i, st.Code(), st.Err(), req.GetCalls()[i])
+		}
+	}
+}
+
 // checkAcquired looks up the record an accepted Begin acquired: it must be
 // stored IN_PROGRESS with the request's fingerprint (if it has one) and a lease of the
 // request's length (the policy's 30 s without one) from now, rounded up to

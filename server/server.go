@@ -51,6 +51,10 @@ type Server struct {
 	api       http.Handler
 	opts      options
 	unary     []grpc.UnaryServerInterceptor // the chain, for AdminConn
+	// batchItem is the chain each call of a Batch runs through as its
+	// unary method: call log, recovery and rate limit (the Batch RPC
+	// itself was counted and authenticated).
+	batchItem grpc.UnaryServerInterceptor
 }
 
 // Option configures a Server.
@@ -171,20 +175,24 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	s.policies.Store(o.policies)
 	s.metrics.scopes.named = func(scope string) string { return s.policies.Load().scopeLabel(scope) }
 
-	recoveryHandler := func(ctx context.Context, p any) error {
-		s.logger.ErrorContext(ctx, "panic in call", "panic", p, "stack", string(debug.Stack()))
-		return status.Error(codes.Internal, "internal error")
-	}
+	recoveryHandler := recovery.WithRecoveryHandlerContext(s.recoverPanic)
 	needsAuth := selector.MatchFunc(unauthenticatedService)
 	limiter := &tenantLimiter{server: s, byKey: map[string]*rate.Limiter{}}
+	callLog := newCallLog(o.logger, o.slowCall).unary
 	unary := append([]grpc.UnaryServerInterceptor{
 		s.metrics.grpc.UnaryServerInterceptor(),
-		newCallLog(o.logger, o.slowCall).unary,
-		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+		callLog,
+		recovery.UnaryServerInterceptor(recoveryHandler),
 		selector.UnaryServerInterceptor(auth.UnaryServerInterceptor(s.authenticate), needsAuth),
-		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), needsAuth),
+		// A Batch takes one token per call instead (batchItem).
+		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), selector.MatchFunc(rateLimited)),
 	}, o.unary...)
 	s.unary = unary
+	s.batchItem = chainUnary([]grpc.UnaryServerInterceptor{
+		callLog,
+		recovery.UnaryServerInterceptor(recoveryHandler),
+		ratelimit.UnaryServerInterceptor(limiter),
+	})
 	gopts := append([]grpc.ServerOption{
 		// Calls run on long-lived worker goroutines whose stacks have
 		// already grown, instead of a new goroutine per call that grows
@@ -197,7 +205,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		grpc.ChainStreamInterceptor(
 			s.metrics.grpc.StreamServerInterceptor(),
 			logging.StreamServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
-			recovery.StreamServerInterceptor(recovery.WithRecoveryHandlerContext(recoveryHandler)),
+			recovery.StreamServerInterceptor(recoveryHandler),
 			selector.StreamServerInterceptor(auth.StreamServerInterceptor(s.authenticate), needsAuth),
 		),
 	}, o.grpcOptions...)
@@ -216,6 +224,14 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		return nil, err
 	}
 	return s, nil
+}
+
+// recoverPanic is the recovery handler of every call (and every call of a
+// Batch): it logs the panic with its stack and answers INTERNAL with no
+// detail.
+func (s *Server) recoverPanic(ctx context.Context, p any) error {
+	s.logger.ErrorContext(ctx, "panic in call", "panic", p, "stack", string(debug.Stack()))
+	return status.Error(codes.Internal, "internal error")
 }
 
 // SetPolicies replaces the policy and limits for calls that start after it

@@ -42,12 +42,8 @@ func (v *violations) err() error {
 // returns an *invalidError listing every violation, or nil.
 func validate(pv protovalidate.Validator, msg proto.Message, check func(*violations)) error {
 	var v violations
-	for _, path := range invalidUTF8Paths(msg) {
-		if path == malformedMessage {
-			v.add("", "the request is not a well-formed protobuf message")
-			return v.err()
-		}
-		v.add(path, "must be valid UTF-8")
+	if !checkWireFaults(&v, msg) {
+		return v.err()
 	}
 	if err := pv.Validate(msg); err != nil {
 		var verr *protovalidate.ValidationError
@@ -60,6 +56,20 @@ func validate(pv protovalidate.Validator, msg proto.Message, check func(*violati
 	}
 	check(&v)
 	return v.err()
+}
+
+// checkWireFaults adds a violation for each string field of msg that the
+// codec found invalid UTF-8 in, and reports whether msg was well-formed
+// protobuf at all (if not, it adds that and stops).
+func checkWireFaults(v *violations, msg proto.Message) (wellFormed bool) {
+	for _, path := range invalidUTF8Paths(msg) {
+		if path == malformedMessage {
+			v.add("", "the request is not a well-formed protobuf message")
+			return false
+		}
+		v.add(path, "must be valid UTF-8")
+	}
+	return true
 }
 
 // checkName checks a scope or key beyond the proto rules (non-empty, no

@@ -1,0 +1,163 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+// maxBatchCalls is the most calls one Batch may carry.
+const maxBatchCalls = 256
+
+// Batch makes several calls in one RPC; see idempotency.v1.Coordinator.
+// Each call runs concurrently through the method its unary call reaches
+// (Begin, Complete, Fail, Lookup, Heartbeat), under the RPC's context and
+// its own timeout, with its own panic recovery, rate-limit token and log
+// line (see WithSlowCallThreshold). The RPC fails whole only when it is not
+// well-formed: no calls, more than 256, a call without a request, or
+// invalid UTF-8 anywhere (the codec cannot tell which call it was in).
+func (s *Server) Batch(ctx context.Context, req *idempotencyv1.BatchRequest) (*idempotencyv1.BatchResponse, error) {
+	start := time.Now()
+	noteCall(ctx, tenantFrom(ctx), "", "")
+	if err := checkBatch(req); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	results := make([]*idempotencyv1.BatchResult, len(req.GetCalls()))
+	var wg sync.WaitGroup
+	for i, call := range req.GetCalls() {
+		wg.Go(func() { results[i] = s.batchCall(ctx, start, i, call) })
+	}
+	wg.Wait()
+	return &idempotencyv1.BatchResponse{Results: results}, nil
+}
+
+// checkBatch refuses a BatchRequest that cannot be split into calls.
+func checkBatch(req *idempotencyv1.BatchRequest) error {
+	var v violations
+	if !checkWireFaults(&v, req) {
+		return v.err()
+	}
+	switch n := len(req.GetCalls()); {
+	case n == 0:
+		v.add("calls", "must have at least 1 call")
+	case n > maxBatchCalls:
+		v.add("calls", "must have at most %d calls, got %d", maxBatchCalls, n)
+	}
+	for i, call := range req.GetCalls() {
+		if call.GetCall() == nil {
+			v.add(fmt.Sprintf("calls[%d]", i), "must set one of begin, complete, fail, lookup, heartbeat")
+		}
+	}
+	return v.err()
+}
+
+// batchCall runs calls[i] of a Batch that started at start, through the
+// item chain (call log, recovery, rate limit) as its unary method, and
+// returns its result.
+func (s *Server) batchCall(ctx context.Context, start time.Time, i int, call *idempotencyv1.BatchCall) *idempotencyv1.BatchResult {
+	method, req := batchCallRequest(call)
+	ctx = logging.InjectLogField(ctx, "batch.call", i)
+	info := &grpc.UnaryServerInfo{Server: s, FullMethod: method}
+	resp, err := s.batchItem(ctx, req, info, func(ctx context.Context, _ any) (any, error) {
+		return s.runBatchCall(ctx, start, i, call)
+	})
+	return batchResult(resp, err)
+}
+
+// runBatchCall checks what a batch adds to calls[i] (its timeout, no wait)
+// and runs it through its unary method.
+func (s *Server) runBatchCall(ctx context.Context, start time.Time, i int, call *idempotencyv1.BatchCall) (any, error) {
+	noteCall(ctx, tenantFrom(ctx), batchCallScope(call), "")
+	if err := checkBatchCall(i, call); err != nil {
+		return nil, s.status(ctx, err)
+	}
+	if t := call.GetTimeout(); t != nil {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, start.Add(t.AsDuration()))
+		defer cancel()
+	}
+	switch c := call.GetCall().(type) {
+	case *idempotencyv1.BatchCall_Begin:
+		return s.Begin(ctx, c.Begin)
+	case *idempotencyv1.BatchCall_Complete:
+		return s.Complete(ctx, c.Complete)
+	case *idempotencyv1.BatchCall_Fail:
+		return s.Fail(ctx, c.Fail)
+	case *idempotencyv1.BatchCall_Lookup:
+		return s.Lookup(ctx, c.Lookup)
+	case *idempotencyv1.BatchCall_Heartbeat:
+		return s.Heartbeat(ctx, c.Heartbeat)
+	}
+	return nil, status.Error(codes.InvalidArgument, "call without a request") // checkBatch refused it
+}
+
+// checkBatchCall checks the fields a batch adds to calls[i]: a valid
+// timeout of more than 0, and no wait on a Begin (a batched call never
+// waits on another key's holder). The request itself is its unary
+// method's to check.
+func checkBatchCall(i int, call *idempotencyv1.BatchCall) error {
+	var v violations
+	field := fmt.Sprintf("calls[%d]", i)
+	checkDuration(&v, field+".timeout", call.GetTimeout(), 0, math.MaxInt64, true)
+	if w := call.GetBegin().GetWait(); w != nil && w.CheckValid() == nil && w.AsDuration() > 0 {
+		v.add(field+".begin.wait", "must be absent or 0 in a batch, got %v", w.AsDuration())
+	}
+	return v.err()
+}
+
+// batchCallRequest returns the full method name and request of call.
+func batchCallRequest(call *idempotencyv1.BatchCall) (string, proto.Message) {
+	switch c := call.GetCall().(type) {
+	case *idempotencyv1.BatchCall_Begin:
+		return idempotencyv1.Coordinator_Begin_FullMethodName, c.Begin
+	case *idempotencyv1.BatchCall_Complete:
+		return idempotencyv1.Coordinator_Complete_FullMethodName, c.Complete
+	case *idempotencyv1.BatchCall_Fail:
+		return idempotencyv1.Coordinator_Fail_FullMethodName, c.Fail
+	case *idempotencyv1.BatchCall_Lookup:
+		return idempotencyv1.Coordinator_Lookup_FullMethodName, c.Lookup
+	case *idempotencyv1.BatchCall_Heartbeat:
+		return idempotencyv1.Coordinator_Heartbeat_FullMethodName, c.Heartbeat
+	}
+	return idempotencyv1.Coordinator_Batch_FullMethodName, call
+}
+
+// batchCallScope is the scope call names, for its log line.
+func batchCallScope(call *idempotencyv1.BatchCall) string {
+	_, req := batchCallRequest(call)
+	if r, ok := req.(interface{ GetScope() string }); ok {
+		return r.GetScope()
+	}
+	return ""
+}
+
+// batchResult is the BatchResult of a call that answered resp or failed
+// with err.
+func batchResult(resp any, err error) *idempotencyv1.BatchResult {
+	if err == nil {
+		switch r := resp.(type) {
+		case *idempotencyv1.BeginResponse:
+			return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Begin{Begin: r}}
+		case *idempotencyv1.CompleteResponse:
+			return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Complete{Complete: r}}
+		case *idempotencyv1.FailResponse:
+			return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Fail{Fail: r}}
+		case *idempotencyv1.LookupResponse:
+			return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Lookup{Lookup: r}}
+		case *idempotencyv1.HeartbeatResponse:
+			return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Heartbeat{Heartbeat: r}}
+		}
+		err = status.Errorf(codes.Internal, "internal error")
+	}
+	return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Error{Error: status.Convert(err).Proto()}}
+}
