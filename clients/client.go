@@ -29,6 +29,7 @@ import (
 // background for up to one lease. Shutdown waits for that work.
 type Client struct {
 	rpc    idempotencyv1.CoordinatorClient
+	batch  *batcher // nil without WithCallBatching
 	opts   options
 	logger *slog.Logger
 
@@ -56,6 +57,9 @@ func New(conn grpc.ClientConnInterface, opts ...Option) *Client {
 		}),
 	)}
 	c := &Client{rpc: idempotencyv1.NewCoordinatorClient(rc), opts: o, logger: o.logger}
+	if o.batchRPCs > 0 {
+		c.batch = &batcher{c: c, max: o.batchRPCs}
+	}
 	c.bgCtx, c.bgCancel = context.WithCancel(context.Background())
 	return c
 }
@@ -89,12 +93,22 @@ func (c *Client) Begin(ctx context.Context, req *idempotencyv1.BeginRequest, opt
 		req = proto.CloneOf(req)
 		req.AttemptId = newAttemptID()
 	}
+	if req.GetWait().AsDuration() <= 0 {
+		if size, ok := c.batch.batchable(ctx, opts, req); ok {
+			res, err := c.batch.call(ctx, &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Begin{Begin: req}}, size)
+			return batchAnswer(res, err, (*idempotencyv1.BatchResult).GetBegin)
+		}
+	}
 	return c.rpc.Begin(ctx, req, opts...)
 }
 
 // Complete stores the response and ends the record COMPLETED (see
 // idempotency.v1.Coordinator.Complete).
 func (c *Client) Complete(ctx context.Context, req *idempotencyv1.CompleteRequest, opts ...grpc.CallOption) (*idempotencyv1.CompleteResponse, error) {
+	if size, ok := c.batch.batchable(ctx, opts, req); ok {
+		res, err := c.batch.call(ctx, &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Complete{Complete: req}}, size)
+		return batchAnswer(res, err, (*idempotencyv1.BatchResult).GetComplete)
+	}
 	return c.rpc.Complete(ctx, req, opts...)
 }
 
@@ -104,7 +118,15 @@ func (c *Client) Complete(ctx context.Context, req *idempotencyv1.CompleteReques
 // so a retried Fail whose first reply was lost finds nothing, which is the
 // outcome it asked for.
 func (c *Client) Fail(ctx context.Context, req *idempotencyv1.FailRequest, opts ...grpc.CallOption) (*idempotencyv1.FailResponse, error) {
-	res, err := c.rpc.Fail(ctx, req, opts...)
+	var res *idempotencyv1.FailResponse
+	var err error
+	if size, ok := c.batch.batchable(ctx, opts, req); ok {
+		var r *idempotencyv1.BatchResult
+		r, err = c.batch.call(ctx, &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Fail{Fail: req}}, size)
+		res, err = batchAnswer(r, err, (*idempotencyv1.BatchResult).GetFail)
+	} else {
+		res, err = c.rpc.Fail(ctx, req, opts...)
+	}
 	if err != nil && req.GetKind() == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED && status.Code(err) == codes.NotFound {
 		return &idempotencyv1.FailResponse{}, nil
 	}
@@ -114,12 +136,20 @@ func (c *Client) Fail(ctx context.Context, req *idempotencyv1.FailRequest, opts 
 // Lookup reads a record as in effect now (see
 // idempotency.v1.Coordinator.Lookup).
 func (c *Client) Lookup(ctx context.Context, req *idempotencyv1.LookupRequest, opts ...grpc.CallOption) (*idempotencyv1.LookupResponse, error) {
+	if size, ok := c.batch.batchable(ctx, opts, req); ok {
+		res, err := c.batch.call(ctx, &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Lookup{Lookup: req}}, size)
+		return batchAnswer(res, err, (*idempotencyv1.BatchResult).GetLookup)
+	}
 	return c.rpc.Lookup(ctx, req, opts...)
 }
 
 // Heartbeat extends the current attempt's lease (see
 // idempotency.v1.Coordinator.Heartbeat).
 func (c *Client) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequest, opts ...grpc.CallOption) (*idempotencyv1.HeartbeatResponse, error) {
+	if size, ok := c.batch.batchable(ctx, opts, req); ok {
+		res, err := c.batch.call(ctx, &idempotencyv1.BatchCall{Call: &idempotencyv1.BatchCall_Heartbeat{Heartbeat: req}}, size)
+		return batchAnswer(res, err, (*idempotencyv1.BatchResult).GetHeartbeat)
+	}
 	return c.rpc.Heartbeat(ctx, req, opts...)
 }
 

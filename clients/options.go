@@ -21,6 +21,8 @@ type options struct {
 	logger   *slog.Logger
 	lease    time.Duration
 	token    string
+	// batchRPCs is WithCallBatching's limit (0: every call unary).
+	batchRPCs int
 }
 
 func defaultOptions() options {
