@@ -25,7 +25,7 @@ import (
 func newClient(t *testing.T, o coordtest.Options, opts ...clients.Option) (*coordtest.Coordinator, *clients.Client) {
 	t.Helper()
 	coord := coordtest.Start(t, o)
-	c := clients.New(coord.Dial(t), opts...)
+	c := clients.New(coord.Dial(t), fixtureOptions(opts...)...)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()

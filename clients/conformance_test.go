@@ -82,8 +82,8 @@ func (r conformanceRunner[O, S]) run(t *testing.T) {
 	}
 	coord := coordtest.Start(t, coordtest.Options{})
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: r.logLevel}))
-	idem := clients.New(coord.Dial(t), clients.WithLogger(logger),
-		clients.WithLease(time.Duration(suite.ClientLeaseMS)*time.Millisecond))
+	idem := clients.New(coord.Dial(t), fixtureOptions(clients.WithLogger(logger),
+		clients.WithLease(time.Duration(suite.ClientLeaseMS)*time.Millisecond))...)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()

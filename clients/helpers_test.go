@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -31,6 +32,21 @@ func TestMain(m *testing.M) {
 		os.Exit(runHTTPChild()) // this binary, re-executed as a service to kill (see http_crash_test.go)
 	}
 	os.Exit(coordtest.Main(m))
+}
+
+// callBatchingEnv, set to a number, makes the fixtures' Clients share RPCs
+// (clients.WithCallBatching with that many RPCs in flight): `make test`
+// runs this package a second time with it, so that every promise tested
+// through a fixture is tested through Batch RPCs too.
+const callBatchingEnv = "IDEMCOORD_TEST_CALL_BATCHING"
+
+// fixtureOptions returns opts, with clients.WithCallBatching appended when
+// callBatchingEnv asks for it.
+func fixtureOptions(opts ...clients.Option) []clients.Option {
+	if n, err := strconv.Atoi(os.Getenv(callBatchingEnv)); err == nil && n > 0 {
+		opts = append(opts, clients.WithCallBatching(n))
+	}
+	return opts
 }
 
 // Full method names of the demo proto that these tests serve.
@@ -97,7 +113,7 @@ func start(t *testing.T, s setup) *fixture {
 	t.Helper()
 	coord := coordtest.Start(t, coordtest.Options{Config: s.config, FakeClock: s.fakeClock, ServerOptions: s.serverOpts})
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	idem := clients.New(coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
+	idem := clients.New(coord.Dial(t), fixtureOptions(append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)...)
 	svc := &testService{charge: s.charge}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
 		recovery.UnaryServerInterceptor(recovery.WithRecoveryHandler(func(any) error {
@@ -262,27 +278,59 @@ type lostAcquisitions struct {
 func (l *lostAcquisitions) option() server.Option { return server.WithUnaryInterceptors(l.intercept) }
 
 func (l *lostAcquisitions) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	breq, ok := req.(*idempotencyv1.BeginRequest)
-	if !ok || !l.armed.Load() {
+	if !l.armed.Load() {
 		return handler(ctx, req)
 	}
-	resp, err := handler(context.WithoutCancel(ctx), req) // commits even if the caller gives up meanwhile
-	if res, _ := resp.(*idempotencyv1.BeginResponse); err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+	switch r := req.(type) {
+	case *idempotencyv1.BeginRequest:
+		resp, err := handler(context.WithoutCancel(ctx), req) // commits even if the caller gives up meanwhile
+		if res, _ := resp.(*idempotencyv1.BeginResponse); err != nil || !l.firstAcquired(r, res) {
+			return resp, err
+		}
+		<-ctx.Done()
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case *idempotencyv1.BatchRequest:
+		// A Batch (clients.WithCallBatching): its RPC ends only at the
+		// latest of its calls' deadlines, so its answer is kept back until
+		// then or for 2 s, whichever comes first, and then sent: the
+		// acquisition reaches a client whose caller has left.
+		resp, err := handler(context.WithoutCancel(ctx), req)
+		res, _ := resp.(*idempotencyv1.BatchResponse)
+		held := false
+		for i, c := range r.GetCalls() {
+			if c.GetBegin() != nil && i < len(res.GetResults()) && l.firstAcquired(c.GetBegin(), res.GetResults()[i].GetBegin()) {
+				held = true
+			}
+		}
+		if held {
+			select {
+			case <-ctx.Done():
+				return nil, status.FromContextError(ctx.Err()).Err()
+			case <-time.After(2 * time.Second):
+			}
+		}
 		return resp, err
 	}
+	return handler(ctx, req)
+}
+
+// firstAcquired reports whether res acquired the key for req's attempt_id
+// for the first time, and counts it as held.
+func (l *lostAcquisitions) firstAcquired(req *idempotencyv1.BeginRequest, res *idempotencyv1.BeginResponse) bool {
+	if res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		return false
+	}
 	l.mu.Lock()
-	first := !l.seen[breq.GetAttemptId()]
+	defer l.mu.Unlock()
 	if l.seen == nil {
 		l.seen = map[string]bool{}
 	}
-	l.seen[breq.GetAttemptId()] = true
-	l.mu.Unlock()
-	if !first {
-		return resp, err
+	if l.seen[req.GetAttemptId()] {
+		return false
 	}
+	l.seen[req.GetAttemptId()] = true
 	l.held.Add(1)
-	<-ctx.Done()
-	return nil, status.FromContextError(ctx.Err()).Err()
+	return true
 }
 
 // within polls cond every 20 ms until it holds, failing t after d.

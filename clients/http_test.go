@@ -56,7 +56,7 @@ func startHTTP(t *testing.T, s httpSetup) *httpFixture {
 		f.coord = coordtest.Start(t, coordtest.Options{Config: s.config, ServerOptions: s.serverOpts})
 	}
 	logger := slog.New(slog.NewTextHandler(testLog{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	f.idem = clients.New(f.coord.Dial(t), append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)
+	f.idem = clients.New(f.coord.Dial(t), fixtureOptions(append([]clients.Option{clients.WithLogger(logger)}, s.clientOpts...)...)...)
 	h := s.handler
 	if h == nil {
 		h = createProject
