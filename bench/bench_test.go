@@ -253,6 +253,12 @@ func TestParseFlagsClient(t *testing.T) {
 	if s, err := parseFlags([]string{"-client", "go"}); err != nil || s.Client != clientGo {
 		t.Fatalf("parseFlags(-client go) = %+v, %v", s, err)
 	}
+	if s, err := parseFlags([]string{"-client", "go", "-client-batching", "2"}); err != nil || s.ClientBatching != 2 || s.clientName() != "go, clients.WithCallBatching(2)" {
+		t.Fatalf("parseFlags(-client go -client-batching 2) = %+v, %v", s, err)
+	}
+	if _, err := parseFlags([]string{"-client-batching", "2"}); err == nil {
+		t.Fatal("parseFlags accepted -client-batching without -client go")
+	}
 	if _, err := parseFlags([]string{"-client", "grpcurl"}); err == nil {
 		t.Fatal("parseFlags accepted -client grpcurl")
 	}

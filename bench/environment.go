@@ -227,9 +227,20 @@ func newCoordinatorCalls(s *settings, conn *grpc.ClientConn) coordinatorCalls {
 	return idempotencyv1.NewCoordinatorClient(conn)
 }
 
+// clientName names the callers' client of s as the report prints it.
+func (s *settings) clientName() string {
+	if s.Client == clientGo && s.ClientBatching > 0 {
+		return fmt.Sprintf("%s, clients.WithCallBatching(%d)", clientGo, s.ClientBatching)
+	}
+	return s.Client
+}
+
 // goClientOptions are the Go client's options that the flags choose; with
 // none, clients.New's defaults.
-func goClientOptions(*settings) []clients.Option {
+func goClientOptions(s *settings) []clients.Option {
+	if s.ClientBatching > 0 {
+		return []clients.Option{clients.WithCallBatching(s.ClientBatching)}
+	}
 	return nil
 }
 

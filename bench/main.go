@@ -85,6 +85,8 @@ type settings struct {
 	// Client is what the callers of the pairs and replays cells call the
 	// coordinator through (-client).
 	Client string `json:"client"`
+	// ClientBatching is -client go's clients.WithCallBatching (0: none).
+	ClientBatching int `json:"client_batching,omitempty"`
 	// Quick marks a short run (fewer cells, shorter ones): its figures are
 	// rougher and the 10M-record goals are not measured.
 	Quick         bool   `json:"quick,omitempty"`
@@ -124,6 +126,8 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
 	fs.StringVar(&s.Client, "client", env("BENCH_CLIENT", clientStub), "what the pairs and replays callers call the coordinator through: "+
 		clientStub+" (the generated idempotencyv1 client) or "+clientGo+" (the Go client library, clients.New), one per connection (BENCH_CLIENT)")
+	fs.IntVar(&s.ClientBatching, "client-batching", envInt("BENCH_CLIENT_BATCHING", 0), "with -client go: the Go client's clients.WithCallBatching, "+
+		"how many Batch RPCs its calls share at a time (0: every call unary) (BENCH_CLIENT_BATCHING)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
@@ -159,6 +163,8 @@ func parseFlags(args []string) (*settings, error) {
 		return nil, errors.New("-body-bytes and -scale-records must not be negative")
 	case s.Client != clientStub && s.Client != clientGo:
 		return nil, fmt.Errorf("-client %q: want %s or %s", s.Client, clientStub, clientGo)
+	case s.ClientBatching < 0 || (s.ClientBatching > 0 && s.Client != clientGo):
+		return nil, fmt.Errorf("-client-batching %d: want 0, or a positive number with -client %s", s.ClientBatching, clientGo)
 	}
 	s.WarmupSeconds, s.DurationSeconds = s.Warmup.Seconds(), s.Duration.Seconds()
 	return s, nil

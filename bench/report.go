@@ -319,7 +319,7 @@ func (r *report) print(out io.Writer) error {
 		r.Command, commit, r.StartedAt, r.Machine.CPUs, r.Postgres.Version)
 	fmt.Fprintf(out, "%s warm-up + %s measured per cell, %d rounds of lean/pairs; callers' client: %s; lean baseline: pool of as many connections as callers; "+
 		"baseline on the coordinator's table: pool %d; %d-byte responses; total %.0f s\n\n",
-		s.Warmup, s.Duration, s.Rounds, s.Client, s.PoolConns, s.BodyBytes, r.TotalSeconds)
+		s.Warmup, s.Duration, s.Rounds, s.clientName(), s.PoolConns, s.BodyBytes, r.TotalSeconds)
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tpairs/s\tlean/s\tvs lean\tbaseline/s\tvs base\treplays/s\treplay/pair\tBegin p50/p99 ms\tComplete p50/p99 ms\treplay p50/p99 ms\tlean p50 ms\t"+
 		"CPU s/1k pairs coord+PG\tlean PG+client\tPG vs lean PG\tgRPC callers\tcoord RSS MB\tothers CPU\terrors\t")

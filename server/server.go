@@ -55,6 +55,8 @@ type Server struct {
 	// unary method: call log, recovery and rate limit (the Batch RPC
 	// itself was counted and authenticated).
 	batchItem grpc.UnaryServerInterceptor
+	// callWorkers run the calls of Batch RPCs.
+	callWorkers *callWorkers
 }
 
 // Option configures a Server.
@@ -170,7 +172,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("server: build validator: %w", err)
 	}
-	s := &Server{store: store, validator: pv, logger: o.logger, opts: o,
+	s := &Server{store: store, validator: pv, logger: o.logger, opts: o, callWorkers: newCallWorkers(),
 		metrics: newMetrics(store, o.maxScopeLabels, o.logger)}
 	s.policies.Store(o.policies)
 	s.metrics.scopes.named = func(scope string) string { return s.policies.Load().scopeLabel(scope) }
@@ -316,6 +318,7 @@ func (s *Server) Shutdown(ctx context.Context) {
 		s.grpc.Stop()
 		<-done
 	}
+	s.callWorkers.shutdown()
 }
 
 // RunReaper runs the reaper with the current policies' settings until ctx
