@@ -16,7 +16,7 @@ import (
 const (
 	// DefaultBatchWorkers is how many batches of Begins, and how many of
 	// Completes, run at once by default; see WithBatchWorkers.
-	DefaultBatchWorkers = 2
+	DefaultBatchWorkers = 1
 	batchMax            = 64
 )
 
