@@ -246,9 +246,13 @@ func TestBacklogSummarize(t *testing.T) {
 
 func TestParseFlagsClient(t *testing.T) {
 	t.Setenv("BENCH_CLIENT", "")
+	t.Setenv("BENCH_CLIENT_BATCHING", "")
 	s, err := parseFlags(nil)
-	if err != nil || s.Client != clientStub {
-		t.Fatalf("parseFlags() = %+v, %v; want -client %s", s, err, clientStub)
+	if err != nil || s.Client != clientGo || s.ClientBatching != 2 {
+		t.Fatalf("parseFlags() = %+v, %v; want -client %s -client-batching 2", s, err, clientGo)
+	}
+	if s, err := parseFlags([]string{"-client", "stub", "-client-batching", "0"}); err != nil || s.Client != clientStub {
+		t.Fatalf("parseFlags(-client stub -client-batching 0) = %+v, %v", s, err)
 	}
 	if s, err := parseFlags([]string{"-client", "go"}); err != nil || s.Client != clientGo {
 		t.Fatalf("parseFlags(-client go) = %+v, %v", s, err)
@@ -256,7 +260,7 @@ func TestParseFlagsClient(t *testing.T) {
 	if s, err := parseFlags([]string{"-client", "go", "-client-batching", "2"}); err != nil || s.ClientBatching != 2 || s.clientName() != "go, clients.WithCallBatching(2)" {
 		t.Fatalf("parseFlags(-client go -client-batching 2) = %+v, %v", s, err)
 	}
-	if _, err := parseFlags([]string{"-client-batching", "2"}); err == nil {
+	if _, err := parseFlags([]string{"-client", "stub"}); err == nil {
 		t.Fatal("parseFlags accepted -client-batching without -client go")
 	}
 	if _, err := parseFlags([]string{"-client", "grpcurl"}); err == nil {

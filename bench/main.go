@@ -124,10 +124,10 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.Rounds, "rounds", envInt("BENCH_ROUNDS", 2), "lean-baseline and pairs cells alternated at each concurrency, each this many times (BENCH_ROUNDS)")
 	fs.IntVar(&s.PoolConns, "pool", envInt("BENCH_POOL", 32), "connections of the coordinator's-table baseline's pool; keep it equal to the coordinator's (ledger's default, 32) (BENCH_POOL)")
 	fs.IntVar(&s.GRPCConns, "grpc-conns", envInt("BENCH_GRPC_CONNS", 1), "gRPC connections the callers share (BENCH_GRPC_CONNS)")
-	fs.StringVar(&s.Client, "client", env("BENCH_CLIENT", clientStub), "what the pairs and replays callers call the coordinator through: "+
+	fs.StringVar(&s.Client, "client", env("BENCH_CLIENT", clientGo), "what the pairs and replays callers call the coordinator through: "+
 		clientStub+" (the generated idempotencyv1 client) or "+clientGo+" (the Go client library, clients.New), one per connection (BENCH_CLIENT)")
-	fs.IntVar(&s.ClientBatching, "client-batching", envInt("BENCH_CLIENT_BATCHING", 0), "with -client go: the Go client's clients.WithCallBatching, "+
-		"how many Batch RPCs its calls share at a time (0: every call unary) (BENCH_CLIENT_BATCHING)")
+	fs.IntVar(&s.ClientBatching, "client-batching", envInt("BENCH_CLIENT_BATCHING", 2), "with -client go: the Go client's clients.WithCallBatching, "+
+		"how many Batch RPCs its calls share at a time (0: every call unary; must be 0 with -client stub) (BENCH_CLIENT_BATCHING)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
