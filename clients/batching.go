@@ -283,10 +283,29 @@ func (b *batcher) send(batch []*batchItem) {
 			it.err = err
 		}
 	default:
+		var again []*batchItem
 		for i, it := range batch {
 			it.result = resp.GetResults()[i]
+			if tooLargeToBatch(it) {
+				again = append(again, it)
+			}
 		}
+		b.eachUnary(again)
 	}
+}
+
+// tooLargeToBatch reports whether it is a call that changed nothing (a
+// Lookup, or a Begin, which did not acquire since it failed) answered
+// RESOURCE_EXHAUSTED: the coordinator refuses a batched call whose answer
+// would not fit in the Batch's (a replay of a large response, say), and
+// such a call is repeated alone, which is safe (a Begin keeps its
+// attempt_id). A call refused by the rate limit is repeated too, and
+// answers as the rate limit decides then.
+func tooLargeToBatch(it *batchItem) bool {
+	if status.FromProto(it.result.GetError()).Code() != codes.ResourceExhausted {
+		return false
+	}
+	return it.call.GetLookup() != nil || it.call.GetBegin() != nil
 }
 
 // eachUnary makes each call of batch as its own unary RPC, at once.

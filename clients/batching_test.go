@@ -323,3 +323,38 @@ func ctx(t *testing.T) context.Context {
 	t.Cleanup(cancel)
 	return c
 }
+
+// TestCallBatchingLargeReplays: concurrent replays of 1 MB responses,
+// whose answers together do not fit in one Batch's answer, each get the
+// whole stored response: the calls the coordinator refuses to answer in
+// the batch are repeated alone.
+func TestCallBatchingLargeReplays(t *testing.T) {
+	counter := &rpcCounter{delay: 100 * time.Millisecond}
+	c, plain := batchingClient(t, counter)
+	body := bytes.Repeat([]byte("x"), 1_000_000)
+	for i := range 8 {
+		key := fmt.Sprintf("big%d", i)
+		b, err := plain.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := plain.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "pay", Key: key, LeaseToken: b.GetLeaseToken(),
+			Response: &idempotencyv1.StoredResponse{Body: body}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var wg sync.WaitGroup
+	for i := range 24 {
+		wg.Go(func() {
+			key := fmt.Sprintf("big%d", i%8)
+			r, err := c.Begin(ctx(t), &idempotencyv1.BeginRequest{Scope: "pay", Key: key})
+			if err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || !bytes.Equal(r.GetRecord().GetResponse().GetBody(), body) {
+				t.Errorf("Begin %s = outcome %v, %d bytes, %v; want REPLAY of the 1 MB response", key, r.GetOutcome(), len(r.GetRecord().GetResponse().GetBody()), err)
+			}
+		})
+	}
+	wg.Wait()
+	if counter.maxCalls < 4 || counter.count("Begin") == 0 {
+		t.Fatalf("at most %d calls in one Batch, %d unary Begins: the replays were not batched past the answer's limit", counter.maxCalls, counter.count("Begin"))
+	}
+}

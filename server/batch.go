@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
@@ -19,6 +20,15 @@ import (
 // maxBatchCalls is the most calls one Batch may carry.
 const maxBatchCalls = 256
 
+// maxBatchAnswerBytes bounds the answers of a Batch's calls that changed
+// nothing (Lookups, and Begins that did not acquire: replays carry stored
+// responses of up to a MiB each): past it such a call is answered
+// RESOURCE_EXHAUSTED instead, to be made alone. Kept under gRPC's default
+// 4 MiB receive limit, with room for the answers that are always sent (an
+// acquisition's, a Complete's), and under the HTTP listener's 6 MiB answer
+// buffer once bodies are base64 in JSON.
+const maxBatchAnswerBytes = 3 << 20
+
 // Batch makes several calls in one RPC; see idempotency.v1.Coordinator.
 // Each call runs concurrently through the method its unary call reaches
 // (Begin, Complete, Fail, Lookup, Heartbeat), under the RPC's context and
@@ -26,6 +36,12 @@ const maxBatchCalls = 256
 // line (see WithSlowCallThreshold). The RPC fails whole only when it is not
 // well-formed: no calls, more than 256, a call without a request, or
 // invalid UTF-8 anywhere (the codec cannot tell which call it was in).
+//
+// The answer is bounded: once the calls' answers add up to
+// maxBatchAnswerBytes, a further call that changed nothing is answered
+// RESOURCE_EXHAUSTED (and its answer dropped at once); a call that wrote
+// (an acquisition, a Complete, a Fail, a Heartbeat) always gets its answer,
+// so that nothing committed is lost with an answer too large to receive.
 func (s *Server) Batch(ctx context.Context, req *idempotencyv1.BatchRequest) (*idempotencyv1.BatchResponse, error) {
 	start := time.Now()
 	noteCall(ctx, tenantFrom(ctx), "", "")
@@ -34,11 +50,13 @@ func (s *Server) Batch(ctx context.Context, req *idempotencyv1.BatchRequest) (*i
 	}
 	results := make([]*idempotencyv1.BatchResult, len(req.GetCalls()))
 	var wg sync.WaitGroup
+	var left atomic.Int64
+	left.Store(maxBatchAnswerBytes)
 	for i, call := range req.GetCalls() {
 		wg.Add(1)
 		s.callWorkers.run(func() {
 			defer wg.Done()
-			results[i] = s.batchCall(ctx, start, i, call)
+			results[i] = fitAnswer(&left, s.batchCall(ctx, start, i, call))
 		})
 	}
 	wg.Wait()
@@ -92,6 +110,33 @@ func (w *callWorkers) loop() {
 			return
 		}
 	}
+}
+
+// fitAnswer takes res's size from the answer's budget left; when the
+// budget does not hold it and res changed nothing, it returns
+// RESOURCE_EXHAUSTED in its place (see maxBatchAnswerBytes).
+func fitAnswer(left *atomic.Int64, res *idempotencyv1.BatchResult) *idempotencyv1.BatchResult {
+	n := int64(proto.Size(res))
+	if left.Add(-n) >= 0 || !changedNothing(res) {
+		return res
+	}
+	left.Add(n)
+	return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Error{Error: status.New(codes.ResourceExhausted,
+		fmt.Sprintf("the answer to this call (%d bytes) did not fit in the Batch's answer (%d bytes of answers that change nothing): "+
+			"nothing was changed by it; make it alone", n, maxBatchAnswerBytes)).Proto()}}
+}
+
+// changedNothing reports whether res answers a call that wrote nothing: a
+// Lookup, or a Begin that replayed or found the key held (an error's
+// answer is small).
+func changedNothing(res *idempotencyv1.BatchResult) bool {
+	switch {
+	case res.GetLookup() != nil:
+		return true
+	case res.GetBegin() != nil:
+		return res.GetBegin().GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED
+	}
+	return false
 }
 
 // checkBatch refuses a BatchRequest that cannot be split into calls.

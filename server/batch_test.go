@@ -452,3 +452,45 @@ func TestBatchMetrics(t *testing.T) {
 		}
 	}
 }
+
+// A Batch's answer stays receivable: calls that change nothing (Lookups,
+// replays) whose answers would take it past 3 MiB are answered
+// RESOURCE_EXHAUSTED instead, while the acquisition in the same batch gets
+// its answer and lease token. Before, six 1 MB replays in a batch with a
+// Begin of a new key made an answer of 6 MB that a client with gRPC's
+// default 4 MiB receive limit refused whole, after the acquisition had
+// committed: the key stayed held by a token nobody had.
+func TestBatchAnswerBounded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	big := &idempotencyv1.StoredResponse{Body: []byte(strings.Repeat("x", 1_000_000))}
+	b := e.mustBegin("s", "big", idempotencyv1.Outcome_OUTCOME_ACQUIRED)
+	if _, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "big", LeaseToken: b.GetLeaseToken(), Response: big}); err != nil {
+		t.Fatal(err)
+	}
+	calls := []*idempotencyv1.BatchCall{batchBegin("s", "new")}
+	for range 3 {
+		calls = append(calls, batchLookup("s", "big"), batchBegin("s", "big"))
+	}
+	results := batch(t, ctx(t), e.client, calls...) // fails if the answer is too large to receive
+	if r := results[0].GetBegin(); r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED || r.GetLeaseToken() == "" {
+		t.Fatalf("the Begin of a new key answered %v, want ACQUIRED with its token", results[0])
+	}
+	answered, refused := 0, 0
+	for i, r := range results[1:] {
+		switch st := status.FromProto(r.GetError()); {
+		case r.GetError() == nil:
+			answered++
+			if len(r.GetLookup().GetRecord().GetResponse().GetBody())+len(r.GetBegin().GetRecord().GetResponse().GetBody()) != len(big.GetBody()) {
+				t.Fatalf("call %d answered without the stored response: %v", i+1, r)
+			}
+		case st.Code() == codes.ResourceExhausted && strings.Contains(st.Message(), "make it alone"):
+			refused++
+		default:
+			t.Fatalf("call %d answered %v, want its answer or RESOURCE_EXHAUSTED", i+1, st.Err())
+		}
+	}
+	if answered == 0 || refused == 0 || answered > 3 {
+		t.Fatalf("%d of 6 big answers sent and %d refused; want at most 3 MB of them sent and the rest refused", answered, refused)
+	}
+}
