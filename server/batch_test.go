@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -204,12 +205,16 @@ func TestBatchRefusedWhole(t *testing.T) {
 		}
 		wantViolation(t, st, field)
 	}
-	// Invalid UTF-8 in calls[0].begin.key: the codec marks the whole
-	// request, not the call.
-	raw := []byte("\x0a\x09\x0a\x07\x0a\x01s\x12\x02\xff\xfe")
+	// Invalid UTF-8 in calls[1].begin.key: the codec marks the whole
+	// request, not the call, and names the call by its index.
+	raw, err := proto.Marshal(&idempotencyv1.BatchRequest{Calls: []*idempotencyv1.BatchCall{batchBegin("s", "ok"), batchBegin("s", "\x01\x02")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw = bytes.Replace(raw, []byte("\x01\x02"), []byte("\xff\xfe"), 1)
 	var out []byte
-	err := e.coord.Dial(t).Invoke(ctx(t), idempotencyv1.Coordinator_Batch_FullMethodName, &raw, &out, grpc.ForceCodecV2(rawCodec{}))
-	wantViolation(t, wantCode(t, err, codes.InvalidArgument, ""), "calls.begin.key")
+	err = e.coord.Dial(t).Invoke(ctx(t), idempotencyv1.Coordinator_Batch_FullMethodName, &raw, &out, grpc.ForceCodecV2(rawCodec{}))
+	wantViolation(t, wantCode(t, err, codes.InvalidArgument, ""), "calls[1].begin.key")
 	if n := e.rowCount(); n != 0 {
 		t.Fatalf("rows = %d after refused batches", n)
 	}

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"strings"
 	"unicode/utf8"
 
@@ -62,11 +63,13 @@ func (c lenientCodec) Unmarshal(data mem.BufferSlice, v any) error {
 
 // sanitizeUTF8 rewrites b, a message of type md, replacing invalid UTF-8 in
 // string fields (nested messages and map entries included) and returning
-// the paths of the fields it fixed. It returns b unchanged when b is not
+// the paths of the fields it fixed (an element of a repeated field with its
+// index: calls[3].lookup.key). It returns b unchanged when b is not
 // well-formed wire data.
 func sanitizeUTF8(b []byte, md protoreflect.MessageDescriptor, prefix string) ([]byte, []string) {
 	var out []byte
 	var bad []string
+	var seen map[protowire.Number]int // elements of repeated fields so far
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeTag(b)
 		if n < 0 {
@@ -85,6 +88,14 @@ func sanitizeUTF8(b []byte, md protoreflect.MessageDescriptor, prefix string) ([
 		}
 		val, _ := protowire.ConsumeBytes(field[n:])
 		path := prefix + string(fd.Name())
+		if fd.IsList() {
+			// The i-th element of a repeated field, as calls[3].
+			if seen == nil {
+				seen = map[protowire.Number]int{}
+			}
+			path = fmt.Sprintf("%s[%d]", path, seen[num])
+			seen[num]++
+		}
 		switch {
 		case fd.Kind() == protoreflect.StringKind && !utf8.Valid(val):
 			bad = append(bad, path)
