@@ -534,10 +534,14 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 		return []refDecision{refuse("FINGERPRINT_MISMATCH", rsNames[e.state]+"/Begin other fingerprint")}
 	}
 	if c.attemptID != "" && c.attemptID == k.attemptID && k.ended == endNone {
-		// The holder's Begin again: the same token, a full lease from now.
+		// The holder's Begin again: the same token, a full lease from now;
+		// a fingerprint it brings is the generation's first if it had none.
 		n := e
 		n.state = rsInProgress
 		n.lease = now + c.lease.Microseconds()
+		if n.fp == "" {
+			n.fp = c.fp
+		}
 		d := refDecision{outcome: roAcquired, prev: k.prev, write: true, next: n, answered: n,
 			label: rsNames[e.state] + "/Begin same attempt_id"}
 		if e.uncertain && k.prev != rsUnknown {

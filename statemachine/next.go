@@ -168,6 +168,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 			rec := eff
 			rec.LeaseExpiresAt = now.Add(ev.Lease)
 			rec.UpdatedAt = now
+			keepFirstFingerprint(&rec, ev)
 			return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: eff.AcquiredFrom}
 		}
 		return inProgress(eff, eff.LeaseExpiresAt.Sub(now))
@@ -180,6 +181,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 			rec.State = StateInProgress
 			rec.LeaseExpiresAt = now.Add(ev.Lease)
 			rec.UpdatedAt = now
+			keepFirstFingerprint(&rec, ev)
 			return Decision{Outcome: OutcomeAcquired, Write: WriteUpdate, Record: rec, Exists: true, PreviousState: eff.AcquiredFrom}
 		}
 		if exhausted(eff, pol) {
@@ -410,6 +412,16 @@ func acquire(rec *Record, ev Event, now time.Time, from State) {
 	rec.ExpiresAt = time.Time{}
 }
 
+// keepFirstFingerprint stores ev's fingerprint in rec when the generation
+// has none yet: the fingerprint is the generation's first non-empty one,
+// whichever Begin brings it (a repeated Begin of the holder's attempt
+// included).
+func keepFirstFingerprint(rec *Record, ev Event) {
+	if len(rec.Fingerprint) == 0 {
+		rec.Fingerprint = clone(ev.Fingerprint)
+	}
+}
+
 // takeover acquires a record that reads FAILED_RETRYABLE or UNKNOWN. An
 // uncertain record is taken over as from UNKNOWN, whatever it reads.
 func takeover(eff Record, ev Event, now time.Time, from State, lapsed bool) Decision {
@@ -418,9 +430,7 @@ func takeover(eff Record, ev Event, now time.Time, from State, lapsed bool) Deci
 	}
 	rec := eff
 	acquire(&rec, ev, now, from)
-	if len(rec.Fingerprint) == 0 {
-		rec.Fingerprint = clone(ev.Fingerprint)
-	}
+	keepFirstFingerprint(&rec, ev)
 	d := acquired(rec, from)
 	d.EnteredUnknown = lapsed
 	return d
