@@ -148,40 +148,23 @@ func (b *batcher) settleGone(it *batchItem) {
 	defer t.Stop()
 	select {
 	case <-it.done:
-		ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
-		defer cancel()
-		b.releaseAnswered(ctx, it)
+		b.releaseAnswered(context.Background(), it)
 	case <-t.C:
 		b.c.background(func(bg context.Context) {
 			select {
 			case <-it.done:
+				b.releaseAnswered(bg, it)
 			case <-bg.Done():
-				return
 			}
-			ctx, cancel := context.WithTimeout(bg, releaseTimeout)
-			defer cancel()
-			b.releaseAnswered(ctx, it)
 		})
 	}
 }
 
 // releaseAnswered ends the acquisition that the answered Begin item it
-// carries, if any.
+// carries, if any, as Once and the interceptor end one nobody will act on.
 func (b *batcher) releaseAnswered(ctx context.Context, it *batchItem) {
-	res := it.result.GetBegin()
-	if it.err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
-		return
-	}
-	req := it.call.GetBegin()
-	_, err := b.c.Fail(ctx, &idempotencyv1.FailRequest{Scope: req.GetScope(), Key: req.GetKey(),
-		LeaseToken: res.GetLeaseToken(), Kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, Reason: ReleaseReason})
-	switch status.Code(err) {
-	case codes.OK:
-	case codes.FailedPrecondition, codes.Aborted:
-		// A later attempt ended this acquisition first.
-		b.c.logger.DebugContext(ctx, "idempotency: a Begin whose caller left was already released", "scope", req.GetScope(), "err", err)
-	default:
-		b.c.logger.WarnContext(ctx, "idempotency: could not release a Begin whose caller left", "scope", req.GetScope(), "err", err)
+	if res := it.result.GetBegin(); it.err == nil && res.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		_ = b.c.newLease(it.call.GetBegin(), res, time.Now()).release(ctx)
 	}
 }
 
