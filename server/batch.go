@@ -167,15 +167,19 @@ func (s *Server) batchCall(ctx context.Context, start time.Time, i int, call *id
 	ctx = logging.InjectLogField(ctx, "batch.call", i)
 	info := &grpc.UnaryServerInfo{Server: s, FullMethod: method}
 	resp, err := s.batchItem(ctx, req, info, func(ctx context.Context, _ any) (any, error) {
-		return s.runBatchCall(ctx, start, i, call)
+		return s.runBatchCall(ctx, start, i, call, req)
 	})
 	return batchResult(resp, err)
 }
 
 // runBatchCall checks what a batch adds to calls[i] (its timeout, no wait)
-// and runs it through its unary method.
-func (s *Server) runBatchCall(ctx context.Context, start time.Time, i int, call *idempotencyv1.BatchCall) (any, error) {
-	noteCall(ctx, tenantFrom(ctx), batchCallScope(call), "")
+// and runs it, whose request is req, through its unary method.
+func (s *Server) runBatchCall(ctx context.Context, start time.Time, i int, call *idempotencyv1.BatchCall, req proto.Message) (any, error) {
+	scope := ""
+	if r, ok := req.(interface{ GetScope() string }); ok {
+		scope = r.GetScope()
+	}
+	noteCall(ctx, tenantFrom(ctx), scope, "")
 	if err := checkBatchCall(i, call); err != nil {
 		return nil, s.status(ctx, err)
 	}
@@ -228,15 +232,6 @@ func batchCallRequest(call *idempotencyv1.BatchCall) (string, proto.Message) {
 		return idempotencyv1.Coordinator_Heartbeat_FullMethodName, c.Heartbeat
 	}
 	return idempotencyv1.Coordinator_Batch_FullMethodName, call
-}
-
-// batchCallScope is the scope call names, for its log line.
-func batchCallScope(call *idempotencyv1.BatchCall) string {
-	_, req := batchCallRequest(call)
-	if r, ok := req.(interface{ GetScope() string }); ok {
-		return r.GetScope()
-	}
-	return ""
 }
 
 // batchResult is the BatchResult of a call that answered resp or failed
