@@ -3,7 +3,6 @@ package server_test
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -13,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -25,7 +23,6 @@ import (
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
-	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 func batchBegin(scope, key string, mods ...func(*idempotencyv1.BeginRequest)) *idempotencyv1.BatchCall {
@@ -279,25 +276,7 @@ func TestBatchDuplicatesAcquireOnce(t *testing.T) {
 func TestBatchCallTimeoutEndsItAlone(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{realClock: true})
-	svc, err := ledger.Open(context.Background(), e.dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(svc.Close)
-	running, release, ran := make(chan struct{}), make(chan struct{}), make(chan error, 1)
-	releaseOnce := sync.OnceFunc(func() { close(release) })
-	t.Cleanup(releaseOnce) // before svc.Close, should the test fail with the row held
-	errRolledBack := errors.New("rolled back by the test")
-	go func() {
-		_, _, err := svc.RunTx(context.Background(), ledger.Identity{Scope: "build", Key: "held"}, ledger.TxOptions{},
-			func(context.Context, pgx.Tx) (*statemachine.Response, error) {
-				close(running)
-				<-release
-				return nil, errRolledBack
-			})
-		ran <- err
-	}()
-	<-running
+	_, rollBack := holdNewKey(t, e.dbURL, ledger.Identity{Scope: "build", Key: "held"})
 
 	held := batchBegin("build", "held")
 	held.Timeout = durationpb.New(time.Millisecond)
@@ -313,10 +292,7 @@ func TestBatchCallTimeoutEndsItAlone(t *testing.T) {
 	if elapsed > 3*time.Second {
 		t.Fatalf("batch took %v: the timed-out call held it", elapsed)
 	}
-	releaseOnce()
-	if err := <-ran; !errors.Is(err, errRolledBack) {
-		t.Fatalf("RunTx: %v", err)
-	}
+	rollBack()
 	// The timed-out Begin must not run once the row is free.
 	time.Sleep(200 * time.Millisecond) // give a Begin that outlived its call the time to write (it must not)
 	if _, err := e.lookup("build", "held"); status.Code(err) != codes.NotFound {

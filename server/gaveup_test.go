@@ -2,18 +2,14 @@ package server_test
 
 import (
 	"context"
-	"errors"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/ledger"
-	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 // TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree: a gRPC caller
@@ -27,26 +23,8 @@ import (
 func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{realClock: true})
-	svc, err := ledger.Open(context.Background(), e.dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(svc.Close)
 	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "gave-up"}
-	running, fail := make(chan struct{}), make(chan struct{})
-	var failOnce sync.Once
-	failNow := func() { failOnce.Do(func() { close(fail) }) }
-	t.Cleanup(failNow)
-	rolledBack := make(chan error, 1)
-	go func() {
-		_, _, err := svc.RunTx(context.Background(), id, ledger.TxOptions{}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
-			close(running)
-			<-fail
-			return nil, errors.New("the business write failed")
-		})
-		rolledBack <- err
-	}()
-	<-running
+	svc, rollBack := holdNewKey(t, e.dbURL, id)
 
 	conn, err := pgxConnect(e.dbURL)
 	if err != nil {
@@ -82,10 +60,7 @@ func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 	if err := <-began; status.Code(err) != codes.Canceled {
 		t.Fatalf("Begin cancelled while its write waited: %v, want CANCELED", err)
 	}
-	failNow()
-	if err := <-rolledBack; err == nil {
-		t.Fatal("RunTx committed; want fn's error")
-	}
+	rollBack()
 
 	for deadline := time.Now().Add(5 * time.Second); count(`SELECT count(*) FROM idempotency_records`) != 0; {
 		if time.Now().After(deadline) {

@@ -2,7 +2,9 @@ package server_test
 
 import (
 	"context"
+	"errors"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +16,8 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 func TestMain(m *testing.M) {
@@ -130,4 +134,42 @@ func (e *testEnv) rowCount() int {
 
 func pgxConnect(url string) (*pgx.Conn, error) {
 	return pgx.Connect(context.Background(), url)
+}
+
+// errHeldRolledBack is what holdNewKey's RunTx function fails with.
+var errHeldRolledBack = errors.New("the business write failed")
+
+// holdNewKey has a service's own store on the database at dbURL run a
+// RunTx of id, a new key, that holds the key's row until rollBack, which
+// makes the function fail (the transaction rolls back) and checks that it
+// did. rollBack also runs when the test ends. It returns the service's
+// store.
+func holdNewKey(t *testing.T, dbURL string, id ledger.Identity) (svc *ledger.Store, rollBack func()) {
+	t.Helper()
+	svc, err := ledger.Open(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(svc.Close)
+	running, fail, rolledBack := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		_, _, err := svc.RunTx(context.Background(), id, ledger.TxOptions{}, func(context.Context, pgx.Tx) (*statemachine.Response, error) {
+			close(running)
+			<-fail
+			return nil, errHeldRolledBack
+		})
+		rolledBack <- err
+	}()
+	<-running
+	var once sync.Once
+	rollBack = func() {
+		once.Do(func() {
+			close(fail)
+			if err := <-rolledBack; !errors.Is(err, errHeldRolledBack) {
+				t.Errorf("RunTx: %v; want fn's error (rolled back)", err)
+			}
+		})
+	}
+	t.Cleanup(rollBack) // before svc.Close, should the test fail with the row held
+	return svc, rollBack
 }
