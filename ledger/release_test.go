@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
@@ -80,7 +81,7 @@ func TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition(t *testing.T) {
 			}()
 			// The Begin's statement waits on the RunTx's row; then its
 			// caller gives up.
-			waitForLockWaiter(t, db)
+			writers := pgtest.WaitForLockWaiters(t, db.conn)
 			cancel()
 			if err := <-began; !errors.Is(err, context.Canceled) {
 				t.Fatalf("Begin cancelled while its write waited: %v, want context.Canceled", err)
@@ -88,6 +89,10 @@ func TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition(t *testing.T) {
 			// The holder rolls back at once, well within the statement's
 			// lock wait, so the statement goes on and creates the key.
 			failNow()
+			// The write goes on and commits (the key is then held until
+			// the Store's release commits), or finds the key held no
+			// longer.
+			pgtest.WaitForBackendsDone(t, db.conn, writers)
 			deadline := time.Now().Add(5 * time.Second)
 			for db.records(t, id.Key) != 0 {
 				if time.Now().After(deadline) {
@@ -98,19 +103,5 @@ func TestBeginWhoseCallerLeftDuringItsWriteLeavesNoAcquisition(t *testing.T) {
 				time.Sleep(20 * time.Millisecond)
 			}
 		})
-	}
-}
-
-// waitForLockWaiter waits until a statement on db's database waits for a
-// lock.
-func waitForLockWaiter(t *testing.T, db *txDB) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for db.count(t, `SELECT count(*) FROM pg_stat_activity
-		WHERE wait_event_type = 'Lock' AND datname = current_database()`) == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no statement waits for a lock after 10 s")
-		}
-		time.Sleep(2 * time.Millisecond)
 	}
 }

@@ -5,11 +5,14 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
 )
 
 // TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree: a gRPC caller
@@ -22,7 +25,21 @@ import (
 // and read UNKNOWN once its lease ran out.
 func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envOptions{realClock: true})
+	// handled tells when a Begin's handler has returned: the coordinator
+	// has seen its caller go (a client's cancel returns at once, before
+	// the cancel reaches the coordinator).
+	handled := make(chan error, 1)
+	e := newEnv(t, envOptions{realClock: true, serverOptions: []server.Option{server.WithUnaryInterceptors(
+		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			resp, err := h(ctx, req)
+			if info.FullMethod == idempotencyv1.Coordinator_Begin_FullMethodName {
+				select {
+				case handled <- err:
+				default:
+				}
+			}
+			return resp, err
+		})}})
 	id := ledger.Identity{Tenant: ledger.DefaultTenant, Scope: "charge", Key: "gave-up"}
 	svc, rollBack := holdNewKey(t, e.dbURL, id)
 
@@ -31,10 +48,10 @@ func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	count := func(sql string) int {
+	records := func() int {
 		t.Helper()
 		var n int
-		if err := conn.QueryRow(context.Background(), sql).Scan(&n); err != nil {
+		if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM idempotency_records`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -48,21 +65,25 @@ func TestBeginWhoseCallerGaveUpDuringItsWriteLeavesTheKeyFree(t *testing.T) {
 		began <- err
 	}()
 	// The coordinator's write of the Begin waits on the RunTx's row; then
-	// its caller gives up.
-	for deadline := time.Now().Add(10 * time.Second); count(`SELECT count(*) FROM pg_stat_activity
-		WHERE wait_event_type = 'Lock' AND datname = current_database()`) == 0; {
-		if time.Now().After(deadline) {
-			t.Fatal("the Begin's write does not wait on the held key after 10 s")
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	// its caller gives up, and the coordinator's handler returns.
+	writers := pgtest.WaitForLockWaiters(t, conn)
 	cancel()
 	if err := <-began; status.Code(err) != codes.Canceled {
 		t.Fatalf("Begin cancelled while its write waited: %v, want CANCELED", err)
 	}
+	select {
+	case err := <-handled:
+		if status.Code(err) != codes.Canceled {
+			t.Fatalf("the coordinator's Begin handler returned %v; want CANCELED", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the coordinator's Begin handler has not returned 10 s after its caller cancelled")
+	}
 	rollBack()
-
-	for deadline := time.Now().Add(5 * time.Second); count(`SELECT count(*) FROM idempotency_records`) != 0; {
+	// The write goes on and commits (the key is then held until the
+	// coordinator's release commits), or finds the key held no longer.
+	pgtest.WaitForBackendsDone(t, conn, writers)
+	for deadline := time.Now().Add(5 * time.Second); records() != 0; {
 		if time.Now().After(deadline) {
 			rec, _, _ := svc.Lookup(context.Background(), id)
 			t.Fatalf("the key is held (%v, attempt_id %q) 5 s after the only Begin of it was cancelled; want no record",

@@ -17,6 +17,7 @@ import (
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/ledger"
+	"github.com/idemcoord/idemcoord/server"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -37,11 +38,14 @@ type testEnv struct {
 type envOptions struct {
 	realClock bool
 	config    string
+	// serverOptions are passed to server.New after the defaults.
+	serverOptions []server.Option
 }
 
 func newEnv(t *testing.T, opts envOptions) *testEnv {
 	t.Helper()
-	c := coordtest.Start(t, coordtest.Options{Config: opts.config, FakeClock: !opts.realClock})
+	c := coordtest.Start(t, coordtest.Options{Config: opts.config, FakeClock: !opts.realClock,
+		ServerOptions: opts.serverOptions})
 	return &testEnv{t: t, coord: c, clock: c.Clock, dbURL: c.DatabaseURL,
 		client: idempotencyv1.NewCoordinatorClient(c.Dial(t))}
 }
