@@ -94,6 +94,7 @@ func env(name, def string) string {
 
 func parseFlags(args []string) (*config, error) {
 	c := &config{}
+	var envs envValues
 	fs := flag.NewFlagSet("idemcoord", flag.ContinueOnError)
 	fs.StringVar(&c.listen, "listen", env("IDEMCOORD_LISTEN", "127.0.0.1:50051"), "gRPC listen address (IDEMCOORD_LISTEN)")
 	fs.StringVar(&c.httpListen, "http-listen", env("IDEMCOORD_HTTP_LISTEN", "127.0.0.1:9090"), "HTTP address for /metrics, /healthz, /readyz (IDEMCOORD_HTTP_LISTEN)")
@@ -106,12 +107,12 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.tlsClientCA, "tls-client-ca", env("IDEMCOORD_TLS_CLIENT_CA", ""), "CA file for client certificates (IDEMCOORD_TLS_CLIENT_CA)")
 	fs.StringVar(&c.logFormat, "log-format", env("IDEMCOORD_LOG_FORMAT", "text"), "log format: text or json (IDEMCOORD_LOG_FORMAT)")
 	fs.StringVar(&c.logLevel, "log-level", env("IDEMCOORD_LOG_LEVEL", "info"), "log level: debug, info, warn, error (IDEMCOORD_LOG_LEVEL)")
-	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envBool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
+	fs.BoolVar(&c.allowNoAuth, "insecure-allow-no-auth", envs.bool("IDEMCOORD_INSECURE_ALLOW_NO_AUTH"), "serve without authentication on a non-loopback address (IDEMCOORD_INSECURE_ALLOW_NO_AUTH)")
 	fs.StringVar(&c.otlpEndpoint, "otlp-endpoint", env("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "OTLP/gRPC collector for traces, e.g. http://127.0.0.1:4317; empty disables tracing (OTEL_EXPORTER_OTLP_ENDPOINT)")
 	fs.StringVar(&c.metricsToken, "metrics-token-file", env("IDEMCOORD_METRICS_TOKEN_FILE", ""), "file holding a bearer token that /metrics scrapes must send; empty leaves /metrics open (IDEMCOORD_METRICS_TOKEN_FILE)")
-	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envUint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
+	fs.UintVar(&c.maxStreams, "max-concurrent-streams", envs.uint("IDEMCOORD_MAX_CONCURRENT_STREAMS", 1000),
 		"most calls in flight on one client connection; more wait for a free slot (IDEMCOORD_MAX_CONCURRENT_STREAMS)")
-	fs.BoolVar(&c.console, "console", envBool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
+	fs.BoolVar(&c.console, "console", envs.bool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	maxBody := fs.String("http-max-body-bytes", env("IDEMCOORD_HTTP_MAX_BODY_BYTES", strconv.Itoa(server.DefaultHTTPMaxBodyBytes)),
 		"largest request body on --http-listen, counted after gzip decompression; larger gets 413 (IDEMCOORD_HTTP_MAX_BODY_BYTES)")
@@ -120,7 +121,7 @@ func parseFlags(args []string) (*config, error) {
 			"0: 128 MiB or 16 times --http-max-body-bytes, whichever is larger (IDEMCOORD_HTTP_MAX_BUFFERED_BYTES)")
 	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
 		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
-	fs.UintVar(&c.batchWorkers, "batch-workers", envUint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
+	fs.UintVar(&c.batchWorkers, "batch-workers", envs.uint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
 		"how many batches of Begins, and of Completes, run at once; fewer make larger batches, cheaper for PostgreSQL per call (IDEMCOORD_BATCH_WORKERS)")
 	slowCall := fs.String("slow-call-threshold", env("IDEMCOORD_SLOW_CALL_THRESHOLD", server.DefaultSlowCallThreshold.String()),
 		"a successful call is logged at info level only when it takes at least this long (at debug level otherwise); failed calls are always logged; 0s logs every call at info level (IDEMCOORD_SLOW_CALL_THRESHOLD)")
@@ -128,6 +129,9 @@ func parseFlags(args []string) (*config, error) {
 		"comma-separated host names or addresses that a request's Host may give on --http-listen while auth is off, besides loopback ones (IDEMCOORD_HTTP_ALLOWED_HOSTS)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if len(envs.errs) > 0 {
+		return nil, errors.Join(envs.errs...)
 	}
 	var err error
 	if c.httpMaxBody, err = strconv.ParseInt(*maxBody, 10, 64); err != nil || c.httpMaxBody < 1 || c.httpMaxBody > math.MaxUint32 {
@@ -240,19 +244,39 @@ func readMetricsToken(path string) (string, error) {
 	return token, nil
 }
 
-// envUint returns the environment variable name as a number, or def when
-// it is unset or not a number (the flag's check then reports a bad value).
-func envUint(name string, def uint) uint {
-	v, err := strconv.ParseUint(os.Getenv(name), 10, 64)
+// envValues reads the environment variables behind the boolean and
+// numeric flags, and remembers each that is set but is not a value of
+// its kind, so that parseFlags refuses it instead of using the default.
+type envValues struct{ errs []error }
+
+// uint returns the environment variable name as a number, or def when it
+// is unset (or not a number, which parseFlags then refuses).
+func (e *envValues) uint(name string, def uint) uint {
+	s, ok := os.LookupEnv(name)
+	if !ok || s == "" {
+		return def
+	}
+	v, err := strconv.ParseUint(s, 10, 64)
 	if err != nil {
+		e.errs = append(e.errs, fmt.Errorf("%s=%q: want a whole number", name, s))
 		return def
 	}
 	return uint(v)
 }
 
-func envBool(name string) bool {
-	v, err := strconv.ParseBool(os.Getenv(name))
-	return err == nil && v
+// bool returns the environment variable name as a boolean, false when it
+// is unset (or not a boolean, which parseFlags then refuses).
+func (e *envValues) bool(name string) bool {
+	s, ok := os.LookupEnv(name)
+	if !ok || s == "" {
+		return false
+	}
+	v, err := strconv.ParseBool(s)
+	if err != nil {
+		e.errs = append(e.errs, fmt.Errorf("%s=%q: want true or false (or 1 or 0)", name, s))
+		return false
+	}
+	return v
 }
 
 // isLoopback reports whether a listen address binds only to loopback.

@@ -499,3 +499,31 @@ func TestHTTPListenerFlags(t *testing.T) {
 		t.Fatal("IDEMCOORD_HTTP_READ_TIMEOUT=soon accepted")
 	}
 }
+
+// TestEnvironmentValuesRefusedWhenNotOfTheirKind: a boolean or numeric
+// flag's environment variable that is set to something else refuses to
+// start with the variable's name, instead of falling back to the default
+// (before, IDEMCOORD_CONSOLE=yes started without the console and
+// IDEMCOORD_BATCH_WORKERS=four with one worker, silently).
+func TestEnvironmentValuesRefusedWhenNotOfTheirKind(t *testing.T) {
+	for _, tc := range []struct{ name, value string }{
+		{"IDEMCOORD_CONSOLE", "yes"},
+		{"IDEMCOORD_INSECURE_ALLOW_NO_AUTH", "on"},
+		{"IDEMCOORD_BATCH_WORKERS", "four"},
+		{"IDEMCOORD_MAX_CONCURRENT_STREAMS", "-5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv(tc.name, tc.value)
+			_, err := parseFlags([]string{"--database-url", "postgres://x"})
+			if err == nil || !strings.Contains(err.Error(), tc.name+`="`+tc.value+`"`) {
+				t.Fatalf("%s=%s: err = %v; want a refusal naming the variable", tc.name, tc.value, err)
+			}
+		})
+	}
+	t.Setenv("IDEMCOORD_CONSOLE", "1")
+	t.Setenv("IDEMCOORD_BATCH_WORKERS", "3")
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || !c.console || c.batchWorkers != 3 {
+		t.Fatalf("IDEMCOORD_CONSOLE=1 IDEMCOORD_BATCH_WORKERS=3: %+v, %v; want the console on and 3 workers", c, err)
+	}
+}
