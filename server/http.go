@@ -21,7 +21,10 @@ import (
 	"connectrpc.com/vanguard/vanguardgrpc"
 	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
@@ -232,6 +235,12 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
 				"or list the host in --http-allowed-hosts", r.Host), http.StatusMisdirectedRequest)
 			return
+		}
+		if s.policies.Load().AuthEnabled() && isAPICall(r) {
+			if err := s.authenticateHTTP(r); err != nil {
+				refuseCall(w, r, carriesStatusInTrailers(r), connect.CodeUnauthenticated, status.Convert(err).Message())
+				return
+			}
 		}
 		gz, err := requestCompression(r)
 		if err != nil {
@@ -475,25 +484,94 @@ func checkFraming(r *http.Request, body net.Buffers) (web bool, err error) {
 }
 
 // refuseMalformed answers a request checkFraming refused with
-// invalid_argument in its own protocol: a trailers-only gRPC-Web answer
-// (grpc-status 3), else a Connect error (HTTP 400).
+// invalid_argument in its own protocol (see refuseCall).
 func refuseMalformed(w http.ResponseWriter, r *http.Request, web bool, err error) {
-	if web {
+	refuseCall(w, r, web, connect.CodeInvalidArgument, err.Error())
+}
+
+// refuseCall answers an API request that guardHTTP refuses before the
+// transcoder sees it with code and message in the request's protocol: a
+// trailers-only answer with grpc-status when trailers (gRPC, gRPC-Web)
+// carry its status, else a Connect error (JSON, with the code's HTTP
+// status). The connection is closed after it: the request's body may be
+// left unread.
+func refuseCall(w http.ResponseWriter, r *http.Request, trailers bool, code connect.Code, message string) {
+	w.Header().Set("Connection", "close")
+	if trailers {
 		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
-		w.Header().Set("Grpc-Status", strconv.Itoa(int(codes.InvalidArgument)))
-		// The messages are printable ASCII without '%': nothing to
-		// percent-encode.
-		w.Header().Set("Grpc-Message", err.Error())
+		w.Header().Set("Grpc-Status", strconv.Itoa(int(code)))
+		w.Header().Set("Grpc-Message", percentEncode(message))
 		w.WriteHeader(http.StatusOK)
 		return
 	}
 	b, _ := json.Marshal(struct {
 		Code    string `json:"code"`
 		Message string `json:"message"`
-	}{connect.CodeInvalidArgument.String(), err.Error()})
+	}{code.String(), message})
 	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(http.StatusBadRequest)
+	w.WriteHeader(connectHTTPStatus(code))
 	_, _ = w.Write(b)
+}
+
+// connectHTTPStatus is the HTTP status of a Connect error of code, for the
+// codes refuseCall answers with.
+func connectHTTPStatus(code connect.Code) int {
+	switch code {
+	case connect.CodeUnauthenticated:
+		return http.StatusUnauthorized
+	case connect.CodeInvalidArgument:
+		return http.StatusBadRequest
+	}
+	return http.StatusInternalServerError
+}
+
+// percentEncode encodes a grpc-message value: bytes outside printable
+// ASCII, and '%', as %XX.
+func percentEncode(s string) string {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c >= 0x20 && c <= 0x7e && c != '%' {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "%%%02X", c)
+		}
+	}
+	return b.String()
+}
+
+// isAPICall reports whether r asks a Coordinator or Admin method, which
+// every caller must authenticate for (while auth is on).
+func isAPICall(r *http.Request) bool {
+	for _, name := range apiServices {
+		if strings.HasPrefix(r.URL.Path, "/"+name+"/") {
+			return true
+		}
+	}
+	return false
+}
+
+// carriesStatusInTrailers reports whether r is a gRPC or gRPC-Web request,
+// whose answer carries its status in (trailers-only) headers.
+func carriesStatusInTrailers(r *http.Request) bool {
+	return strings.HasPrefix(strings.ToLower(r.Header.Get("Content-Type")), "application/grpc")
+}
+
+// authenticateHTTP authenticates an API request from its headers and TLS
+// state before its body is read, with the same rule the gRPC chain applies
+// to the call the transcoder makes of it (authenticate, on the same
+// authorization values and the same client certificate); that chain still
+// authenticates the call. It lets guardHTTP refuse a caller without valid
+// credentials before buffering, inflating or decoding anything it sent.
+func (s *Server) authenticateHTTP(r *http.Request) error {
+	ctx := r.Context()
+	if v := r.Header.Values("Authorization"); len(v) > 0 {
+		ctx = metadata.NewIncomingContext(ctx, metadata.MD{"authorization": v})
+	}
+	if r.TLS != nil {
+		ctx = peer.NewContext(ctx, &peer.Peer{AuthInfo: credentials.TLSInfo{State: *r.TLS}})
+	}
+	_, err := s.authenticate(ctx)
+	return err
 }
 
 // bodyLen is the length of a body readBody read.

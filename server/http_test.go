@@ -1,17 +1,21 @@
 package server_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -32,9 +36,15 @@ type httpAPI struct {
 
 func newHTTPAPI(t *testing.T, c *coordtest.Coordinator) *httpAPI {
 	t.Helper()
-	srv := httptest.NewServer(c.Server.HTTPHandler())
+	srv := httptest.NewServer(guarded(c))
 	t.Cleanup(srv.Close)
 	return &httpAPI{t: t, url: srv.URL, client: srv.Client()}
+}
+
+// guarded is c's HTTP handler as its listener serves it: behind the guard
+// of Server.NewHTTPServer.
+func guarded(c *coordtest.Coordinator) http.Handler {
+	return c.Server.NewHTTPServer(c.Server.HTTPHandler()).Handler
 }
 
 // httpReply is what the HTTP API answered.
@@ -246,7 +256,9 @@ func TestHTTPErrors(t *testing.T) {
 	api.post(httpLookup, `{"scope":"build","key":"absent"}`).wantError(t, http.StatusNotFound, "not_found", "")
 	// A body over the HTTP limit is refused before it is buffered whole.
 	big := `{"scope":"build","key":"k","fingerprint":"` + strings.Repeat("A", 17<<20) + `"}`
-	api.post(httpBegin, big).wantError(t, http.StatusTooManyRequests, "resource_exhausted", "")
+	if r := api.post(httpBegin, big); r.status != http.StatusRequestEntityTooLarge {
+		t.Fatalf("a 17 MiB body: HTTP %d %s, want 413", r.status, r.body)
+	}
 	// The calls went through the gRPC server's interceptors: its metrics
 	// counted them.
 	req, _ := http.NewRequest(http.MethodGet, api.url+"/metrics", nil)
@@ -326,7 +338,7 @@ func TestHTTPClientCertificate(t *testing.T) {
 		ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
 	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
 		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
-	srv := httptest.NewUnstartedServer(c.Server.HTTPHandler())
+	srv := httptest.NewUnstartedServer(guarded(c))
 	srv.TLS = serverTLS.Clone()
 	srv.StartTLS()
 	t.Cleanup(srv.Close)
@@ -398,6 +410,51 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 	}
 }
 
+// TestHTTPCredentialsCheckedBeforeTheBody: while auth is on, an API
+// request without valid credentials is refused unauthenticated from its
+// headers, before its body is read, inflated or decoded: malformed JSON
+// without a token is 401, not 400; a request that announces a 1 MiB body
+// and sends none is answered at once, not after the read timeout; a
+// gRPC-Web request gets grpc-status 16. With a valid token the body is
+// decoded as before (malformed JSON: invalid_argument), and nothing is
+// written for any of them.
+func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig()})
+	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL}
+	api := newHTTPAPI(t, c)
+
+	api.post(httpBegin, `{"scope":`).wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	api.post(httpBegin, `{"scope":`, "Authorization: Bearer wrong").wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	api.post(httpBegin, `{"scope":`, "Authorization: Bearer pay-secret").wantError(t, http.StatusBadRequest, "invalid_argument", "")
+
+	req, _ := http.NewRequest(http.MethodPost, api.url+"/"+httpLookup, bytes.NewReader([]byte{0, 0, 0, 0, 0}))
+	req.Header.Set("Content-Type", "application/grpc-web+proto")
+	if r := api.do(req); r.status != http.StatusOK || r.header.Get("Grpc-Status") != "16" {
+		t.Fatalf("gRPC-Web Lookup without credentials: HTTP %d grpc-status %q %s", r.status, r.header.Get("Grpc-Status"), r.body)
+	}
+
+	conn, err := net.Dial("tcp", strings.TrimPrefix(api.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
+		httpBegin, strings.TrimPrefix(api.url, "http://"), 1<<20)
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatalf("a request announcing a 1 MiB body, without credentials, and sending none: no answer within 5 s (%v); want 401 at once", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+
+	if n := env.rowCount(); n != 0 {
+		t.Fatalf("%d rows written by refused calls", n)
+	}
+}
+
 // TestHTTPMalformedFramingIsInvalidArgument: client mistakes in the
 // framing that the transcoder would answer as internal errors are
 // invalid_argument: a gRPC-Web body cut inside a frame's header or
@@ -406,7 +463,7 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 func TestHTTPMalformedFramingIsInvalidArgument(t *testing.T) {
 	t.Parallel()
 	c := coordtest.Start(t, coordtest.Options{})
-	srv := httptest.NewServer(c.Server.NewHTTPServer(c.Server.HTTPHandler()).Handler)
+	srv := httptest.NewServer(guarded(c))
 	t.Cleanup(srv.Close)
 	msg := []byte(`{"scope":"build","key":"k"}`)
 	frame := append([]byte{0, 0, 0, 0, byte(len(msg))}, msg...)
