@@ -56,10 +56,44 @@ autoctl() {
 
 monitor_uri="postgres://autoctl_node@127.0.0.1:$base/pg_auto_failover?sslmode=disable"
 
+# wait_for DESCRIPTION COMMAND... polls until COMMAND succeeds (3 minutes).
+wait_for() {
+	local what=$1
+	shift
+	for _ in $(seq 900); do
+		"$@" >/dev/null 2>&1 && return 0
+		sleep 0.2
+	done
+	die "timed out waiting for $what (logs in $ha/log/)"
+}
+
+monitor_sql() {
+	"$pgbin/psql" -X -qAt -h 127.0.0.1 -p "$base" -U autoctl_node -d pg_auto_failover -c "$1"
+}
+
+# monitor_true SQL succeeds when SQL, run on the monitor, answers 1 (psql
+# itself succeeds on an answer of no rows).
+monitor_true() {
+	[[ $(monitor_sql "$1") == 1 ]]
+}
+
+# A settled formation: one primary and two secondaries, each in the state
+# the monitor assigned it.
+settled_sql="SELECT 1 FROM pgautofailover.node HAVING count(*) FILTER (WHERE reportedstate = 'primary' AND goalstate = 'primary') = 1
+	AND count(*) FILTER (WHERE reportedstate = 'secondary' AND goalstate = 'secondary') = 2"
+
 case ${1:-} in
 failover)
-	autoctl perform failover --monitor "$monitor_uri"
-	exit
+	# The monitor refuses a failover while the formation is in transition
+	# (a node catching up, the previous failover finishing): wait until it
+	# has settled, and once more should it refuse anyway.
+	for attempt in 1 2 3; do
+		wait_for "a settled formation" monitor_true "$settled_sql"
+		autoctl perform failover --monitor "$monitor_uri" && exit 0
+		say "pg_autoctl perform failover failed (attempt $attempt of 3)"
+		sleep 1
+	done
+	die "pg_autoctl perform failover failed 3 times"
 	;;
 state)
 	autoctl show state --monitor "$monitor_uri"
@@ -123,21 +157,6 @@ start() {
 	pids+=($!)
 }
 
-# wait_for DESCRIPTION COMMAND... polls until COMMAND succeeds (3 minutes).
-wait_for() {
-	local what=$1
-	shift
-	for _ in $(seq 900); do
-		"$@" >/dev/null 2>&1 && return 0
-		sleep 0.2
-	done
-	die "timed out waiting for $what (logs in $ha/log/)"
-}
-
-monitor_sql() {
-	"$pgbin/psql" -X -qAt -h 127.0.0.1 -p "$base" -U autoctl_node -d pg_auto_failover -c "$1"
-}
-
 common=(--auth trust --no-ssl --hostname 127.0.0.1 --pgctl "$pgbin/pg_ctl")
 start monitor create monitor --pgport "$base" "${common[@]}"
 wait_for "the monitor" monitor_sql "SELECT 1"
@@ -146,15 +165,13 @@ for n in 1 2 3; do
 	start "node$n" create postgres --pgport $((base + n)) --name "node$n" --dbname idemcoord \
 		--listen 127.0.0.1 --monitor "$monitor_uri" "${common[@]}"
 	# One node at a time: each new one clones the primary.
-	wait_for "node$n to join" monitor_sql \
+	wait_for "node$n to join" monitor_true \
 		"SELECT 1 FROM pgautofailover.node WHERE nodename = 'node$n' AND reportedstate IN ('primary', 'secondary', 'single') AND reportedstate = goalstate"
 done
 
 # One standby must confirm every commit before the primary acknowledges it.
 wait_for "number_sync_standbys = 1" autoctl set formation number-sync-standbys 1 --monitor "$monitor_uri"
-wait_for "one primary and two secondaries" monitor_sql \
-	"SELECT 1 FROM pgautofailover.node HAVING count(*) FILTER (WHERE reportedstate = 'primary' AND goalstate = 'primary') = 1
-		AND count(*) FILTER (WHERE reportedstate = 'secondary' AND goalstate = 'secondary') = 2"
+wait_for "one primary and two secondaries" monitor_true "$settled_sql"
 
 export DATABASE_URL="postgres://postgres@127.0.0.1:$((base + 1)),127.0.0.1:$((base + 2)),127.0.0.1:$((base + 3))/idemcoord?sslmode=disable&target_session_attrs=read-write"
 # The primary takes writes and keeps PostgreSQL's durable defaults.
