@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"compress/gzip"
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -232,20 +233,26 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 	budget := semaphore.NewWeighted(s.opts.httpMaxBuffered)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
+			w.Header().Set("Connection", "close")
 			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
 				"or list the host in --http-allowed-hosts", r.Host), http.StatusMisdirectedRequest)
+			closeUnread(w)
 			return
 		}
 		if s.policies.Load().AuthEnabled() && isAPICall(r) {
 			if err := s.authenticateHTTP(r); err != nil {
+				w.Header().Set("Connection", "close")
 				refuseCall(w, r, carriesStatusInTrailers(r), connect.CodeUnauthenticated, status.Convert(err).Message())
+				closeUnread(w)
 				return
 			}
 		}
 		gz, err := requestCompression(r)
 		if err != nil {
 			w.Header().Set("Accept-Encoding", "gzip")
+			w.Header().Set("Connection", "close")
 			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
+			closeUnread(w)
 			return
 		}
 		body, charged, err := readBody(w, r, gz, maxBody, budget)
@@ -493,10 +500,8 @@ func refuseMalformed(w http.ResponseWriter, r *http.Request, web bool, err error
 // transcoder sees it with code and message in the request's protocol: a
 // trailers-only answer with grpc-status when trailers (gRPC, gRPC-Web)
 // carry its status, else a Connect error (JSON, with the code's HTTP
-// status). The connection is closed after it: the request's body may be
-// left unread.
+// status).
 func refuseCall(w http.ResponseWriter, r *http.Request, trailers bool, code connect.Code, message string) {
-	w.Header().Set("Connection", "close")
 	if trailers {
 		w.Header().Set("Content-Type", r.Header.Get("Content-Type"))
 		w.Header().Set("Grpc-Status", strconv.Itoa(int(code)))
@@ -562,16 +567,40 @@ func carriesStatusInTrailers(r *http.Request) bool {
 // authorization values and the same client certificate); that chain still
 // authenticates the call. It lets guardHTTP refuse a caller without valid
 // credentials before buffering, inflating or decoding anything it sent.
+// A refused call of a method the API has is counted and logged as the
+// gRPC chain counts and logs its refusals (grpc_server_handled_total with
+// code Unauthenticated, a "finished call" line); a path that names no
+// method is neither (it would make a metric label of any string).
 func (s *Server) authenticateHTTP(r *http.Request) error {
 	ctx := r.Context()
 	if v := r.Header.Values("Authorization"); len(v) > 0 {
 		ctx = metadata.NewIncomingContext(ctx, metadata.MD{"authorization": v})
 	}
+	p := &peer.Peer{Addr: httpPeerAddr(r.RemoteAddr)}
 	if r.TLS != nil {
-		ctx = peer.NewContext(ctx, &peer.Peer{AuthInfo: credentials.TLSInfo{State: *r.TLS}})
+		p.AuthInfo = credentials.TLSInfo{State: *r.TLS}
 	}
+	ctx = peer.NewContext(ctx, p)
 	_, err := s.authenticate(ctx)
+	if err != nil && s.apiMethods[r.URL.Path] {
+		_, _ = s.refusedHTTP(ctx, nil, &grpc.UnaryServerInfo{FullMethod: r.URL.Path},
+			func(context.Context, any) (any, error) { return nil, err })
+	}
 	return err
+}
+
+// httpPeerAddr is the remote address of an HTTP request, as a peer's.
+type httpPeerAddr string
+
+func (httpPeerAddr) Network() string  { return "tcp" }
+func (a httpPeerAddr) String() string { return string(a) }
+
+// closeUnread ends a request answered (with Connection: close) before its
+// body was read: the connection is closed once the answer is sent, without
+// reading what is left of the body (net/http would otherwise read up to
+// 256 KiB of it, waiting for it until the read timeout).
+func closeUnread(w http.ResponseWriter) {
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 }
 
 // bodyLen is the length of a body readBody read.

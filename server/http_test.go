@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -413,14 +414,18 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 // TestHTTPCredentialsCheckedBeforeTheBody: while auth is on, an API
 // request without valid credentials is refused unauthenticated from its
 // headers, before its body is read, inflated or decoded: malformed JSON
-// without a token is 401, not 400; a request that announces a 1 MiB body
-// and sends none is answered at once, not after the read timeout; a
-// gRPC-Web request gets grpc-status 16. With a valid token the body is
-// decoded as before (malformed JSON: invalid_argument), and nothing is
-// written for any of them.
+// without a token is 401, not 400; a request that announces a body and
+// sends none (or part of it) is answered at once and its connection
+// closed, not held until the read timeout; a gRPC-Web request gets
+// grpc-status 16. Each refusal of an API method is counted and logged as a
+// refused gRPC call is. With a valid token the body is decoded as before
+// (malformed JSON: invalid_argument), and nothing is written for any of
+// them.
 func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	t.Parallel()
-	c := coordtest.Start(t, coordtest.Options{Config: authConfig()})
+	var logs lockedBuilder
+	logger := slog.New(slog.NewJSONHandler(&logs, nil))
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig(), ServerOptions: []server.Option{server.WithLogger(logger)}})
 	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL}
 	api := newHTTPAPI(t, c)
 
@@ -433,25 +438,55 @@ func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	if r := api.do(req); r.status != http.StatusOK || r.header.Get("Grpc-Status") != "16" {
 		t.Fatalf("gRPC-Web Lookup without credentials: HTTP %d grpc-status %q %s", r.status, r.header.Get("Grpc-Status"), r.body)
 	}
+	// A path that names no method is refused too, and makes no metric.
+	api.post("idempotency.v1.Coordinator/NoSuchMethod", `{}`).wantError(t, http.StatusUnauthorized, "unauthenticated", "")
 
-	conn, err := net.Dial("tcp", strings.TrimPrefix(api.url, "http://"))
-	if err != nil {
-		t.Fatal(err)
+	// Bodies announced and not sent: over net/http's 256 KiB drain, and
+	// under it with one byte sent.
+	for _, announced := range []int{1 << 20, 100} {
+		host := strings.TrimPrefix(api.url, "http://")
+		conn, err := net.Dial("tcp", host)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		fmt.Fprintf(conn, "POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{",
+			httpBegin, host, announced)
+		_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+		br := bufio.NewReader(conn)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("a request announcing a %d-byte body, without credentials, and sending 1 byte: no answer within 5 s (%v); want 401 at once", announced, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+		if _, err := br.ReadByte(); err != io.EOF {
+			t.Fatalf("a request announcing a %d-byte body, refused unauthenticated: the connection is still open 5 s later (%v); want it closed at once", announced, err)
+		}
 	}
-	defer conn.Close()
-	fmt.Fprintf(conn, "POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
-		httpBegin, strings.TrimPrefix(api.url, "http://"), 1<<20)
-	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatalf("a request announcing a 1 MiB body, without credentials, and sending none: no answer within 5 s (%v); want 401 at once", err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusUnauthorized, "unauthenticated", "")
 
 	if n := env.rowCount(); n != 0 {
 		t.Fatalf("%d rows written by refused calls", n)
+	}
+	req, _ = http.NewRequest(http.MethodGet, api.url+"/metrics", nil)
+	metrics := string(api.do(req).body)
+	for _, want := range []string{
+		`grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 4`,
+		`grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Lookup",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	if strings.Contains(metrics, "NoSuchMethod") {
+		t.Error("/metrics has a series for a method the API does not have")
+	}
+	if n := strings.Count(logs.String(), `"grpc.method":"Begin","grpc.method_type":"unary","peer.address":"127.0.0.1:`); n < 4 {
+		t.Errorf("%d call log lines of Begin, want a line for each of the 4 refused:\n%s", n, logs.String())
+	}
+	if n := strings.Count(logs.String(), `"grpc.code":"Unauthenticated"`); n != 5 {
+		t.Errorf("%d call log lines with code Unauthenticated, want 5:\n%s", n, logs.String())
 	}
 }
 

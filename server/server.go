@@ -55,6 +55,12 @@ type Server struct {
 	// unary method: call log, recovery and rate limit (the Batch RPC
 	// itself was counted and authenticated).
 	batchItem grpc.UnaryServerInterceptor
+	// refusedHTTP counts and logs, as the gRPC chain does, a call of an
+	// API method that the HTTP listener refused unauthenticated before
+	// the transcoder saw it (see authenticateHTTP); apiMethods are those
+	// methods' full names.
+	refusedHTTP grpc.UnaryServerInterceptor
+	apiMethods  map[string]bool
 	// callWorkers run the calls of Batch RPCs.
 	callWorkers *callWorkers
 }
@@ -190,6 +196,13 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), selector.MatchFunc(rateLimited)),
 	}, o.unary...)
 	s.unary = unary
+	s.refusedHTTP = chainUnary([]grpc.UnaryServerInterceptor{s.metrics.grpc.UnaryServerInterceptor(), callLog})
+	s.apiMethods = map[string]bool{}
+	for _, sd := range []grpc.ServiceDesc{idempotencyv1.Coordinator_ServiceDesc, idempotencyv1.Admin_ServiceDesc} {
+		for _, m := range sd.Methods {
+			s.apiMethods["/"+sd.ServiceName+"/"+m.MethodName] = true
+		}
+	}
 	s.batchItem = chainUnary([]grpc.UnaryServerInterceptor{
 		callLog,
 		recovery.UnaryServerInterceptor(recoveryHandler),
