@@ -233,26 +233,23 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 	budget := semaphore.NewWeighted(s.opts.httpMaxBuffered)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
-			w.Header().Set("Connection", "close")
+			closeUnread(w)
 			http.Error(w, fmt.Sprintf("Host %q is not served while auth is off: use a loopback address or name, "+
 				"or list the host in --http-allowed-hosts", r.Host), http.StatusMisdirectedRequest)
-			closeUnread(w)
 			return
 		}
 		if s.policies.Load().AuthEnabled() && isAPICall(r) {
 			if err := s.authenticateHTTP(r); err != nil {
-				w.Header().Set("Connection", "close")
-				refuseCall(w, r, carriesStatusInTrailers(r), connect.CodeUnauthenticated, status.Convert(err).Message())
 				closeUnread(w)
+				refuseCall(w, r, carriesStatusInTrailers(r), connect.CodeUnauthenticated, status.Convert(err).Message())
 				return
 			}
 		}
 		gz, err := requestCompression(r)
 		if err != nil {
 			w.Header().Set("Accept-Encoding", "gzip")
-			w.Header().Set("Connection", "close")
-			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
 			closeUnread(w)
+			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
 			return
 		}
 		body, charged, err := readBody(w, r, gz, maxBody, budget)
@@ -595,11 +592,12 @@ type httpPeerAddr string
 func (httpPeerAddr) Network() string  { return "tcp" }
 func (a httpPeerAddr) String() string { return string(a) }
 
-// closeUnread ends a request answered (with Connection: close) before its
-// body was read: the connection is closed once the answer is sent, without
-// reading what is left of the body (net/http would otherwise read up to
-// 256 KiB of it, waiting for it until the read timeout).
+// closeUnread, called before a request is answered without its body being
+// read, closes the connection once the answer is sent, without reading
+// what is left of the body (net/http would otherwise read up to 256 KiB of
+// it, waiting for it until the read timeout).
 func closeUnread(w http.ResponseWriter) {
+	w.Header().Set("Connection", "close")
 	_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 }
 

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -278,6 +279,10 @@ func TestHTTPErrors(t *testing.T) {
 	if r := api.do(req); r.status != http.StatusUnsupportedMediaType || !strings.Contains(string(r.body), "application/json") {
 		t.Fatalf("form-encoded POST: HTTP %d %s", r.status, r.body)
 	}
+	// A Host not served while auth is off is answered unread.
+	if r := answerUnread(t, api, 100, "Content-Type: application/json", "Host: rebound.example"); r.status != http.StatusMisdirectedRequest {
+		t.Fatalf("Host rebound.example: HTTP %d %s, want 421", r.status, r.body)
+	}
 	// Only the two API services are served: health stays gRPC only.
 	if r := api.post("grpc.health.v1.Health/Check", `{}`); r.status != http.StatusNotFound {
 		t.Fatalf("health over HTTP: %d %s", r.status, r.body)
@@ -444,26 +449,12 @@ func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	// Bodies announced and not sent: over net/http's 256 KiB drain, and
 	// under it with one byte sent.
 	for _, announced := range []int{1 << 20, 100} {
-		host := strings.TrimPrefix(api.url, "http://")
-		conn, err := net.Dial("tcp", host)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		fmt.Fprintf(conn, "POST /%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{",
-			httpBegin, host, announced)
-		_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-		br := bufio.NewReader(conn)
-		resp, err := http.ReadResponse(br, nil)
-		if err != nil {
-			t.Fatalf("a request announcing a %d-byte body, without credentials, and sending 1 byte: no answer within 5 s (%v); want 401 at once", announced, err)
-		}
-		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		httpReply{status: resp.StatusCode, header: resp.Header, body: b}.wantError(t, http.StatusUnauthorized, "unauthenticated", "")
-		if _, err := br.ReadByte(); err != io.EOF {
-			t.Fatalf("a request announcing a %d-byte body, refused unauthenticated: the connection is still open 5 s later (%v); want it closed at once", announced, err)
-		}
+		answerUnread(t, api, announced, "Content-Type: application/json").
+			wantError(t, http.StatusUnauthorized, "unauthenticated", "")
+	}
+	// With credentials, an encoding refused is answered unread too.
+	if r := answerUnread(t, api, 100, "Content-Type: application/json", "Authorization: Bearer pay-secret", "Content-Encoding: br"); r.status != http.StatusUnsupportedMediaType {
+		t.Fatalf("Content-Encoding br: HTTP %d %s, want 415", r.status, r.body)
 	}
 
 	if n := env.rowCount(); n != 0 {
@@ -488,6 +479,38 @@ func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	if n := strings.Count(logs.String(), `"grpc.code":"Unauthenticated"`); n != 5 {
 		t.Errorf("%d call log lines with code Unauthenticated, want 5:\n%s", n, logs.String())
 	}
+}
+
+// answerUnread sends a Begin whose headers (headers, and a Host unless
+// they have one) announce a body of announced bytes, sends one byte of it,
+// and returns the answer, which must come within 5 s, and after which the
+// connection must be closed: the rest of the body is not waited for.
+func answerUnread(t *testing.T, api *httpAPI, announced int, headers ...string) httpReply {
+	t.Helper()
+	host := strings.TrimPrefix(api.url, "http://")
+	conn, err := net.Dial("tcp", host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if !slices.ContainsFunc(headers, func(h string) bool { return strings.HasPrefix(h, "Host: ") }) {
+		headers = append(headers, "Host: "+host)
+	}
+	fmt.Fprintf(conn, "POST /%s HTTP/1.1\r\n%s\r\nContent-Length: %d\r\n\r\n{",
+		httpBegin, strings.Join(headers, "\r\n"), announced)
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("a request announcing a %d-byte body (%v) and sending 1 byte: no answer within 5 s (%v)", announced, headers, err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if _, err := br.ReadByte(); err != io.EOF {
+		t.Fatalf("a request announcing a %d-byte body (%v), answered HTTP %d: the connection is still open 5 s later (%v); want it closed at once",
+			announced, headers, resp.StatusCode, err)
+	}
+	return httpReply{status: resp.StatusCode, header: resp.Header, body: b}
 }
 
 // TestHTTPMalformedFramingIsInvalidArgument: client mistakes in the
