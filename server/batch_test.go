@@ -366,9 +366,8 @@ func TestBatchAuth(t *testing.T) {
 // and code; a fast successful one is not logged at info.
 func TestBatchLogsFailedCalls(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuilder
-	logger := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{server.WithLogger(logger)}})
+	logs, withLogs := capturedLogs(slog.LevelInfo)
+	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{withLogs}})
 	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
 	batch(t, ctx(t), client, batchBegin("build", "fine"), batchLookup("deploy", "absent"))
 	lines := callLines(t, logs.String())

@@ -43,6 +43,23 @@ func newHTTPAPI(t *testing.T, c *coordtest.Coordinator) *httpAPI {
 	return &httpAPI{t: t, url: srv.URL, client: srv.Client()}
 }
 
+// wantMetrics fails t unless /metrics has each of the lines want, and
+// returns what it served.
+func (a *httpAPI) wantMetrics(t *testing.T, want ...string) string {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, a.url+"/metrics", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics := string(a.do(req).body)
+	for _, w := range want {
+		if !strings.Contains(metrics, w) {
+			t.Errorf("/metrics lacks %s", w)
+		}
+	}
+	return metrics
+}
+
 // guarded is c's HTTP handler as its listener serves it: behind the guard
 // of Server.NewHTTPServer.
 func guarded(c *coordtest.Coordinator) http.Handler {
@@ -263,18 +280,11 @@ func TestHTTPErrors(t *testing.T) {
 	}
 	// The calls went through the gRPC server's interceptors: its metrics
 	// counted them.
-	req, _ := http.NewRequest(http.MethodGet, api.url+"/metrics", nil)
-	metrics := string(api.do(req).body)
-	for _, want := range []string{
+	api.wantMetrics(t,
 		`grpc_server_handled_total{grpc_code="NotFound",grpc_method="Lookup",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
-		`grpc_server_handled_total{grpc_code="FailedPrecondition",grpc_method="Complete",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
-	} {
-		if !strings.Contains(metrics, want) {
-			t.Fatalf("/metrics lacks %s", want)
-		}
-	}
+		`grpc_server_handled_total{grpc_code="FailedPrecondition",grpc_method="Complete",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`)
 	// A POST of another content type (curl -d without -H) gets a hint.
-	req, _ = http.NewRequest(http.MethodPost, api.url+"/"+httpBegin, strings.NewReader(`{"scope":"build","key":"k"}`))
+	req, _ := http.NewRequest(http.MethodPost, api.url+"/"+httpBegin, strings.NewReader(`{"scope":"build","key":"k"}`))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	if r := api.do(req); r.status != http.StatusUnsupportedMediaType || !strings.Contains(string(r.body), "application/json") {
 		t.Fatalf("form-encoded POST: HTTP %d %s", r.status, r.body)
@@ -428,9 +438,8 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 // them.
 func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuilder
-	logger := slog.New(slog.NewJSONHandler(&logs, nil))
-	c := coordtest.Start(t, coordtest.Options{Config: authConfig(), ServerOptions: []server.Option{server.WithLogger(logger)}})
+	logs, withLogs := capturedLogs(slog.LevelInfo)
+	c := coordtest.Start(t, coordtest.Options{Config: authConfig(), ServerOptions: []server.Option{withLogs}})
 	env := &testEnv{t: t, coord: c, dbURL: c.DatabaseURL}
 	api := newHTTPAPI(t, c)
 
@@ -460,16 +469,9 @@ func TestHTTPCredentialsCheckedBeforeTheBody(t *testing.T) {
 	if n := env.rowCount(); n != 0 {
 		t.Fatalf("%d rows written by refused calls", n)
 	}
-	req, _ = http.NewRequest(http.MethodGet, api.url+"/metrics", nil)
-	metrics := string(api.do(req).body)
-	for _, want := range []string{
+	metrics := api.wantMetrics(t,
 		`grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 4`,
-		`grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Lookup",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`,
-	} {
-		if !strings.Contains(metrics, want) {
-			t.Errorf("/metrics lacks %s", want)
-		}
-	}
+		`grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Lookup",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 1`)
 	if strings.Contains(metrics, "NoSuchMethod") {
 		t.Error("/metrics has a series for a method the API does not have")
 	}

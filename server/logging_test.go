@@ -34,14 +34,20 @@ func (l *lockedBuilder) String() string {
 	return l.b.String()
 }
 
+// capturedLogs returns a buffer and the server option that logs into it,
+// as JSON lines, from level up.
+func capturedLogs(level slog.Level) (*lockedBuilder, server.Option) {
+	logs := &lockedBuilder{}
+	return logs, server.WithLogger(slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: level})))
+}
+
 // TestCallLogsCarryContextNeverSecrets checks the structured call log: it
 // names tenant, scope and outcome, and never contains a stored body or a
 // lease token.
 func TestCallLogsCarryContextNeverSecrets(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuilder
-	logger := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{server.WithLogger(logger)}})
+	logs, withLogs := capturedLogs(slog.LevelDebug)
+	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{withLogs}})
 	client := idempotencyv1.NewCoordinatorClient(c.Dial(t))
 	ctx := context.Background()
 	b, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "payments", Key: "order-1"})
@@ -104,9 +110,8 @@ func TestCallLogKeepsFailuresAndSlowCallsDropsFastSuccesses(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			var logs lockedBuilder
-			logger := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
-			sopts := []server.Option{server.WithLogger(logger)}
+			logs, withLogs := capturedLogs(slog.LevelInfo)
+			sopts := []server.Option{withLogs}
 			if tc.threshold >= 0 {
 				sopts = append(sopts, server.WithSlowCallThreshold(tc.threshold))
 			}
