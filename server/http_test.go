@@ -40,7 +40,7 @@ func newHTTPAPI(t *testing.T, c *coordtest.Coordinator) *httpAPI {
 	t.Helper()
 	srv := httptest.NewServer(guarded(c))
 	t.Cleanup(srv.Close)
-	return &httpAPI{t: t, url: srv.URL, client: srv.Client()}
+	return &httpAPI{t: t, url: srv.URL, client: &http.Client{Transport: coordtest.AnswerFirstTransport{}}}
 }
 
 // wantMetrics fails t unless /metrics has each of the lines want, and
