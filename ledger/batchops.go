@@ -107,23 +107,36 @@ func liveBatch[T any](batch []T, ctxOf func(T) context.Context, idOf func(T) Ide
 	return live
 }
 
-// batchFailed answers for a batch statement that failed as a whole: when
-// the store is closing, every caller is told ErrUnavailable; otherwise
-// each caller is run again on its own (retry), where it gets its own
-// answer. A batch that committed before it failed is no loss: a Begin run
-// again finds the record its own token created (see Store.Begin), and a
-// Complete run again is a repeat, which answers OK. A batch that met a
-// held key (batchLockWait) is no fault and is not logged as one.
-func (s *Store) batchFailed(kind string, n int, err error, closing bool) bool {
+// batchFailed answers for a batch statement that failed as a whole: it
+// returns the error to tell each caller, or nil to run each caller again
+// on its own (retry), where it gets its own answer.
+//
+// Callers run again only when the statement certainly wrote nothing:
+// PostgreSQL refused it, or it was never sent. A statement whose answer
+// was lost (its connection broke after it was sent, or its rows could not
+// be read) may have committed, and running its callers again could repeat
+// a write that was undone in between: a Begin would create again a record
+// an operator's Forget had just deleted, one Begin taking effect twice
+// (TestLinearizableReference found it). Its callers are told
+// ErrUnavailable, as the caller of a single statement would be; a retry
+// of the same attempt (attempt_id, or in process the same token) finds its
+// own acquisition (see Store.Begin), and a Complete's its completion. When the store is closing, every caller is told
+// ErrUnavailable. A batch that met a held key (batchLockWait) is no fault
+// and is not logged as one.
+func (s *Store) batchFailed(kind string, n int, err error, closing bool) error {
 	if closing {
-		return false
+		return errStoreClosed
+	}
+	if mayHaveCommitted(err) {
+		s.logger.Warn("batch statement's answer lost; its callers are told the coordinator is unavailable", "kind", kind, "callers", n, "err", err)
+		return fmt.Errorf("%w: the answer of the statement that wrote this call's key was lost, so whether it took effect is unknown: %v", ErrUnavailable, err)
 	}
 	level := slog.LevelWarn
 	if isLockTimeout(err) {
 		level = slog.LevelDebug
 	}
 	s.logger.Log(context.Background(), level, "batch statement failed; running its callers one by one", "kind", kind, "callers", n, "err", err)
-	return true
+	return nil
 }
 
 // runBeginBatch runs one batch of Begins and answers each request.
@@ -212,13 +225,9 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		}
 	}
 	if err != nil {
-		retry := s.batchFailed("begin", len(live), err, s.begins.closing())
+		failed := s.batchFailed("begin", len(live), err, s.begins.closing())
 		for _, r := range live {
-			if retry {
-				r.out <- beginRes{}
-			} else {
-				r.out <- beginRes{err: errStoreClosed}
-			}
+			r.out <- beginRes{err: failed}
 		}
 		return
 	}
@@ -348,13 +357,9 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 		}
 	}
 	if err != nil {
-		retry := s.batchFailed("complete", n, err, s.completes.closing())
+		failed := s.batchFailed("complete", n, err, s.completes.closing())
 		for _, r := range live {
-			if retry {
-				r.out <- completeRes{}
-			} else {
-				r.out <- completeRes{err: errStoreClosed}
-			}
+			r.out <- completeRes{err: failed}
 		}
 		return
 	}

@@ -83,6 +83,16 @@ func isLockTimeout(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == lockTimeoutCode
 }
 
+// mayHaveCommitted reports whether a statement that failed with err,
+// running in a transaction of its own, may have committed all the same:
+// PostgreSQL did not refuse it, and it was not stopped before it was sent
+// (a failed connect, or pgconn.SafeToRetry).
+func mayHaveCommitted(err error) bool {
+	var pgErr *pgconn.PgError
+	var connectErr *pgconn.ConnectError
+	return !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)
+}
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {

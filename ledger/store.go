@@ -398,12 +398,11 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 	}
 	if found && !inserted && rec.LeaseToken == ev.NewToken {
 		// This Begin's own acquisition (tokens are unique), committed by a
-		// statement whose answer was lost: a batch statement that failed
-		// afterwards, or an earlier Begin of the same caller that passed
-		// this token too. It is answered as it was made, without a second
-		// write; once its lease has run out it can no longer be handed
-		// over, and the caller is told what it would have been told of the
-		// lost answer.
+		// statement whose answer was lost: an earlier Begin of the same
+		// caller that passed this token too (see batchFailed). It is
+		// answered as it was made, without a second write; once its lease
+		// has run out it can no longer be handed over, and the caller is
+		// told what it would have been told of the lost answer.
 		if eff := statemachine.Effective(rec, now); eff.State != statemachine.StateInProgress {
 			return nil, ErrLostAcquisition
 		}

@@ -1,0 +1,252 @@
+package ledger
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"net/url"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// answerLosingProxy forwards connections to PostgreSQL. Once armed with a
+// marker, the first connection that sends a message holding the marker
+// has that message forwarded and every later byte of PostgreSQL's answer
+// held back, until cut closes that connection: the statement runs and
+// commits, and its answer is lost, as when a network fails at that moment.
+type answerLosingProxy struct {
+	target string
+	ln     net.Listener
+
+	mu     sync.Mutex
+	marker []byte
+	victim []net.Conn    // the marked connection's two sides
+	sent   chan struct{} // closed once the marked message is forwarded
+}
+
+// newAnswerLosingProxy starts a proxy to the database of dbURL and returns
+// it with the URL of that database through it.
+func newAnswerLosingProxy(t *testing.T, dbURL string) (*answerLosingProxy, string) {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &answerLosingProxy{target: u.Host, ln: ln}
+	u.Host = ln.Addr().String()
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go p.serve(c)
+		}
+	}()
+	return p, u.String()
+}
+
+// arm makes the next message that holds marker lose its answer; the
+// channel it returns is closed once that message is forwarded.
+func (p *answerLosingProxy) arm(marker string) <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.marker = []byte(marker)
+	p.sent = make(chan struct{})
+	return p.sent
+}
+
+// cut closes the connection whose answer is held back.
+func (p *answerLosingProxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.victim {
+		_ = c.Close()
+	}
+}
+
+func (p *answerLosingProxy) serve(client net.Conn) {
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		_ = client.Close()
+		return
+	}
+	var held sync.Once
+	hold := make(chan struct{})
+	go func() {
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := server.Read(buf)
+			if err != nil {
+				_ = client.Close()
+				return
+			}
+			select {
+			case <-hold:
+				continue // the answer is lost
+			default:
+			}
+			if _, err := client.Write(buf[:n]); err != nil {
+				_ = server.Close()
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := client.Read(buf)
+		if err != nil {
+			_ = server.Close()
+			return
+		}
+		p.mu.Lock()
+		var sent chan struct{}
+		if p.marker != nil && bytes.Contains(buf[:n], p.marker) {
+			p.marker, sent = nil, p.sent
+			p.victim = []net.Conn{client, server}
+			held.Do(func() { close(hold) })
+		}
+		p.mu.Unlock()
+		if _, err := server.Write(buf[:n]); err != nil {
+			_ = client.Close()
+			return
+		}
+		if sent != nil {
+			close(sent)
+		}
+	}
+}
+
+// TestBatchAnswerLostTellsCallersUnavailable: a batch statement that
+// commits but whose answer is lost (the connection cut after PostgreSQL
+// ran it) tells each caller ErrUnavailable instead of running it again on
+// its own. Run again, a Begin whose record an operator's Forget deleted in
+// between created it a second time, undoing the Forget (one Begin taking
+// effect twice; TestLinearizableReference found it now and then). The
+// callers that retry with their own token find their acquisition, and a
+// Complete's retry its completion.
+func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
+	t.Parallel()
+	dbURL := pgtest.NewDatabase(t)
+	p, proxied := newAnswerLosingProxy(t, dbURL)
+	ctx := context.Background()
+	s, err := Open(ctx, proxied, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	direct, err := Open(ctx, dbURL, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close()
+
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	begins := func(keys ...string) []*beginReq {
+		var batch []*beginReq
+		for _, k := range keys {
+			e := ev
+			e.NewToken = newToken()
+			id := Identity{Tenant: "t", Scope: "s", Key: k}
+			batch = append(batch, &beginReq{ctx: ctx, p: &BeginParams{ID: id, Event: e}, ev: e, out: make(chan beginRes, 1)})
+		}
+		return batch
+	}
+	// committed waits until the record of id is in the database, made by
+	// the statement whose answer is held back.
+	committed := func(id Identity) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if _, _, err := direct.Lookup(ctx, id); err == nil {
+				return
+			} else if !errors.Is(err, statemachine.ErrNotFound) || time.Now().After(deadline) {
+				t.Fatalf("the batch's record %s: %v", id.Key, err)
+			}
+		}
+	}
+
+	t.Run("Begin", func(t *testing.T) {
+		batch := begins("lost-answer-a", "lost-answer-b")
+		sent := p.arm("lost-answer-")
+		done := make(chan struct{})
+		go func() { s.runBeginBatch(ctx, batch); close(done) }()
+		<-sent
+		committed(batch[0].p.ID)
+		// An operator forgets a while the batch's answer is on its way.
+		if _, err := direct.Forget(ctx, &ForgetParams{ID: batch[0].p.ID}); err != nil {
+			t.Fatal(err)
+		}
+		p.cut()
+		<-done
+		for _, r := range batch {
+			if out := <-r.out; !errors.Is(out.err, ErrUnavailable) {
+				t.Fatalf("%s, its batch's answer lost: %+v, want ErrUnavailable (not sent to run again, which re-creates a forgotten record)", r.p.ID.Key, out)
+			}
+		}
+		if _, _, err := direct.Lookup(ctx, batch[0].p.ID); !errors.Is(err, statemachine.ErrNotFound) {
+			t.Fatalf("the forgotten record after the batch's callers were answered: %v, want not found", err)
+		}
+		// b's caller retries with its token: the acquisition is its own.
+		b := batch[1]
+		res, err := s.begin(ctx, b.p, &b.ev)
+		if err != nil || res.Outcome != statemachine.OutcomeAcquired || res.Record.LeaseToken != b.ev.NewToken {
+			t.Fatalf("b's retry with its token: %+v %v, want its own acquisition", res, err)
+		}
+	})
+
+	t.Run("Complete", func(t *testing.T) {
+		var batch []*completeReq
+		for _, r := range begins("lost-completion-a", "lost-completion-b") {
+			res, err := s.begin(ctx, r.p, &r.ev)
+			if err != nil || res.Outcome != statemachine.OutcomeAcquired {
+				t.Fatalf("Begin %s: %+v %v", r.p.ID.Key, res, err)
+			}
+			fin := statemachine.Event{Kind: statemachine.EventComplete, Token: r.ev.NewToken,
+				Response: &statemachine.Response{StatusCode: 200, Body: []byte("done")}}
+			args, err := s.responseArgs(r.p.ID, fin.Response, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			batch = append(batch, &completeReq{ctx: ctx, id: r.p.ID, ev: fin, args: args, out: make(chan completeRes, 1)})
+		}
+		sent := p.arm("lost-completion-")
+		done := make(chan struct{})
+		go func() { s.runCompleteBatch(ctx, batch); close(done) }()
+		<-sent
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			rec, _, err := direct.Lookup(ctx, batch[1].id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rec.State == statemachine.StateCompleted {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the batch's completion of %s never committed: %+v", batch[1].id.Key, rec)
+			}
+		}
+		p.cut()
+		<-done
+		for _, r := range batch {
+			if out := <-r.out; !errors.Is(out.err, ErrUnavailable) {
+				t.Fatalf("%s, its batch's answer lost: %+v, want ErrUnavailable", r.id.Key, out)
+			}
+		}
+		// The retry of a Complete is a repeat of its completion.
+		r := batch[0]
+		res, err := s.Finish(ctx, &FinishParams{ID: r.id, Event: r.ev})
+		if err != nil || res.Record.State != statemachine.StateCompleted {
+			t.Fatalf("%s: the retried Complete: %+v %v, want COMPLETED", r.id.Key, res, err)
+		}
+	})
+}
