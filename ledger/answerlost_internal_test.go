@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/url"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -250,3 +253,33 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		}
 	})
 }
+
+// TestMayHaveCommitted: a statement's failure may hide a commit when its
+// connection broke after it was sent or the server ended the session; not
+// when PostgreSQL refused it, nor when it never left.
+func TestMayHaveCommitted(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		err  error
+		may  bool
+	}{
+		{"connection broken while reading the answer", &net.OpError{Op: "read", Net: "tcp", Err: io.ErrUnexpectedEOF}, true},
+		{"answer cut short", io.ErrUnexpectedEOF, true},
+		{"backend terminated (FATAL)", &pgconn.PgError{Severity: "FATAL", Code: "57P01"}, true},
+		{"refused by PostgreSQL (lock timeout)", &pgconn.PgError{Severity: "ERROR", Code: lockTimeoutCode}, false},
+		{"refused by PostgreSQL (serialization)", &pgconn.PgError{Severity: "ERROR", Code: "40001"}, false},
+		{"could not connect", &pgconn.ConnectError{}, false},
+		{"never sent", neverSent{}, false},
+	} {
+		if got := mayHaveCommitted(c.err); got != c.may {
+			t.Errorf("%s: may have committed %v, want %v", c.name, got, c.may)
+		}
+	}
+}
+
+// neverSent is an error pgconn reports as failing before anything was
+// sent (pgconn.SafeToRetry).
+type neverSent struct{}
+
+func (neverSent) Error() string     { return "failed before sending" }
+func (neverSent) SafeToRetry() bool { return true }

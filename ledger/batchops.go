@@ -113,8 +113,9 @@ func liveBatch[T any](batch []T, ctxOf func(T) context.Context, idOf func(T) Ide
 //
 // Callers run again only when the statement certainly wrote nothing:
 // PostgreSQL refused it, or it was never sent. A statement whose answer
-// was lost (its connection broke after it was sent, or its rows could not
-// be read) may have committed, and running its callers again could repeat
+// was lost (its connection broke after it was sent, the server ended the
+// session, or its rows could not be read) may have committed
+// (mayHaveCommitted), and running its callers again could repeat
 // a write that was undone in between: a Begin would create again a record
 // an operator's Forget had just deleted, one Begin taking effect twice
 // (TestLinearizableReference found it). Its callers are told
@@ -129,7 +130,8 @@ func (s *Store) batchFailed(kind string, n int, err error, closing bool) error {
 	}
 	if mayHaveCommitted(err) {
 		s.logger.Warn("batch statement's answer lost; its callers are told the coordinator is unavailable", "kind", kind, "callers", n, "err", err)
-		return fmt.Errorf("%w: the answer of the statement that wrote this call's key was lost, so whether it took effect is unknown: %v", ErrUnavailable, err)
+		return fmt.Errorf("%w: the answer of the statement that wrote this call's key was lost, so whether it took effect is unknown: %v",
+			ErrUnavailable, err)
 	}
 	level := slog.LevelWarn
 	if isLockTimeout(err) {

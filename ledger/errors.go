@@ -85,12 +85,18 @@ func isLockTimeout(err error) bool {
 
 // mayHaveCommitted reports whether a statement that failed with err,
 // running in a transaction of its own, may have committed all the same:
-// PostgreSQL did not refuse it, and it was not stopped before it was sent
-// (a failed connect, or pgconn.SafeToRetry).
+// its connection broke after it was sent, or the server ended the session
+// (a FATAL error, such as a terminated backend, which can come after a
+// local commit that waited for a synchronous standby). Not when
+// PostgreSQL refused the statement, nor when it was never sent (a failed
+// connect, or pgconn.SafeToRetry).
 func mayHaveCommitted(err error) bool {
 	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
+	}
 	var connectErr *pgconn.ConnectError
-	return !errors.As(err, &pgErr) && !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)
+	return !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)
 }
 
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped

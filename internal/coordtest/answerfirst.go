@@ -53,13 +53,16 @@ type connBody struct {
 	conn  net.Conn
 	wrote chan error
 	once  sync.Once
+	// writeErr is the request's write's error, once Close has waited for
+	// it: an answer may come before the body is all sent.
+	writeErr error
 }
 
 func (b *connBody) Close() error {
 	err := b.ReadCloser.Close()
 	b.once.Do(func() {
 		_ = b.conn.Close()
-		<-b.wrote
+		b.writeErr = <-b.wrote
 	})
 	return err
 }
