@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemcoord/idemcoord/internal/pgtest"
@@ -274,6 +275,10 @@ func TestMayHaveCommitted(t *testing.T) {
 		if got := mayHaveCommitted(c.err); got != c.may {
 			t.Errorf("%s: may have committed %v, want %v", c.name, got, c.may)
 		}
+		// classify marks the lost answers among its ErrUnavailable.
+		if got := answerLost(classify(c.err)); got != c.may {
+			t.Errorf("%s classified: %v, answer lost %v, want %v", c.name, classify(c.err), got, c.may)
+		}
 	}
 }
 
@@ -283,3 +288,103 @@ type neverSent struct{}
 
 func (neverSent) Error() string     { return "failed before sending" }
 func (neverSent) SafeToRetry() bool { return true }
+
+// TestWaitingBeginLostAnswerThenForgotten: a waiting Begin's re-read
+// creates the key (its holder's record was forgotten) and its answer is
+// lost; an operator then forgets the new record too. The waiter must not
+// create the key again with the same token (one call taking effect twice,
+// as TestLinearizableReference saw): after the lost answer its re-reads
+// write nothing, and finding no acquisition of its own it answers
+// ErrUnavailable, the lost answer's. Before, it waited on and, woken by
+// another caller's Begin and Forget of the key, created it a second time.
+func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
+	t.Parallel()
+	dbURL := pgtest.NewDatabase(t)
+	p, proxied := newAnswerLosingProxy(t, dbURL)
+	ctx := context.Background()
+	s, err := Open(ctx, proxied, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	direct, err := Open(ctx, dbURL, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+
+	id := Identity{Tenant: "t", Scope: "s", Key: "waited-lost-answer"}
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	if res, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev}); err != nil || res.Outcome != statemachine.OutcomeAcquired {
+		t.Fatalf("holder: %+v %v", res, err)
+	}
+	type answer struct {
+		res *Result
+		err error
+	}
+	waiter := make(chan answer, 1)
+	go func() {
+		res, err := s.BeginWait(ctx, &BeginParams{ID: id, Event: ev}, 30*time.Second)
+		waiter <- answer{res, err}
+	}()
+	// The waiter is waiting once it has marked the holder's record watched.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var watched bool
+		if err := conn.QueryRow(ctx, `SELECT watched FROM idempotency_records WHERE key = $1`, id.Key).Scan(&watched); err != nil {
+			t.Fatal(err)
+		}
+		if watched {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never waited")
+		}
+	}
+	sent := p.arm(id.Key)
+	// The holder's record is forgotten: the waiter wakes and creates the
+	// key; that statement's answer is held back.
+	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	<-sent
+	var created statemachine.Record
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		rec, _, err := direct.Lookup(ctx, id)
+		if err == nil {
+			created = rec
+			break
+		}
+		if !errors.Is(err, statemachine.ErrNotFound) || time.Now().After(deadline) {
+			t.Fatalf("the waiter's record: %v", err)
+		}
+	}
+	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	p.cut()
+	// Other callers come and go on the key, and wake the waiter.
+	for {
+		select {
+		case a := <-waiter:
+			if !errors.Is(a.err, ErrUnavailable) {
+				t.Fatalf("the waiter after its lost answer and the Forget: %+v %v, want ErrUnavailable", a.res, a.err)
+			}
+			if rec, _, err := direct.Lookup(ctx, id); err == nil && rec.LeaseToken == created.LeaseToken {
+				t.Fatalf("the forgotten acquisition %s was created again", created.LeaseToken)
+			}
+			return
+		case <-time.After(100 * time.Millisecond):
+			if _, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}

@@ -130,8 +130,8 @@ func (s *Store) batchFailed(kind string, n int, err error, closing bool) error {
 	}
 	if mayHaveCommitted(err) {
 		s.logger.Warn("batch statement's answer lost; its callers are told the coordinator is unavailable", "kind", kind, "callers", n, "err", err)
-		return fmt.Errorf("%w: the answer of the statement that wrote this call's key was lost, so whether it took effect is unknown: %v",
-			ErrUnavailable, err)
+		return answerLostError{fmt.Errorf("%w: the answer of the statement that wrote this call's key was lost, so whether it took effect is unknown: %v",
+			ErrUnavailable, err)}
 	}
 	level := slog.LevelWarn
 	if isLockTimeout(err) {

@@ -99,15 +99,31 @@ func mayHaveCommitted(err error) bool {
 	return !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)
 }
 
+// answerLostError is ErrUnavailable for a statement that may have committed
+// all the same (mayHaveCommitted): its answer was lost, perhaps not its
+// write. Its message is that of the error it wraps.
+type answerLostError struct{ error }
+
+func (e answerLostError) Unwrap() error { return e.error }
+
+// answerLost reports whether err is ErrUnavailable for a statement whose
+// answer was lost after it may have committed (answerLostError).
+func answerLost(err error) bool {
+	var lost answerLostError
+	return errors.As(err, &lost)
+}
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {
 	if err == nil {
 		return nil
 	}
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrUnreadable) {
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrUnreadable) ||
+		errors.Is(err, ErrUnavailable) {
 		return err
 	}
+	lost := mayHaveCommitted(err)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch {
@@ -116,11 +132,20 @@ func classify(err error) error {
 			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
 			pgErr.Code == "40001", pgErr.Code == "40P01": // serialization failure, deadlock: retry
-			return fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
+			unavailable := fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
+			if lost {
+				return answerLostError{unavailable}
+			}
+			return unavailable
 		}
 		return err
 	}
 	// Anything that is not a server error is a transport failure: dial
-	// errors, broken connections, a closed pool.
-	return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	// errors, broken connections, a closed pool. A broken connection may
+	// have lost the answer of a statement that committed.
+	unavailable := fmt.Errorf("%w: %v", ErrUnavailable, err)
+	if lost {
+		return answerLostError{unavailable}
+	}
+	return unavailable
 }

@@ -397,17 +397,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		s.clockOffset.Store(int64(time.Until(now)))
 	}
 	if found && !inserted && rec.LeaseToken == ev.NewToken {
-		// This Begin's own acquisition (tokens are unique), committed by a
-		// statement whose answer was lost: an earlier Begin of the same
-		// caller that passed this token too (see batchFailed). It is
-		// answered as it was made, without a second write; once its lease
-		// has run out it can no longer be handed over, and the caller is
-		// told what it would have been told of the lost answer.
-		if eff := statemachine.Effective(rec, now); eff.State != statemachine.StateInProgress {
-			return nil, ErrLostAcquisition
-		}
-		return &Result{Decision: statemachine.Decision{Outcome: statemachine.OutcomeAcquired, Record: rec, Exists: true,
-			PreviousState: rec.AcquiredFrom}, Now: now}, nil
+		return ownAcquisition(rec, now)
 	}
 	if inserted {
 		d := statemachine.Next(nil, insert, p.Policy, now)
@@ -431,6 +421,48 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 			s.releaseGone(ctx, p, res.Record)
 		}
 	}})
+}
+
+// ownAcquisition answers a Begin that finds its own acquisition (its lease
+// token; tokens are unique), committed by a statement whose answer was
+// lost: an earlier Begin of the same caller that passed this token too
+// (see batchFailed and BeginWait). It is answered as it was made, without
+// a second write; once its lease has run out it can no longer be handed
+// over, and the caller is told what it would have been told of the lost
+// answer (ErrLostAcquisition).
+func ownAcquisition(rec statemachine.Record, now time.Time) (*Result, error) {
+	if eff := statemachine.Effective(rec, now); eff.State != statemachine.StateInProgress {
+		return nil, ErrLostAcquisition
+	}
+	return &Result{Decision: statemachine.Decision{Outcome: statemachine.OutcomeAcquired, Record: rec, Exists: true,
+		PreviousState: rec.AcquiredFrom}, Now: now}, nil
+}
+
+// beginWithoutWrite decides the Begin p (with ev, its kind and token set)
+// from the record as it is, writing nothing: the caller's own acquisition
+// (ev's token), or a decision that needs no write (the key held, a replay,
+// a refusal). ok is false when the Begin would have to write: create the
+// key, take it over or renew it.
+func (s *Store) beginWithoutWrite(ctx context.Context, p *BeginParams, ev statemachine.Event) (res *Result, ok bool, err error) {
+	rec, now, err := s.Lookup(ctx, p.ID)
+	if errors.Is(err, statemachine.ErrNotFound) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	if rec.LeaseToken == ev.NewToken {
+		res, err := ownAcquisition(rec, now)
+		return res, true, err
+	}
+	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
+	if d.Err != nil {
+		return nil, true, d.Err
+	}
+	if d.Write != statemachine.WriteNone {
+		return nil, false, nil
+	}
+	return &Result{Decision: d, Now: now}, true, nil
 }
 
 // beginCached answers a Begin from the replay cache when the cached record

@@ -88,10 +88,11 @@ func holdingOf(res *Result) holding {
 // A try that finds the database unavailable, after an earlier try found
 // the key held, does not end the wait: the call waits on what that try
 // found, and the outage is the answer only if it outlasts the wait. The
-// exception is ErrLostAcquisition: the caller's own acquisition, lapsed,
-// which waiting on could only take the key a second time. Callers make
-// their tries recognise their own acquisition (one lease token across all
-// tries), since a try whose answer was lost may have committed one.
+// exceptions are ErrLostAcquisition, the caller's own acquisition, lapsed,
+// which waiting on could only take the key a second time, and a try's
+// finalError. Callers make their tries recognise their own acquisition
+// (one lease token across all tries), since a try whose answer was lost
+// may have committed one.
 //
 // try's own answer is kept by the caller from its last successful call.
 func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time,
@@ -113,7 +114,9 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 		fresh := err == nil
 		left := time.Until(giveUp)
 		if err != nil {
-			if last == nil || left <= 0 || !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrLostAcquisition) {
+			var final finalError
+			if last == nil || left <= 0 || !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrLostAcquisition) ||
+				errors.As(err, &final) {
 				return false, err
 			}
 			h = *last
@@ -174,27 +177,55 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 // UNKNOWN is answered at once. A wait of 0 (or a deadline too close) is a
 // plain Begin.
 //
-// Its re-reads are Begins: one whose answer was lost (the database
-// unreachable after its commit) may have acquired the key. They all offer
-// one lease token (p.Event.NewToken, or a fresh one), so the next finds that
-// acquisition its own and answers it, instead of waiting for it to lapse
-// and taking the key a second time; if it has lapsed already, BeginWait
-// returns ErrLostAcquisition. A re-read that finds the database unavailable
-// does not end the wait; the outage is the answer only if it outlasts it.
+// Its re-reads are Begins: one whose answer was lost (its connection broke
+// after the statement was sent) may have acquired the key. They all offer
+// one lease token (p.Event.NewToken, or a fresh one), so that what follows
+// a lost answer finds that acquisition its own and answers it, instead of
+// waiting for it to lapse and taking the key a second time; if it has
+// lapsed already, BeginWait returns ErrLostAcquisition. After a lost answer
+// the re-reads write nothing (beginWithoutWrite): they answer the caller's
+// own acquisition, or what needs no write (the key held: wait on; a
+// replay), and a Begin that would have to write (create the key, take it
+// over) ends the wait with the lost answer's ErrUnavailable. Writing then,
+// with the same token, could create the key a second time after an
+// operator's Forget deleted the lost acquisition: one call taking effect
+// twice (TestLinearizableReference found it). A re-read that finds the
+// database unavailable does not end the wait; the outage is the answer
+// only if it outlasts it.
 func (s *Store) BeginWait(ctx context.Context, p *BeginParams, wait time.Duration) (*Result, error) {
 	giveUp := waitEnd(ctx, time.Now(), wait)
 	if !time.Now().Before(giveUp) {
 		return s.Begin(ctx, p)
+	}
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
 	}
 	q := *p
 	if q.Event.NewToken == "" {
 		q.Event.NewToken = newToken()
 	}
 	var res *Result
+	var lost error // the error of a re-read whose answer was lost
 	_, err := s.waitWhileHeld(ctx, p.ID, giveUp, func(ctx context.Context) (holding, error) {
-		r, err := s.Begin(ctx, &q)
-		if err != nil {
+		if lost == nil {
+			r, err := s.Begin(ctx, &q)
+			if err == nil {
+				res = r
+				return holdingOf(r), nil
+			}
+			if !answerLost(err) {
+				return holding{}, err
+			}
+			lost = err
+		}
+		ev := storedDurations(q.Event)
+		ev.Kind = statemachine.EventBegin
+		r, ok, err := s.beginWithoutWrite(ctx, &q, ev)
+		switch {
+		case err != nil:
 			return holding{}, err
+		case !ok:
+			return holding{}, finalError{lost}
 		}
 		res = r
 		return holdingOf(r), nil
@@ -204,3 +235,9 @@ func (s *Store) BeginWait(ctx context.Context, p *BeginParams, wait time.Duratio
 	}
 	return res, nil
 }
+
+// finalError is a try's error that ends a wait although it is
+// ErrUnavailable (see waitWhileHeld); it wraps that error.
+type finalError struct{ error }
+
+func (e finalError) Unwrap() error { return e.error }
