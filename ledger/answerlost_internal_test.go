@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,19 +19,21 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// answerLosingProxy forwards connections to PostgreSQL. Once armed with a
-// marker, the first connection that sends a message holding the marker
-// has that message forwarded and every later byte of PostgreSQL's answer
-// held back, until cut closes that connection: the statement runs and
-// commits, and its answer is lost, as when a network fails at that moment.
+// answerLosingProxy forwards connections to PostgreSQL. Once armed with
+// markers, the first connection that sends messages holding them, in
+// order, has the message with the last one forwarded and every later byte
+// of PostgreSQL's answer held back, until cut closes that connection: the
+// statement runs and commits, and its answer is lost, as when a network
+// fails at that moment.
 type answerLosingProxy struct {
 	target string
 	ln     net.Listener
 
-	mu     sync.Mutex
-	marker []byte
-	victim []net.Conn    // the marked connection's two sides
-	sent   chan struct{} // closed once the marked message is forwarded
+	mu      sync.Mutex
+	markers [][]byte
+	seen    map[net.Conn]int // markers each connection has sent so far
+	victim  []net.Conn       // the marked connection's two sides
+	sent    chan struct{}    // closed once the marked message is forwarded
 }
 
 // newAnswerLosingProxy starts a proxy to the database of dbURL and returns
@@ -60,12 +63,16 @@ func newAnswerLosingProxy(t *testing.T, dbURL string) (*answerLosingProxy, strin
 	return p, u.String()
 }
 
-// arm makes the next message that holds marker lose its answer; the
-// channel it returns is closed once that message is forwarded.
-func (p *answerLosingProxy) arm(marker string) <-chan struct{} {
+// arm makes the first connection to send messages holding markers, in
+// order, lose the answer of the last; the channel it returns is closed
+// once that message is forwarded.
+func (p *answerLosingProxy) arm(markers ...string) <-chan struct{} {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.marker = []byte(marker)
+	p.markers, p.seen = nil, map[net.Conn]int{}
+	for _, m := range markers {
+		p.markers = append(p.markers, []byte(m))
+	}
 	p.sent = make(chan struct{})
 	return p.sent
 }
@@ -115,10 +122,13 @@ func (p *answerLosingProxy) serve(client net.Conn) {
 		}
 		p.mu.Lock()
 		var sent chan struct{}
-		if p.marker != nil && bytes.Contains(buf[:n], p.marker) {
-			p.marker, sent = nil, p.sent
-			p.victim = []net.Conn{client, server}
-			held.Do(func() { close(hold) })
+		if i := p.seen[client]; i < len(p.markers) && bytes.Contains(buf[:n], p.markers[i]) {
+			p.seen[client] = i + 1
+			if i+1 == len(p.markers) {
+				p.markers, sent = nil, p.sent
+				p.victim = []net.Conn{client, server}
+				held.Do(func() { close(hold) })
+			}
 		}
 		p.mu.Unlock()
 		if _, err := server.Write(buf[:n]); err != nil {
@@ -271,6 +281,7 @@ func TestMayHaveCommitted(t *testing.T) {
 		{"refused by PostgreSQL (serialization)", &pgconn.PgError{Severity: "ERROR", Code: "40001"}, false},
 		{"could not connect", &pgconn.ConnectError{}, false},
 		{"never sent", neverSent{}, false},
+		{"connection closed while the answer was awaited", closedConn{}, true},
 	} {
 		if got := mayHaveCommitted(c.err); got != c.may {
 			t.Errorf("%s: may have committed %v, want %v", c.name, got, c.may)
@@ -288,6 +299,14 @@ type neverSent struct{}
 
 func (neverSent) Error() string     { return "failed before sending" }
 func (neverSent) SafeToRetry() bool { return true }
+
+// closedConn is pgconn's "conn closed", which it calls safe to retry even
+// when the connection broke while an answer was awaited.
+type closedConn struct{}
+
+func (closedConn) Error() string     { return "conn closed" }
+func (closedConn) SafeToRetry() bool { return true }
+func (closedConn) Unwrap() error     { return pgconn.ErrConnClosed }
 
 // TestWaitingBeginLostAnswerThenForgotten: a waiting Begin's re-read
 // creates the key (its holder's record was forgotten) and its answer is
@@ -376,6 +395,117 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 			}
 			if rec, _, err := direct.Lookup(ctx, id); err == nil && rec.LeaseToken == created.LeaseToken {
 				t.Fatalf("the forgotten acquisition %s was created again", created.LeaseToken)
+			}
+			return
+		case <-time.After(100 * time.Millisecond):
+			if _, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// TestWaitingRunTxLostCommitThenForgotten: a waiting RunTx takes the key
+// over, runs fn, and its commit's answer is lost; an operator then forgets
+// the record. The RunTx must not run fn again (its next tries write
+// nothing, and finding no result of its own it answers ErrUnavailable).
+// Before, woken by another caller's Begin and Forget of the key, it ran fn
+// a second time: two charges for one call.
+func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
+	t.Parallel()
+	dbURL := pgtest.NewDatabase(t)
+	p, proxied := newAnswerLosingProxy(t, dbURL)
+	ctx := context.Background()
+	s, err := Open(ctx, proxied, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	direct, err := Open(ctx, dbURL, WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `CREATE TABLE charges (key text)`); err != nil {
+		t.Fatal(err)
+	}
+
+	id := Identity{Tenant: DefaultTenant, Scope: "charge", Key: "runtx-lost-ack"}
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	holder, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev})
+	if err != nil || holder.Outcome != statemachine.OutcomeAcquired {
+		t.Fatalf("holder: %+v %v", holder, err)
+	}
+	type answer struct {
+		replayed bool
+		err      error
+	}
+	var runs atomic.Int32
+	ran := make(chan answer, 1)
+	go func() {
+		_, replayed, err := s.RunTx(ctx, id, TxOptions{Wait: 30 * time.Second}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+			runs.Add(1)
+			_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ($1)`, id.Key)
+			return &statemachine.Response{StatusCode: 200}, err
+		})
+		ran <- answer{replayed, err}
+	}()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var watched bool
+		if err := conn.QueryRow(ctx, `SELECT watched FROM idempotency_records WHERE key = $1`, id.Key).Scan(&watched); err != nil {
+			t.Fatal(err)
+		}
+		if watched {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the RunTx never waited")
+		}
+	}
+	// The RunTx takes the key over, runs fn and commits; the commit's
+	// answer is held back.
+	sent := p.arm(id.Key, "commit\x00") // the COMMIT, a simple query
+	if _, err := direct.Finish(ctx, &FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventFail,
+		Token: holder.Record.LeaseToken, FailureKind: statemachine.FailureRetryable}}); err != nil {
+		t.Fatal(err)
+	}
+	<-sent
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		rec, _, err := direct.Lookup(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rec.State == statemachine.StateCompleted {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the RunTx's commit never showed: %+v", rec)
+		}
+	}
+	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	p.cut()
+	for {
+		select {
+		case a := <-ran:
+			var charges int
+			if err := conn.QueryRow(ctx, `SELECT count(*) FROM charges`).Scan(&charges); err != nil {
+				t.Fatal(err)
+			}
+			if runs.Load() != 1 || charges != 1 {
+				t.Fatalf("fn ran %d times, %d charges (answer: replayed %v, %v); want once", runs.Load(), charges, a.replayed, a.err)
+			}
+			if !errors.Is(a.err, ErrUnavailable) {
+				t.Fatalf("the RunTx after its lost commit and the Forget: replayed %v, %v; want ErrUnavailable", a.replayed, a.err)
 			}
 			return
 		case <-time.After(100 * time.Millisecond):

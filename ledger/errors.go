@@ -90,10 +90,18 @@ func isLockTimeout(err error) bool {
 // local commit that waited for a synchronous standby). Not when
 // PostgreSQL refused the statement, nor when it was never sent (a failed
 // connect, or pgconn.SafeToRetry).
+//
+// pgconn.ErrConnClosed counts as sent although pgconn calls it safe to
+// retry: pgconn answers it too when the connection broke while the answer
+// was awaited (a COMMIT's, say, that PostgreSQL had received);
+// TestWaitingRunTxLostCommitThenForgotten met it so.
 func mayHaveCommitted(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
+	}
+	if errors.Is(err, pgconn.ErrConnClosed) {
+		return true
 	}
 	var connectErr *pgconn.ConnectError
 	return !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)

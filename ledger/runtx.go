@@ -181,9 +181,29 @@ func (s *Store) RunTx(ctx context.Context, id Identity, opts TxOptions,
 	// Held by someone who does not hold the row lock (a gRPC caller):
 	// wait as a waiting Begin does.
 	var out runTxResult
+	var lost error // the error of a try whose commit's answer was lost
 	held, err := s.waitWhileHeld(ctx, id, giveUp, func(ctx context.Context) (holding, error) {
+		if lost != nil {
+			// fn may have run and committed: write nothing now. A replay
+			// (its own result, or another's) answers; anything else ends
+			// the wait with the lost answer's ErrUnavailable, as running fn
+			// again after an operator's Forget of its record would run it
+			// twice (see BeginWait).
+			o, ok, err := s.replayUnlocked(ctx, id, ev)
+			switch {
+			case err != nil:
+				return holding{}, err
+			case !ok:
+				return holding{}, finalError{lost}
+			}
+			out = o
+			return holding{}, nil
+		}
 		for races := 0; ; {
 			o, err := s.runTxOnce(ctx, id, ev, giveUp, fn)
+			if answerLost(err) {
+				lost = err
+			}
 			if err != nil {
 				return holding{}, err
 			}
@@ -233,6 +253,9 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 	if err != nil {
 		return out, false, classify(err)
 	}
+	if out, ok := ownTxResult(cur, now, ev.NewToken); ok {
+		return out, true, nil
+	}
 	d := statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
 	switch {
 	case d.Err != nil:
@@ -249,6 +272,22 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 // fingerprint) belongs here too, so both modes store and compare alike.
 func (s *Store) txBeginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
 	return s.beginEventFor(id, cur, ev)
+}
+
+// ownTxResult answers a RunTx that finds its own record (its lease token;
+// tokens are unique) ended by an earlier try whose answer was lost: fn ran
+// in this call, and its outcome is answered as it was made, not replayed.
+func ownTxResult(cur statemachine.Record, now time.Time, token string) (runTxResult, bool) {
+	if cur.LeaseToken != token {
+		return runTxResult{}, false
+	}
+	eff := statemachine.Effective(cur, now)
+	if eff.State != statemachine.StateCompleted && eff.State != statemachine.StateFailedReplayable {
+		return runTxResult{}, false
+	}
+	out := replayOf(eff)
+	out.replayed = false
+	return out, true
 }
 
 // replayOf is RunTx's answer for a replayed record.
@@ -334,15 +373,8 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		if err != nil {
 			return dbErr(err)
 		}
-		if cur.LeaseToken == ev.NewToken {
-			// This call's own record (tokens are unique), committed by an
-			// earlier try whose answer was lost: fn ran in this call, and
-			// its outcome is answered as it was made, not replayed.
-			if eff := statemachine.Effective(cur, now); eff.State == statemachine.StateCompleted || eff.State == statemachine.StateFailedReplayable {
-				out = replayOf(eff)
-				out.replayed = false
-				return out, nil
-			}
+		if out, ok := ownTxResult(cur, now, ev.NewToken); ok {
+			return out, nil
 		}
 		d = statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
 		switch {
