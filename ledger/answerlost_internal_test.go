@@ -151,19 +151,8 @@ func (p *answerLosingProxy) serve(client net.Conn) {
 // Complete's retry its completion.
 func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 	t.Parallel()
-	dbURL := pgtest.NewDatabase(t)
-	p, proxied := newAnswerLosingProxy(t, dbURL)
+	p, s, direct, _ := lostAnswerStores(t)
 	ctx := context.Background()
-	s, err := Open(ctx, proxied, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	direct, err := Open(ctx, dbURL, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer direct.Close()
 
 	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
 	begins := func(keys ...string) []*beginReq {
@@ -318,24 +307,8 @@ func (closedConn) Unwrap() error     { return pgconn.ErrConnClosed }
 // another caller's Begin and Forget of the key, created it a second time.
 func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 	t.Parallel()
-	dbURL := pgtest.NewDatabase(t)
-	p, proxied := newAnswerLosingProxy(t, dbURL)
+	p, s, direct, conn := lostAnswerStores(t)
 	ctx := context.Background()
-	s, err := Open(ctx, proxied, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	direct, err := Open(ctx, dbURL, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer direct.Close()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 
 	id := Identity{Tenant: "t", Scope: "s", Key: "waited-lost-answer"}
 	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
@@ -351,19 +324,7 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 		res, err := s.BeginWait(ctx, &BeginParams{ID: id, Event: ev}, 30*time.Second)
 		waiter <- answer{res, err}
 	}()
-	// The waiter is waiting once it has marked the holder's record watched.
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		var watched bool
-		if err := conn.QueryRow(ctx, `SELECT watched FROM idempotency_records WHERE key = $1`, id.Key).Scan(&watched); err != nil {
-			t.Fatal(err)
-		}
-		if watched {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the waiter never waited")
-		}
-	}
+	waitWatched(t, conn, id)
 	sent := p.arm(id.Key)
 	// The holder's record is forgotten: the waiter wakes and creates the
 	// key; that statement's answer is held back.
@@ -398,12 +359,7 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 			}
 			return
 		case <-time.After(100 * time.Millisecond):
-			if _, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
-				t.Fatal(err)
-			}
+			comeAndGo(t, direct, id)
 		}
 	}
 }
@@ -416,24 +372,8 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 // a second time: two charges for one call.
 func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 	t.Parallel()
-	dbURL := pgtest.NewDatabase(t)
-	p, proxied := newAnswerLosingProxy(t, dbURL)
+	p, s, direct, conn := lostAnswerStores(t)
 	ctx := context.Background()
-	s, err := Open(ctx, proxied, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	direct, err := Open(ctx, dbURL, WithReplayCache(0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer direct.Close()
-	conn, err := pgx.Connect(ctx, dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	if _, err := conn.Exec(ctx, `CREATE TABLE charges (key text)`); err != nil {
 		t.Fatal(err)
 	}
@@ -458,18 +398,7 @@ func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 		})
 		ran <- answer{replayed, err}
 	}()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		var watched bool
-		if err := conn.QueryRow(ctx, `SELECT watched FROM idempotency_records WHERE key = $1`, id.Key).Scan(&watched); err != nil {
-			t.Fatal(err)
-		}
-		if watched {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the RunTx never waited")
-		}
-	}
+	waitWatched(t, conn, id)
 	// The RunTx takes the key over, runs fn and commits; the commit's
 	// answer is held back.
 	sent := p.arm(id.Key, "commit\x00") // the COMMIT, a simple query
@@ -509,12 +438,62 @@ func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 			}
 			return
 		case <-time.After(100 * time.Millisecond):
-			if _, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
-				t.Fatal(err)
-			}
+			comeAndGo(t, direct, id)
 		}
+	}
+}
+
+// lostAnswerStores opens two stores on a fresh database, one through an
+// answerLosingProxy (returned too) and one direct, and a plain connection
+// to the database; all end with t.
+func lostAnswerStores(t *testing.T) (p *answerLosingProxy, proxied, direct *Store, conn *pgx.Conn) {
+	t.Helper()
+	dbURL := pgtest.NewDatabase(t)
+	p, through := newAnswerLosingProxy(t, dbURL)
+	ctx := context.Background()
+	var err error
+	if proxied, err = Open(ctx, through, WithReplayCache(0)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxied.Close)
+	if direct, err = Open(ctx, dbURL, WithReplayCache(0)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(direct.Close)
+	if conn, err = pgx.Connect(ctx, dbURL); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close(ctx) })
+	return p, proxied, direct, conn
+}
+
+// waitWatched waits until a waiting call has marked the record id watched
+// (see Store.Watch): it is then waiting.
+func waitWatched(t *testing.T, conn *pgx.Conn, id Identity) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var watched bool
+		if err := conn.QueryRow(context.Background(), `SELECT watched FROM idempotency_records WHERE key = $1`, id.Key).Scan(&watched); err != nil {
+			t.Fatal(err)
+		}
+		if watched {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no call ever waited on %s", id.Key)
+		}
+	}
+}
+
+// comeAndGo is another caller's Begin of id and an operator's Forget of
+// it: changes that wake the calls waiting on id.
+func comeAndGo(t *testing.T, direct *Store, id Identity) {
+	t.Helper()
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	if _, err := direct.Begin(context.Background(), &BeginParams{ID: id, Event: ev}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := direct.Forget(context.Background(), &ForgetParams{ID: id}); err != nil {
+		t.Fatal(err)
 	}
 }
