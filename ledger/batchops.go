@@ -115,15 +115,16 @@ func liveBatch[T any](batch []T, ctxOf func(T) context.Context, idOf func(T) Ide
 // PostgreSQL refused it, or it was never sent. A statement whose answer
 // was lost (its connection broke after it was sent, the server ended the
 // session, or its rows could not be read) may have committed
-// (mayHaveCommitted), and running its callers again could repeat
-// a write that was undone in between: a Begin would create again a record
-// an operator's Forget had just deleted, one Begin taking effect twice
+// (mayHaveCommitted), and running its callers again could repeat a write
+// that was undone in between: a Begin would create again a record an
+// operator's Forget had just deleted, one Begin taking effect twice
 // (TestLinearizableReference found it). Its callers are told
 // ErrUnavailable, as the caller of a single statement would be; a retry
-// of the same attempt (attempt_id, or in process the same token) finds its
-// own acquisition (see Store.Begin), and a Complete's its completion. When the store is closing, every caller is told
-// ErrUnavailable. A batch that met a held key (batchLockWait) is no fault
-// and is not logged as one.
+// of the same attempt (attempt_id, or in process the same token) finds
+// its own acquisition (see Store.Begin), and a Complete's its completion.
+// When the store is closing, every caller is told ErrUnavailable. A batch
+// that met a held key (batchLockWait) is no fault and is not logged as
+// one.
 func (s *Store) batchFailed(kind string, n int, err error, closing bool) error {
 	if closing {
 		return errStoreClosed

@@ -131,7 +131,7 @@ func classify(err error) error {
 		errors.Is(err, ErrUnavailable) {
 		return err
 	}
-	lost := mayHaveCommitted(err)
+	var unavailable error
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch {
@@ -140,19 +140,18 @@ func classify(err error) error {
 			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
 			pgErr.Code == "40001", pgErr.Code == "40P01": // serialization failure, deadlock: retry
-			unavailable := fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
-			if lost {
-				return answerLostError{unavailable}
-			}
-			return unavailable
+			unavailable = fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
+		default:
+			return err
 		}
-		return err
+	} else {
+		// Anything that is not a server error is a transport failure: dial
+		// errors, broken connections, a closed pool.
+		unavailable = fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
-	// Anything that is not a server error is a transport failure: dial
-	// errors, broken connections, a closed pool. A broken connection may
-	// have lost the answer of a statement that committed.
-	unavailable := fmt.Errorf("%w: %v", ErrUnavailable, err)
-	if lost {
+	// A broken connection or an ended session may have lost the answer of
+	// a statement that committed.
+	if mayHaveCommitted(err) {
 		return answerLostError{unavailable}
 	}
 	return unavailable

@@ -197,13 +197,13 @@ func (s *Store) BeginWait(ctx context.Context, p *BeginParams, wait time.Duratio
 	if !time.Now().Before(giveUp) {
 		return s.Begin(ctx, p)
 	}
-	if err := checkIdentity(p.ID); err != nil {
-		return nil, err
-	}
 	q := *p
 	if q.Event.NewToken == "" {
 		q.Event.NewToken = newToken()
 	}
+	// The event of the re-reads that write nothing, as Begin makes it.
+	readEv := storedDurations(q.Event)
+	readEv.Kind = statemachine.EventBegin
 	var res *Result
 	var lost error // the error of a re-read whose answer was lost
 	_, err := s.waitWhileHeld(ctx, p.ID, giveUp, func(ctx context.Context) (holding, error) {
@@ -218,9 +218,7 @@ func (s *Store) BeginWait(ctx context.Context, p *BeginParams, wait time.Duratio
 			}
 			lost = err
 		}
-		ev := storedDurations(q.Event)
-		ev.Kind = statemachine.EventBegin
-		r, ok, err := s.beginWithoutWrite(ctx, &q, ev)
+		r, ok, err := s.beginWithoutWrite(ctx, &q, readEv)
 		switch {
 		case err != nil:
 			return holding{}, err
