@@ -165,18 +165,6 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		}
 		return batch
 	}
-	// committed waits until the record of id is in the database, made by
-	// the statement whose answer is held back.
-	committed := func(id Identity) {
-		t.Helper()
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			if _, _, err := direct.Lookup(ctx, id); err == nil {
-				return
-			} else if !errors.Is(err, statemachine.ErrNotFound) || time.Now().After(deadline) {
-				t.Fatalf("the batch's record %s: %v", id.Key, err)
-			}
-		}
-	}
 
 	t.Run("Begin", func(t *testing.T) {
 		batch := begins("lost-answer-a", "lost-answer-b")
@@ -184,7 +172,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		done := make(chan struct{})
 		go func() { s.runBeginBatch(ctx, batch); close(done) }()
 		<-sent
-		committed(batch[0].p.ID)
+		waitForRecord(t, direct, batch[0].p.ID, "the batch's record", anyRecord)
 		// An operator forgets a while the batch's answer is on its way.
 		if _, err := direct.Forget(ctx, &ForgetParams{ID: batch[0].p.ID}); err != nil {
 			t.Fatal(err)
@@ -226,18 +214,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		done := make(chan struct{})
 		go func() { s.runCompleteBatch(ctx, batch); close(done) }()
 		<-sent
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			rec, _, err := direct.Lookup(ctx, batch[1].id)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if rec.State == statemachine.StateCompleted {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("the batch's completion of %s never committed: %+v", batch[1].id.Key, rec)
-			}
-		}
+		waitForRecord(t, direct, batch[1].id, "the batch's completion", completed)
 		p.cut()
 		<-done
 		for _, r := range batch {
@@ -332,17 +309,7 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-sent
-	var created statemachine.Record
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		rec, _, err := direct.Lookup(ctx, id)
-		if err == nil {
-			created = rec
-			break
-		}
-		if !errors.Is(err, statemachine.ErrNotFound) || time.Now().After(deadline) {
-			t.Fatalf("the waiter's record: %v", err)
-		}
-	}
+	created := waitForRecord(t, direct, id, "the waiter's record", anyRecord)
 	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
 		t.Fatal(err)
 	}
@@ -407,18 +374,7 @@ func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-sent
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		rec, _, err := direct.Lookup(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if rec.State == statemachine.StateCompleted {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the RunTx's commit never showed: %+v", rec)
-		}
-	}
+	waitForRecord(t, direct, id, "the RunTx's commit", completed)
 	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
 		t.Fatal(err)
 	}
@@ -497,3 +453,26 @@ func comeAndGo(t *testing.T, direct *Store, id Identity) {
 		t.Fatal(err)
 	}
 }
+
+// waitForRecord waits until the record id, read through direct, is there
+// and want says it is what the test waits for (what), and returns it.
+func waitForRecord(t *testing.T, direct *Store, id Identity, what string, want func(statemachine.Record) bool) statemachine.Record {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		rec, _, err := direct.Lookup(context.Background(), id)
+		if err != nil && !errors.Is(err, statemachine.ErrNotFound) {
+			t.Fatalf("%s (%s): %v", what, id.Key, err)
+		}
+		if err == nil && want(rec) {
+			return rec
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s (%s) never showed: %+v %v", what, id.Key, rec, err)
+		}
+	}
+}
+
+// anyRecord and completed are what waitForRecord waits for: the record
+// there, and there COMPLETED.
+func anyRecord(statemachine.Record) bool     { return true }
+func completed(rec statemachine.Record) bool { return rec.State == statemachine.StateCompleted }
