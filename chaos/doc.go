@@ -6,7 +6,7 @@
 // middle of transactions, the primary of a replicated pair killed and its
 // standby promoted, and a linearizability check (porcupine) of per-key
 // histories recorded under those faults against a reference model of the
-// state table written from DESIGN.md, which shares no code with
+// state table of docs/concepts.md, which shares no code with
 // statemachine.
 //
 // TestRetryingClients drives the demo services of examples/ with real

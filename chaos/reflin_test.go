@@ -64,7 +64,8 @@ const refMinLostReplies = 10
 // the coordinator's database connections at random and PostgreSQL is killed
 // and restarted, and checks with porcupine that every key's history is
 // linearizable with respect to the reference model of refmodel_test.go,
-// which is written from DESIGN.md and shares no code with statemachine.
+// which is written from the state table of docs/concepts.md and shares no
+// code with statemachine.
 //
 // The coordinator runs in-process on a fake clock that moves during the
 // rounds, so leases lapse and records expire while calls are in flight: a
@@ -741,7 +742,7 @@ func (cl *refClient) readBack() {
 
 // refViewFromProto is what the model compares of an answered record.
 // Record.uncertain is read by name, so the test runs against an API
-// without it (before issue 10) and checks it once it exists.
+// without it and checks it once it exists.
 func refViewFromProto(r *idempotencyv1.Record) *refView {
 	if r == nil {
 		return nil

@@ -12,13 +12,13 @@ import (
 )
 
 // This file is a reference model of one key, written from the state table
-// of DESIGN.md ("States and transitions", "Uncertainty is sticky", the rules
-// on tokens and time) without the statemachine package, so that a
+// of docs/concepts.md (its states and transitions, sticky uncertainty, the
+// rules on tokens and time) without the statemachine package, so that a
 // specification bug in statemachine.Next cannot hide by being its own
 // judge. TestLinearizableReference checks the coordinator's histories
 // against it.
 //
-// Where DESIGN.md leaves a choice open, the model accepts each reading and
+// Where the state table leaves a choice open, the model accepts each reading and
 // says so at the spot (look for "open:"): a fault the model cannot tell from
 // a correct answer is not a fault it claims to catch.
 
@@ -155,7 +155,7 @@ type refView struct {
 	reason       string
 	lease        int64 // UnixMicro, 0 when unset
 	expires      int64
-	hasUncertain bool // the API has Record.uncertain (issue 10)
+	hasUncertain bool // the API has Record.uncertain
 	uncertain    bool
 }
 
@@ -211,7 +211,7 @@ type refKey struct {
 	uncertain    bool
 	expiredFrom  int
 	// A record Forget deleted may still be replayed from the replay
-	// cache until ghostUntil (real time): DESIGN allows up to 1 s.
+	// cache until ghostUntil (real time): up to 1 s is allowed (docs/design.md).
 	ghostUntil                int64
 	ghostState                int
 	ghostFp, ghostResp        string
@@ -250,7 +250,7 @@ func (e refKey) view() refView {
 }
 
 // viewMatches reports whether the answered record got agrees with the
-// model's want on everything DESIGN.md fixes.
+// model's want on everything the state table fixes.
 func viewMatches(want, got refView) bool {
 	if want.state != got.state || want.attempt != got.attempt || want.gen != got.gen || want.fp != got.fp {
 		return false
@@ -315,7 +315,7 @@ func refStepAt(k refKey, c refCall, a refAnswer, now int64) []refNext {
 }
 
 // keepGhost carries k's forgotten record into every next state that has
-// none of its own: DESIGN bounds a replay from the cache of a forgotten
+// none of its own: the replay cache bounds a replay from the cache of a forgotten
 // record by the time since Forget returned (1 s), whatever the key has
 // become since (a new record, created and changed, included).
 func keepGhost(k refKey, nexts []refNext) []refNext {
@@ -387,7 +387,7 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 	cands := refDecide(k, e, c, now)
 	if c.kind == rkBegin && k.ghostUntil != 0 && c.start < k.ghostUntil {
 		// open: the replay cache may still answer from a forgotten
-		// record (DESIGN: no replica replays it more than 1 s after
+		// record (no replica replays it more than 1 s after
 		// Forget returns).
 		g := refKey{exists: true, state: k.ghostState, fp: k.ghostFp, resp: k.ghostResp, hasResp: true,
 			attempt: k.ghostAttempt, gen: k.ghostGen, expires: k.ghostExpires}
@@ -646,7 +646,7 @@ func refFinish(k, e refKey, c refCall, now int64) []refDecision {
 	case same:
 		return []refDecision{repeat}
 	case (k.ended == endFail+rfUnknown || k.ended == endFail+rfAbandoned) && e.state == rsUnknown:
-		// open: DESIGN's table lets Complete/Fail with the token end an
+		// open: the state table lets Complete/Fail with the token end an
 		// UNKNOWN record not yet taken over "as from IN_PROGRESS", while
 		// its token rules call any other ending call after a Fail
 		// ALREADY_FINISHED. Both are accepted after Fail UNKNOWN and
@@ -746,7 +746,7 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 		case e.uncertain:
 			// open: an acquisition that became uncertain itself (its
 			// lease lapsed) and is then abandoned must not look untouched;
-			// DESIGN names no row for it, so UNKNOWN or an uncertain
+			// the state table names no row for it, so UNKNOWN or an uncertain
 			// FAILED_RETRYABLE are both accepted.
 			keep := retryable
 			keep.fp = e.fp
@@ -1023,7 +1023,7 @@ func intersect(a, b map[int]bool) map[int]bool {
 	return out
 }
 
-// refTableRows are the rows of DESIGN's state table, as the labels
+// refTableRows are the rows of the state table (docs/concepts.md), as the labels
 // refStep gives them; TestLinearizableReference fails unless each is
 // exercised.
 var refTableRows = []string{

@@ -76,7 +76,7 @@ const retryLease = 2 * time.Second
 //   - replays: every success answer for a key equals the first one byte for
 //     byte (status and body);
 //   - stranded: no key left IN_PROGRESS, UNKNOWN or uncertain whose handler
-//     never ran (DESIGN.md, "Giving up is safe").
+//     never ran (docs/giving-up.md).
 func TestRetryingClients(t *testing.T) {
 	tp := startToxiproxy(t)
 	// A hung control API (see toxiproxy) also holds back the new

@@ -11,7 +11,7 @@ import (
 )
 
 // TestInterceptorErrorClasses checks every row of the handler error table
-// of the README (DESIGN "Go client and interceptor"), one handler error
+// of docs/go.md, one handler error
 // code at a time: the caller gets the handler's code, and the record is
 // left as the class says (ABANDONED: no record; RETRYABLE:
 // FAILED_RETRYABLE, and the next call runs the handler again as attempt 2;

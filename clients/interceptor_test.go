@@ -141,7 +141,7 @@ func equalStrings(a, b []string) bool {
 	return true
 }
 
-// Each class of handler error behaves as DESIGN.md says.
+// Each class of handler error behaves as the table of docs/go.md says.
 func TestHandlerErrorClasses(t *testing.T) {
 	t.Parallel()
 

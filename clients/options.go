@@ -275,7 +275,7 @@ func WithFailOpen() InterceptorOption {
 	return func(o *interceptorOptions) { o.failOpen = true }
 }
 
-// defaultFailureKinds is the table of DESIGN.md "Go client and interceptor".
+// defaultFailureKinds is the handler-error table of docs/go.md.
 func defaultFailureKinds() map[codes.Code]idempotencyv1.FailureKind {
 	const (
 		abandoned  = idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED

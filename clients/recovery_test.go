@@ -48,7 +48,7 @@ func (l *leaseSeen) get() []clients.Lease {
 	return append([]clients.Lease(nil), l.seen...)
 }
 
-// The double-charge story of issue 10 through the interceptor. Run 1 books
+// The double-charge story (docs/go.md, "Worked example") through the interceptor. Run 1 books
 // the charge and times out (UNKNOWN). Run 2 is told UNKNOWN, cannot reach
 // the bank to check and answers UNAVAILABLE (RETRYABLE). Run 3 must still
 // be told UNKNOWN (it was told FAILED_RETRYABLE: "nothing happened", and

@@ -6,7 +6,7 @@
 # pattern is not found (the code moved: update the list), or when the tests
 # fail before any bug is planted.
 #
-# The list holds the bugs issue 19 found by hand (a spec bug in
+# The list holds bugs found by hand in review (a spec bug in
 # statemachine.Next, FOR UPDATE removed, fsync and synchronous commit off,
 # attempt_id renewal dropped, reaper bugs, config promises), each with the
 # narrowest test command that should catch it, so a run takes minutes, not

@@ -252,7 +252,7 @@ type Limits struct {
 	MaxWait             time.Duration
 }
 
-// DefaultLimits are the limits of DESIGN.md: key and scope ≤ 255 bytes,
+// DefaultLimits are the documented limits (docs/security.md): key and scope ≤ 255 bytes,
 // fingerprint ≤ 64 bytes, reason ≤ 1 KiB, stored response ≤ 1 MiB, lease
 // 1 s – 1 h, wait ≤ 30 s.
 func DefaultLimits() Limits {

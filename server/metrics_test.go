@@ -18,7 +18,7 @@ import (
 )
 
 // TestMetricsCountScriptedCalls runs a scripted sequence of calls and checks
-// every domain metric of DESIGN.md, the per-state gauge and the gRPC server
+// every domain metric of docs/operating.md, the per-state gauge and the gRPC server
 // metrics on /metrics.
 func TestMetricsCountScriptedCalls(t *testing.T) {
 	t.Parallel()

@@ -72,8 +72,8 @@ func uncertain(b bool) mod      { return func(r *Record) { r.Uncertain = b } }
 // readsUnknown is how a record that reads UNKNOWN reads: uncertain.
 var readsUnknown = []mod{st(StateUnknown), uncertain(true)}
 
-// acquisition is what any acquisition by evBegin does to a record (DESIGN.md
-// "Tokens and counters", "Time"): IN_PROGRESS with the new token and a lease
+// acquisition is what any acquisition by evBegin does to a record (the
+// token, counter and time rules of docs/concepts.md): IN_PROGRESS with the new token and a lease
 // from now, the event's retention windows, nothing left of the previous end.
 // Attempt, generation and fingerprint are set by each row.
 func acquisition(attemptID string, prev State) mod {
@@ -301,7 +301,7 @@ func wantUnchanged(r Record) Decision { return Decision{Record: r, Exists: true}
 var errAny = errors.New("any non-sentinel error")
 
 type row struct {
-	name string // "<state>/<event>/<DESIGN.md rule>"
+	name string // "<state>/<event>/<state table rule>"
 	cur  *Record
 	ev   Event
 	pol  Policy
@@ -880,7 +880,7 @@ func nextRows() []row {
 			fxUnknownLapsed(), evHeartbeat(tokHeld), polDefault,
 			wantUpdated(with(fxUnknownLapsed(), st(StateInProgress), leaseAt(t0.Add(hbLease)), updated(t0)))},
 
-		// ---- Uncertainty is sticky (DESIGN.md) ----
+		// ---- Uncertainty is sticky (docs/concepts.md) ----
 		{"FAILED_RETRYABLE uncertain/Begin/takeover answers previous_state UNKNOWN, not FAILED_RETRYABLE",
 			fxRetryableUncertain(), evBegin(fpA), polDefault,
 			wantAcquired(StateUnknown, with(fxRetryableUncertain(), acquisition(attNew, StateUnknown), attempt(3)))},
@@ -1063,7 +1063,7 @@ func nextRows() []row {
 }
 
 // fixtureStates lists every stored state of the table with how it reads at
-// t0 (DESIGN.md "Reads report the state in effect now").
+// t0 (docs/design.md: reads report the state in effect now).
 func fixtureStates() []struct {
 	name  string
 	rec   func(...mod) *Record
@@ -1309,7 +1309,7 @@ func copyRecord(r *Record) *Record {
 	return &c
 }
 
-// TestStickyUncertainty plays the double-charge story of issue 10 through
+// TestStickyUncertainty plays the double-charge story (docs/go.md) through
 // Next: attempt 1 lapses; attempt 2 takes over, cannot check the outside
 // world and fails RETRYABLE; attempt 3 must still be told UNKNOWN, and its
 // Fail ABANDONED must neither free the key for another request nor make it

@@ -45,7 +45,7 @@ func TestUsageErrorMessages(t *testing.T) {
 }
 
 // wantLeaseLost fails unless err is FAILED_PRECONDITION with reason
-// LEASE_LOST (DESIGN.md: a token that does not hold the lease).
+// LEASE_LOST (a token that does not hold the lease).
 func wantLeaseLost(t *testing.T, err error) {
 	t.Helper()
 	st, ok := status.FromError(err)
