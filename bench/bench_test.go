@@ -198,7 +198,7 @@ func TestGoalsAgainstLean(t *testing.T) {
 			gs := r.goals()
 			checkGoals(t, gs, want)
 			for _, g := range gs {
-				if g.Issue == 28 && g.Name == goals[3] && g.Note != "reported, not a goal: coordinator 0.150 + callers 0.050 CPU ms/pair" {
+				if g.Area == "speed" && g.Name == goals[3] && g.Note != "reported, not a goal: coordinator 0.150 + callers 0.050 CPU ms/pair" {
 					t.Errorf("goal %q: note %q", g.Name, g.Note)
 				}
 			}

@@ -12,8 +12,8 @@ import (
 
 // The lean baseline: the table a user would write by hand (primary key
 // only, no trigger, no other index) and the two autocommit statements of a
-// pair, through one pgx pool with as many connections as callers. It is the
-// floor of issue 17, exactly as the issue writes it.
+// pair, through one pgx pool with as many connections as callers: what a
+// user would otherwise write, and the floor the coordinator is measured against.
 const (
 	leanTableSQL = `CREATE TABLE baseline_records (
   tenant text NOT NULL, scope text NOT NULL, key text NOT NULL, state smallint NOT NULL,

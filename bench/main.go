@@ -13,7 +13,7 @@
 //     says through which client);
 //   - replays/s: Begin on a COMPLETED key;
 //   - lean baseline pairs/s: the table a user would write by hand (primary
-//     key only, no trigger) and the two statements of issue 17 (INSERT …
+//     key only, no trigger) and the two statements a user would write (INSERT …
 //     ON CONFLICT DO NOTHING RETURNING, UPDATE fenced by the lease token),
 //     each its own autocommit statement, from this process through one
 //     pgx pool of as many connections as callers. Its cells alternate with
@@ -35,7 +35,7 @@
 // size (and of the whole-table count it replaced), and the coordinator's
 // own reaper, at its default settings, working through a backlog of
 // records to expire and to delete while pairs run. It prints one table
-// with the goals of issues 6, 17 and 28 marked met or not, and writes it as
+// with the goals (speed, scale, footprint) marked met or not, and writes it as
 // JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
 //
 // Every cell runs for a fixed time after a warm-up and starts with a

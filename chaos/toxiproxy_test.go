@@ -308,7 +308,7 @@ func (tp *toxiproxy) restart(gen int, cause error) error {
 	if tp.restarts >= tp.maxRestarts {
 		tp.mu.Lock()
 		defer tp.mu.Unlock()
-		tp.broken = fmt.Errorf("toxiproxy's control API hung once more after %d restarts (the upstream bug Shopify/toxiproxy#558, whose fix is PR #760): %v",
+		tp.broken = fmt.Errorf("toxiproxy's control API hung once more after %d restarts (the upstream bug Shopify/toxiproxy#558, whose fix is Shopify/toxiproxy#760): %v",
 			tp.restarts, cause)
 		return tp.broken
 	}
