@@ -13,11 +13,14 @@ import math
 import re
 import time
 import unicodedata
+import warnings
+from typing import List
 
 import grpc
 
 from . import _api
 from .client import _C, _code, _new_attempt_id
+from .errors import UndecidedPrincipalWarning
 
 KEY_HEADER = "Idempotency-Key"
 RESULT_HEADER = "Idempotency-Result"
@@ -173,12 +176,34 @@ def _field1(buf):
     return ""
 
 
+MISMATCH_STATUSES = (409, 422)
+
+
+def warn_undecided_principal(guard: str) -> None:
+    """Warns that guard was built with neither principal= nor without_principal=True (as Go logs it)."""
+    warnings.warn("idemcoord: %s built without principal= or without_principal=True: two end users who send the "
+                  "same idempotency key and request share one record; fold the end user in with principal=, or "
+                  "say without_principal=True" % guard, UndecidedPrincipalWarning, stacklevel=3)
+
+
 class Options:
-    """The middleware's options; each is Go's WithHTTP… option of the same name."""
+    """The middleware's options; each is Go's WithHTTP… option of the same name.
+
+    without_principal=True says on purpose that keys are not per end user
+    (Go's WithoutHTTPPrincipal); with neither it nor principal, building a
+    middleware warns (UndecidedPrincipalWarning). mismatch_status is 409 or
+    422; any other value raises ValueError.
+    """
 
     def __init__(self, *, wait=5.0, require_key=False, fail_open=False, principal=None, methods=("POST", "PATCH"),
                  fingerprint=None, replay_headers=(), replayable_statuses=(404, 409, 422), scope=DEFAULT_HTTP_SCOPE,
-                 max_body_bytes=10 << 20, mismatch_status=422, on_replay=None):
+                 max_body_bytes=10 << 20, mismatch_status=422, on_replay=None, without_principal: bool = False):
+        if mismatch_status not in MISMATCH_STATUSES or isinstance(mismatch_status, bool):
+            raise ValueError("idemcoord: mismatch_status takes 409 or 422 (the answer to a key reused with another "
+                             "request), not %r" % (mismatch_status,))
+        if principal is not None and without_principal:
+            raise ValueError("idemcoord: principal= and without_principal=True contradict each other")
+        self.undecided_principal = principal is None and not without_principal
         self.wait = max(float(wait), 0.0)
         self.require_key = require_key
         self.fail_open = fail_open
@@ -225,6 +250,19 @@ def key_of(o, headers):
         return raw[0], parse_idempotency_key(raw[0])
     except ValueError as err:
         raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", str(err)) from None
+
+
+def joined_lines(value: str) -> List[bytes]:
+    """The Idempotency-Key header lines a CGI-style environ (WSGI) joined into value with commas.
+
+    A WSGI server hands repeated header lines over as one value joined by
+    ",", so an unquoted value with a comma is taken for several lines (a key
+    holding a comma is sent as a structured-field string, "quoted").
+    """
+    raw = value.encode("latin-1")
+    if raw.strip(b" \t")[:1] != b'"' and b"," in raw:
+        return raw.split(b",")
+    return [raw]
 
 
 def too_large(o):

@@ -302,6 +302,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         from . import grpc as _sync  # idemcoord.grpc: options and method resolution, shared
         self.client = client
         self._sync = _sync
+        if options.get("principal") is None and not options.get("without_principal"):
+            from ._http import warn_undecided_principal
+            warn_undecided_principal("idemcoord.aio.ServerInterceptor")
+            options["without_principal"] = True  # warned once, here
         self._r = _sync.ServerInterceptor(client, **options)
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -65,6 +65,8 @@ class IdempotencyMiddleware:
         self.app = app
         self.client = client
         self.o = _http.Options(**options)
+        if self.o.undecided_principal:
+            _http.warn_undecided_principal("idemcoord.asgi.IdempotencyMiddleware")
         # The client's calls block (a waiting Begin for up to wait): they run
         # on threads of their own, so waiting duplicates never starve the
         # calls that end the attempt they wait for.

@@ -70,3 +70,13 @@ class StoredFailure(Exception):
         self.code = code
         self.details = details
         self.result = result
+
+
+class UndecidedPrincipalWarning(UserWarning):
+    """A middleware or interceptor was built saying neither whose keys they are nor that keys are shared.
+
+    That is neither principal= (the end user, folded into every key) nor
+    without_principal=True (keys are shared on purpose, e.g. unique per
+    user already). Two end users who send the same key and request would
+    share one record.
+    """

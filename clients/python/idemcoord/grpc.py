@@ -24,7 +24,7 @@ from . import _api
 from .client import (DEFAULT_FAILURE_KINDS, Attempt, _answer_lost, _C, _current, _fail_reason, _Holder,
                      _new_attempt_id, _status_response)
 from .errors import CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, SCHEMA_VERSION_STATUS
-from ._http import fold_principal
+from ._http import fold_principal, warn_undecided_principal
 
 RESULT_HEADER = "idempotency-result"
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
@@ -46,11 +46,19 @@ class ServerInterceptor(grpc.ServerInterceptor):
     scope (a function of the full method name), schema_versions,
     failure_kinds ({grpc.StatusCode: FailureKind name}), pool (the
     descriptor pool the services' messages are in; default the default pool).
-    Methods without a descriptor in pool pass through.
+    Methods without a descriptor in pool pass through. without_principal=True
+    says that keys are shared by every caller on purpose (Go's
+    WithoutPrincipal); with neither it nor principal, building the
+    interceptor warns (idemcoord.UndecidedPrincipalWarning).
     """
 
     def __init__(self, client, *, wait=0.0, require_key=False, fail_open=False, principal=None, key=None,
-                 fingerprint=None, methods=None, scope=None, schema_versions=None, failure_kinds=None, pool=None):
+                 fingerprint=None, methods=None, scope=None, schema_versions=None, failure_kinds=None, pool=None,
+                 without_principal: bool = False):
+        if principal is not None and without_principal:
+            raise ValueError("idemcoord: principal= and without_principal=True contradict each other")
+        if principal is None and not without_principal:
+            warn_undecided_principal(type(self).__module__ + "." + type(self).__qualname__)
         self.client = client
         self.wait = max(float(wait), 0.0)
         self.require_key, self.fail_open = require_key, fail_open

@@ -9,12 +9,19 @@ is recorded (it is buffered, not streamed), and WSGI tells an app nothing
 when its client goes away, so a request that waits for another one with its
 key, or a handler that runs after its client left, goes on to the end. No key
 is stranded by that: the outcome is recorded and the client's retry gets it.
+
+A chunked request body (no Content-Length) is read to its end when the
+server says it ends the input there (wsgi.input_terminated, as gunicorn and
+Werkzeug do); a server that does not gets 411 for it, since the middleware
+could not tell where the body ends. Repeated Idempotency-Key lines, which a
+WSGI server joins with commas, answer 400 as in every other stack.
 """
 
 import http
 import io
 import threading
 import urllib.parse
+from typing import Any, Dict
 
 import grpc
 
@@ -31,6 +38,42 @@ def _target(environ):
     return path + ("?" + qs if qs else "")
 
 
+_READ_SIZE = 64 << 10
+
+
+def _read_body(o: _http.Options, environ: Dict[str, Any]) -> bytes:
+    """The whole request body, at most o.max_body_bytes of it (else 413); raises _http.Problem.
+
+    Without Content-Length it reads to the end of the input when the server
+    ends the input there (wsgi.input_terminated); a chunked body on a server
+    that does not answers 411, and no body is an empty one (PEP 3333).
+    """
+    stream = environ["wsgi.input"]
+    length = environ.get("CONTENT_LENGTH") or ""
+    if length.strip():
+        try:
+            n = int(length)
+        except ValueError:
+            raise _http.Problem(400, "about:blank", "Bad Request", "Content-Length is not a number") from None
+        if n > o.max_body_bytes:
+            raise _http.too_large(o)
+        return stream.read(n) if n > 0 else b""
+    if environ.get("wsgi.input_terminated"):
+        body = bytearray()
+        while True:
+            chunk = stream.read(min(_READ_SIZE, o.max_body_bytes + 1 - len(body)))
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > o.max_body_bytes:
+                raise _http.too_large(o)
+    if "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+        raise _http.Problem(411, "about:blank", "Length Required",
+                            "this server does not tell where a chunked request body ends (wsgi.input_terminated); "
+                            "send Content-Length with a request that has an Idempotency-Key")
+    return b""
+
+
 class IdempotencyMiddleware:
     """Makes a WSGI app idempotent through client (an idemcoord.Client).
 
@@ -45,13 +88,15 @@ class IdempotencyMiddleware:
         self.app = app
         self.client = client
         self.o = _http.Options(**options)
+        if self.o.undecided_principal:
+            _http.warn_undecided_principal("idemcoord.wsgi.IdempotencyMiddleware")
 
     def __call__(self, environ, start_response):
         o = self.o
         if environ.get("REQUEST_METHOD", "GET") not in o.methods:
             return self.app(environ, start_response)
         raw_value = environ.get("HTTP_IDEMPOTENCY_KEY")
-        headers = [] if raw_value is None else [(b"idempotency-key", raw_value.encode("latin-1"))]
+        headers = [] if raw_value is None else [(b"idempotency-key", line) for line in _http.joined_lines(raw_value)]
         try:
             raw, key = _http.key_of(o, headers)
         except _http.Problem as p:
@@ -65,11 +110,9 @@ class IdempotencyMiddleware:
                     key = _http.fold_principal(o.principal(environ), key)
                 except Exception as err:
                     raise _http.Problem(400, "about:blank", "Bad Request", "idempotency principal: %s" % err)
-            length = int(environ.get("CONTENT_LENGTH") or 0)
-            if length > o.max_body_bytes:
-                raise _http.too_large(o)
-            body = environ["wsgi.input"].read(length) if length > 0 else b""
+            body = _read_body(o, environ)
             environ["wsgi.input"] = io.BytesIO(body)
+            environ["CONTENT_LENGTH"] = str(len(body))
             try:
                 if o.fingerprint is not None:
                     fp = o.fingerprint(environ, body)
@@ -128,19 +171,25 @@ class IdempotencyMiddleware:
             return write
 
         token = _current.set(attempt)
+        complete = False  # the app gave its whole answer: status and every chunk
         try:
             chunks = self.app(environ, recording_start_response)
             try:
                 for chunk in chunks:
                     write(chunk)
+                complete = "status" in answer
             finally:
                 if hasattr(chunks, "close"):
                     chunks.close()
         except BaseException as err:
-            stop()
-            if not holder.lost:
-                holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the app raised %s" % type(err).__name__)
-            raise
+            if not (complete and isinstance(err, Exception)):
+                stop()
+                if not holder.lost:
+                    holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the app raised %s" % type(err).__name__)
+                raise
+            # What was answered stands: the client gets it and its retry the same.
+            c._log.warning("idemcoord: the app raised %s after its answer was complete; the answer is stored "
+                           "(%s/%s)", type(err).__name__, holder.scope, holder.key, exc_info=True)
         finally:
             _current.reset(token)
         stop()

@@ -58,6 +58,8 @@ def middleware_kwargs(options):
     if header:
         name = header.lower().encode()
         options["principal"] = lambda scope: dict(scope["headers"]).get(name, b"").decode()
+    else:
+        options["without_principal"] = True
     return options
 
 
@@ -140,6 +142,7 @@ class ASGIOptionsTest(unittest.TestCase):
         app = starlette.applications.Starlette(
             routes=[starlette.routing.Route("/things", things, methods=["POST"])],
             middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, mismatch_status=409,
+                                                        without_principal=True,
                                                         on_replay=on_replay)])
         base, close = serve(app)
         self.addCleanup(close)

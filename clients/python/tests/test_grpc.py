@@ -49,7 +49,7 @@ def begin_handler(calls):
 
 def start_server(options, calls, interceptor_class=ServerInterceptor):
     interceptor = interceptor_class(CLIENT, pool=_api.POOL, wait=options.get("wait_ms", 0) / 1000,
-                                    require_key=bool(options.get("require_key")))
+                                    require_key=bool(options.get("require_key")), without_principal=True)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=32), interceptors=[interceptor])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("idempotency.v1.Coordinator", {
         "Begin": grpc.unary_unary_rpc_method_handler(begin_handler(calls), request_deserializer=BeginRequest.FromString,
@@ -121,7 +121,7 @@ def aio_starter(loop):
             client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=SUITE["client_lease_ms"] / 1000)
             interceptor = idemcoord.aio.ServerInterceptor(client, pool=_api.POOL,
                                                           wait=options.get("wait_ms", 0) / 1000,
-                                                          require_key=bool(options.get("require_key")))
+                                                          require_key=bool(options.get("require_key")), without_principal=True)
             server = grpc.aio.server(interceptors=[interceptor])
             server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("idempotency.v1.Coordinator", {
                 "Begin": grpc.unary_unary_rpc_method_handler(async_begin_handler(calls),
@@ -157,6 +157,19 @@ class GRPCConformanceTest(unittest.TestCase):
 
     def test_server_interceptor_passes_the_grpc_suite(self):
         self.assertGreater(run_grpc_conformance(self, "python", start_server), 0)
+
+
+
+class InterceptorOptionsTest(unittest.TestCase):
+    def test_warns_when_no_principal_is_decided(self):
+        import warnings
+        for cls in (ServerInterceptor, idemcoord.aio.ServerInterceptor):
+            with self.assertWarns(idemcoord.UndecidedPrincipalWarning):
+                cls(CLIENT, pool=_api.POOL)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                cls(CLIENT, pool=_api.POOL, without_principal=True)
+                cls(CLIENT, pool=_api.POOL, principal=lambda context: "u1")
 
 
 if __name__ == "__main__":

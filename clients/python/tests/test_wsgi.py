@@ -6,10 +6,17 @@ over real HTTP; the coordinator is a real one (see coordinator.py).
 
 import logging
 import os
+import socket
 import socketserver
 import threading
 import unittest
+import uuid
+import warnings
 import wsgiref.simple_server
+
+import httpx
+
+import idemcoord
 
 from idemcoord.wsgi import IdempotencyMiddleware
 
@@ -47,12 +54,27 @@ def serve(app):
     return "http://127.0.0.1:%d" % server.server_port, close
 
 
+def serve_werkzeug(app):
+    """Serves app with Werkzeug's threaded server, which ends chunked input (wsgi.input_terminated)."""
+    import werkzeug.serving
+    server = werkzeug.serving.make_server("127.0.0.1", 0, app, threaded=True)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+
+    def close():
+        server.shutdown()
+        server.server_close()
+    return "http://127.0.0.1:%d" % server.server_port, close
+
+
 def start_flask(options, calls):
     options = dict(options)
     header = options.pop("principal_header", None)
     if header:
         key = "HTTP_" + header.upper().replace("-", "_")
         options["principal"] = lambda environ: environ.get(key, "")
+    else:
+        options["without_principal"] = True
     app = flask.Flask("conformance")
     app.logger.setLevel(logging.CRITICAL)
 
@@ -75,6 +97,111 @@ def start_flask(options, calls):
 class WSGIConformanceTest(unittest.TestCase):
     def test_flask_passes_the_http_suite(self):
         self.assertGreater(conformance.run_http_conformance(self, "wsgi", CLIENT, start_flask), 0)
+
+
+
+def echo_app(environ, start_response):
+    """Answers 201 with the body it read (as a WSGI app reads it: Content-Length bytes)."""
+    n = int(environ.get("CONTENT_LENGTH") or 0)
+    body = environ["wsgi.input"].read(n) if n else b""
+    start_response("201 Created", [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def chunks(*parts):
+    """A request body httpx sends chunked (no Content-Length)."""
+    def gen():
+        yield from parts
+    return gen()
+
+
+class WSGIBodyAndKeyTest(unittest.TestCase):
+    def guarded(self, serve_with, app=echo_app, **options):
+        base, close = serve_with(IdempotencyMiddleware(app, client=CLIENT, without_principal=True, **options))
+        self.addCleanup(close)
+        return base + "/pay"
+
+    def test_a_chunked_body_reaches_the_app_whole_and_a_changed_one_is_refused(self):
+        url = self.guarded(serve_werkzeug)
+        key = {"Idempotency-Key": "chunked-" + uuid.uuid4().hex}
+        first = httpx.post(url, content=chunks(b"amount=", b"10"), headers=key)
+        self.assertEqual((first.status_code, first.content), (201, b"amount=10"), first.headers)
+        self.assertEqual(first.headers.get("idempotency-result"), "created")
+        replay = httpx.post(url, content=chunks(b"amount=10"), headers=key)
+        self.assertEqual((replay.status_code, replay.content), (201, b"amount=10"))
+        self.assertEqual(replay.headers.get("idempotency-result"), "replayed")
+        changed = httpx.post(url, content=chunks(b"amount=", b"99"), headers=key)
+        self.assertEqual(changed.status_code, 422, changed.content)
+        self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
+
+    def test_a_chunked_body_over_the_cap_answers_413(self):
+        url = self.guarded(serve_werkzeug, max_body_bytes=10)
+        resp = httpx.post(url, content=chunks(b"0123456", b"789a"), headers={"Idempotency-Key": uuid.uuid4().hex})
+        self.assertEqual(resp.status_code, 413, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:request-body-too-large")
+
+    def test_a_chunked_body_the_server_does_not_end_answers_411(self):
+        url = self.guarded(serve)  # wsgiref passes chunked framing through, without wsgi.input_terminated
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        # One write of the whole request: the server answers before reading
+        # the body, and a body still unsent then would meet a closed socket.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"POST /pay HTTP/1.1\r\nHost: x\r\nIdempotency-Key: %s\r\nTransfer-Encoding: chunked\r\n"
+                         b"Connection: close\r\n\r\n9\r\namount=10\r\n0\r\n\r\n" % uuid.uuid4().hex.encode())
+            answer = b""
+            while True:
+                part = conn.recv(65536)
+                if not part:
+                    break
+                answer += part
+        self.assertTrue(answer.startswith(b"HTTP/1.0 411 ") or answer.startswith(b"HTTP/1.1 411 "), answer)
+
+    def test_two_key_lines_answer_400(self):
+        url = self.guarded(serve)
+        resp = httpx.post(url, content=b"x", headers=[("Idempotency-Key", "a"), ("Idempotency-Key", "b")])
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-invalid")
+        quoted = httpx.post(url, content=b"x", headers={"Idempotency-Key": '"a,b-%s"' % uuid.uuid4().hex})
+        self.assertEqual(quoted.status_code, 201, quoted.content)  # a comma inside a structured-field string
+
+    def test_an_exception_after_the_whole_answer_stores_it(self):
+        class Closing:
+            """An answer whose close() raises (as after-response work may)."""
+
+            def __init__(self, environ, start_response):
+                start_response("201 Created", [("Content-Type", "text/plain")])
+
+            def __iter__(self):
+                yield b"charged"
+
+            def close(self):
+                raise RuntimeError("after-response work failed")
+        url = self.guarded(serve, app=Closing)
+        key = {"Idempotency-Key": "closing-" + uuid.uuid4().hex}
+        with self.assertLogs("idemcoord", "WARNING"):
+            first = httpx.post(url, content=b"x", headers=key)
+        self.assertEqual((first.status_code, first.content), (201, b"charged"))
+        state = CLIENT.lookup(scope="http", key=key["Idempotency-Key"]).record.state
+        self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
+        replay = httpx.post(url, content=b"x", headers=key)
+        self.assertEqual((replay.status_code, replay.content, replay.headers.get("idempotency-result")),
+                         (201, b"charged", "replayed"))
+
+
+class WSGIOptionsTest(unittest.TestCase):
+    def test_mismatch_status_other_than_409_or_422_is_refused(self):
+        for status in (200, 400, 500, True):
+            with self.assertRaisesRegex(ValueError, "409 or 422"):
+                IdempotencyMiddleware(echo_app, client=CLIENT, without_principal=True, mismatch_status=status)
+        IdempotencyMiddleware(echo_app, client=CLIENT, without_principal=True, mismatch_status=409)
+
+    def test_warns_when_no_principal_is_decided(self):
+        with self.assertWarns(idemcoord.UndecidedPrincipalWarning):
+            IdempotencyMiddleware(echo_app, client=CLIENT)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            IdempotencyMiddleware(echo_app, client=CLIENT, without_principal=True)
+            IdempotencyMiddleware(echo_app, client=CLIENT, principal=lambda environ: "u1")
 
 
 if __name__ == "__main__":
