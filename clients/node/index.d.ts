@@ -206,8 +206,15 @@ export const REASON_UNKNOWN_HELD: 'UNKNOWN_HELD';
 export const SCHEMA_VERSION_STATUS: 'google.rpc.Status';
 export const CONTENT_TYPE_PROTO: 'application/x-protobuf';
 
-export class LeaseLostError extends Error {}
-export class LeaseUnconfirmedError extends Error {}
+/**
+ * The reasons an attempt's signal is aborted with carry status and statusCode 503: a handler that
+ * gives up by throwing its signal's reason is answered 503 by Express's and Fastify's error handlers,
+ * which the HTTP middleware records as nothing done (RETRYABLE; UNKNOWN after markSideEffect).
+ */
+export class LeaseLostError extends Error { status: 503; statusCode: 503 }
+export class LeaseUnconfirmedError extends Error { status: 503; statusCode: 503 }
+/** The client of a guarded HTTP request went away before its answer was sent (req.idempotency.signal's reason). */
+export class ClientGoneError extends Error { status: 503; statusCode: 503 }
 export class UnknownHeldError extends Error {
   code: number;
   reason: 'UNKNOWN_HELD';
@@ -252,6 +259,13 @@ export interface HttpMiddlewareOptions {
   maxBodyBytes?: number;
   /** Status of a key reused with another request (default 422; 409 allowed). */
   mismatchStatus?: number;
+  /**
+   * How long a handler whose client went away may take to end its answer (default 60000 ms). The
+   * lease is kept (heartbeats go on) meanwhile and the answer recorded when it ends; after that the
+   * lease is left to run out (the record reads UNKNOWN), and an answer that comes later is still
+   * recorded unless another attempt took the key over.
+   */
+  lingerMs?: number;
   /** May refresh per-request fields of a replay; the stored record never changes. */
   onReplay?: (req: IncomingMessage, stored: StoredResponseOut) => StoredResponseOut | null | undefined;
 }

@@ -10,6 +10,12 @@ const SCHEMA_VERSION_STATUS = 'google.rpc.Status';
 /** The content type of stored protobuf bodies. */
 const CONTENT_TYPE_PROTO = 'application/x-protobuf';
 
+// The reasons an attempt's signal is aborted with carry status and
+// statusCode 503: a handler that gives up by throwing its signal's reason
+// (signal.throwIfAborted(), an aborted fetch) is answered 503 by Express's
+// and Fastify's error handlers, which the HTTP middleware records as
+// nothing done (FAILURE_KIND_RETRYABLE; UNKNOWN after markSideEffect).
+
 /**
  * LeaseLostError: a heartbeat learnt that another attempt took the key over
  * (or it ended or was forgotten). It is the reason fn's signal is aborted
@@ -19,6 +25,8 @@ class LeaseLostError extends Error {
   constructor(message = 'idemcoord: the lease on the idempotency key was lost') {
     super(message);
     this.name = 'LeaseLostError';
+    this.status = 503;
+    this.statusCode = 503;
   }
 }
 
@@ -31,6 +39,22 @@ class LeaseUnconfirmedError extends Error {
   constructor(message = 'idemcoord: the lease could not be confirmed before it ran out') {
     super(message);
     this.name = 'LeaseUnconfirmedError';
+    this.status = 503;
+    this.statusCode = 503;
+  }
+}
+
+/**
+ * ClientGoneError: the client of a guarded HTTP request went away before
+ * its answer was sent. The handler's signal (req.idempotency.signal) is
+ * aborted with it; the handler may still end its answer, which is recorded.
+ */
+class ClientGoneError extends Error {
+  constructor(message = 'idemcoord: the client went away') {
+    super(message);
+    this.name = 'ClientGoneError';
+    this.status = 503;
+    this.statusCode = 503;
   }
 }
 
@@ -88,6 +112,7 @@ module.exports = {
   CONTENT_TYPE_PROTO,
   LeaseLostError,
   LeaseUnconfirmedError,
+  ClientGoneError,
   UnknownHeldError,
   FailureError,
   StoredFailureError,

@@ -9,10 +9,8 @@ const crypto = require('node:crypto');
 const { Readable } = require('node:stream');
 const grpc = require('@grpc/grpc-js');
 const api = require('./api');
-const {
-  Lease, currentAttempt, newAttemptId, failReason, answerLost,
-} = require('./client');
-const { LeaseLostError, LeaseUnconfirmedError } = require('./errors');
+const { Lease, newAttemptId, answerLost } = require('./client');
+const { LeaseLostError, LeaseUnconfirmedError, ClientGoneError } = require('./errors');
 
 const S = grpc.status;
 
@@ -172,7 +170,11 @@ function decodeErrorInfoReason(buf) {
   return '';
 }
 
-function normalizeOptions(options = {}) {
+/** How long a handler whose client went away may take to end its answer while the middleware keeps its lease. */
+const DEFAULT_LINGER_MS = 60000;
+
+function normalizeOptions(client, options = {}) {
+  const mismatchStatus = options.mismatchStatus ?? 422;
   const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => String(m).toUpperCase()));
   const replayHeaders = ['location'];
   for (const n of options.replayHeaders ?? []) {
@@ -192,7 +194,8 @@ function normalizeOptions(options = {}) {
     replayable: new Set(options.replayableStatuses ?? [404, 409, 422]),
     scope: options.scope ?? DEFAULT_HTTP_SCOPE,
     maxBodyBytes: options.maxBodyBytes ?? 10 << 20,
-    mismatchStatus: options.mismatchStatus ?? 422,
+    mismatchStatus,
+    lingerMs: Math.max(options.lingerMs ?? DEFAULT_LINGER_MS, 0),
     onReplay: options.onReplay ?? null,
   };
 }
@@ -275,7 +278,7 @@ function disconnectSignal(req, res) {
   const controller = new AbortController();
   const gone = () => {
     if (!res.writableFinished) {
-      controller.abort(new Error('idemcoord: the client went away'));
+      controller.abort(new ClientGoneError());
     }
   };
   res.once('close', gone);
@@ -493,23 +496,44 @@ class Guard {
 
   /**
    * Runs the handler (start, called inside the attempt's context) under
-   * lease and records the response it writes on res. Resolves once the
-   * attempt is recorded.
+   * lease and records the response it writes on res. A handler that may
+   * still act is never taken for finished: the attempt is recorded when the
+   * handler ends its answer, whether or not its client is still there.
+   * Resolves once the attempt is recorded, or once the handler's client has
+   * been gone for lingerMs without the handler ending its answer (then the
+   * lease is left to run out, UNKNOWN, and an answer that comes later is
+   * still recorded if no other attempt took the key over).
    */
   async run(req, res, lease, breq, signal, start) {
     const o = this.o;
     const rec = new Recorder(res, o);
-    let info;
+    let lingering;
     const outcome = await lease.run((attempt) => new Promise((resolve) => {
-      info = attempt;
       req.idempotency = attempt;
-      rec.onEnd = () => resolve('ended');
-      res.once('close', () => resolve('closed'));
+      const settle = (why) => {
+        clearTimeout(lingering);
+        signal.removeEventListener('abort', linger);
+        resolve(why);
+      };
+      // The client gone, the handler has lingerMs to end its answer.
+      const linger = () => {
+        lingering = setTimeout(() => settle('lingered'), o.lingerMs);
+      };
+      rec.onEnd = () => settle('ended');
       attempt.signal.addEventListener('abort', () => {
-        if (!rec.wrote) {
-          resolve('aborted');
+        const why = attempt.signal.reason;
+        if (!rec.wrote && (why instanceof LeaseLostError || why instanceof LeaseUnconfirmedError)) {
+          // Another attempt may hold the key now: whatever the handler
+          // answers from here on is recorded (while the lease is ours)
+          // but never sent as this request's success.
+          rec.withhold();
         }
       }, { once: true });
+      if (signal.aborted) {
+        linger();
+      } else {
+        signal.addEventListener('abort', linger, { once: true });
+      }
       try {
         const r = start(attempt);
         if (r && typeof r.then === 'function') {
@@ -523,52 +547,48 @@ class Guard {
       await this.client._releaseAcquisition(breq, lease.token);
       return;
     }
-    if (lease.lost) {
-      this.client._log('warn', 'idemcoord: lease lost while the handler ran; its response is not stored',
-        { scope: lease.scope, key: lease.key });
-      if (!rec.wrote) {
-        rec.silence();
-        this.problem(res, 503, PROBLEMS.leaseLost, 'Idempotency key taken over',
-          'this request lost its hold on the Idempotency-Key before it answered, and nothing was stored for it; retry with the same Idempotency-Key to get the outcome',
-          { 'Retry-After': '1' });
-      }
-      return;
-    }
     if (outcome.notStarted) {
       await lease.finish({ kind: 'FAILURE_KIND_ABANDONED', reason: 'the lease could not be confirmed before the handler started' });
       this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator unavailable',
         'the request was not processed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
       return;
     }
-    const marked = outcome.marked;
-    const why = outcome.value;
-    if (why !== 'ended') {
-      // The client went away, or the lease could not be confirmed, before
-      // the handler finished its answer. Node tells no handler's return:
-      // the attempt ends now. Nothing is claimed for work not done.
-      const cause = info?.signal?.reason;
-      if (!rec.wrote) {
-        rec.silence();
-        let kind = 'FAILURE_KIND_RETRYABLE';
-        let reason = `the handler wrote no response after its request ended: ${cause?.message ?? 'the client went away'}`;
-        if (marked) {
-          kind = 'FAILURE_KIND_UNKNOWN';
-          reason += ' (after markSideEffect)';
-        }
-        await lease.finish({ kind, reason: failReason(reason) });
-        if (cause instanceof LeaseUnconfirmedError) {
-          this.problem(res, 503, PROBLEMS.unavailable, 'Idempotency coordinator unavailable',
-            'the request was not completed; retry later with the same Idempotency-Key', { 'Retry-After': '1' });
-        } else {
-          this.problem(res, 503, 'about:blank', 'Service Unavailable',
-            'the request ended before the handler answered; retry with the same Idempotency-Key', { 'Retry-After': '1' });
-        }
-        return;
+    if (lease.lost) {
+      this.client._log('warn', 'idemcoord: lease lost while the handler ran; its response is not stored',
+        { scope: lease.scope, key: lease.key, status: rec.status });
+      if (!rec.wrote || rec.withheld) {
+        this.leaseLost(res, rec, ', and nothing was stored for it');
       }
-      await lease.finish({ kind: 'FAILURE_KIND_UNKNOWN', reason: failReason(`HTTP ${rec.status}: the answer was cut off before it ended`) });
       return;
     }
-    await lease.finish(this.ending(rec, marked));
+    if (outcome.value === 'lingered') {
+      this.client._log('warn', 'idemcoord: the handler has not answered although its client went away; the lease is left to run out (the record reads UNKNOWN unless the handler ends its answer before another attempt takes the key over)',
+        { scope: lease.scope, key: lease.key, lingerMs: o.lingerMs });
+      rec.onEnd = () => {
+        // Marks made after the lease was left are not seen: what is not
+        // stored is recorded UNKNOWN.
+        lease.finish(this.ending(rec, true)).then((err) => {
+          if (err) {
+            this.client._log('warn', 'idemcoord: the late answer of a handler whose client went away was not recorded',
+              { scope: lease.scope, key: lease.key, err: err.message });
+          }
+        });
+      };
+      return;
+    }
+    await lease.finish(this.ending(rec, outcome.marked));
+    if (rec.withheld) {
+      this.leaseLost(res, rec, '');
+    }
+  }
+
+  /** Answers 503 lease-lost in place of what the handler wrote or will write. */
+  leaseLost(res, rec, stored) {
+    rec.withhold();
+    rec.restore();
+    this.problem(res, 503, PROBLEMS.leaseLost, 'Idempotency key taken over',
+      `this request lost its hold on the Idempotency-Key before it answered${stored}; retry with the same Idempotency-Key to get the outcome`,
+      { 'Retry-After': '1' });
   }
 
   ending(rec, marked) {
@@ -593,19 +613,21 @@ class Guard {
 /**
  * Passes the handler's response through res and keeps a copy of what is
  * stored: the status, the replayed headers as they were when the status
- * was written, and the body.
+ * was written, and the body. Once withheld, what the handler writes is
+ * still recorded but no longer sent: the middleware answers instead.
  */
 class Recorder {
   constructor(res, o) {
     this.res = res;
     this.o = o;
     this.wrote = false;
+    this.ended = false;
     this.status = 0;
     this.headers = {};
     this.chunks = [];
     this.size = 0;
     this.overflow = false;
-    this.silenced = false;
+    this.withheld = false;
     this.onEnd = null;
     const origWriteHead = res.writeHead;
     const origWrite = res.write;
@@ -616,32 +638,40 @@ class Recorder {
       res.end = origEnd;
     };
     const self = this;
-    res.writeHead = function writeHead(status, ...rest) {
-      if (self.silenced) {
-        return this;
+    // A withheld write still calls back, as a sent one would.
+    const calledBack = (args) => {
+      const cb = args.find((a) => typeof a === 'function');
+      if (cb) {
+        process.nextTick(cb);
       }
+    };
+    res.writeHead = function writeHead(status, ...rest) {
       if (!self.wrote && status >= 200) {
         self.head(status, rest);
+      }
+      if (self.withheld) {
+        return this;
       }
       return origWriteHead.call(this, status, ...rest);
     };
     res.write = function write(chunk, ...rest) {
-      if (self.silenced) {
-        return true;
-      }
       if (!self.wrote && !this.headersSent) {
         self.head(this.statusCode, []);
       }
-      self.keep(chunk, rest[0]);
+      self.keep(chunk, typeof rest[0] === 'string' ? rest[0] : undefined);
+      if (self.withheld) {
+        calledBack(rest);
+        return true;
+      }
       return origWrite.call(this, chunk, ...rest);
     };
     res.end = function end(chunk, ...rest) {
-      if (self.silenced) {
-        return this;
-      }
       if (typeof chunk === 'function') {
         rest = [chunk];
         chunk = undefined;
+      }
+      if (self.ended) {
+        return self.withheld ? this : origEnd.call(this, chunk, ...rest);
       }
       if (!self.wrote && !this.headersSent) {
         self.head(this.statusCode, []);
@@ -649,11 +679,21 @@ class Recorder {
       if (chunk != null) {
         self.keep(chunk, typeof rest[0] === 'string' ? rest[0] : undefined);
       }
-      self.restore();
-      const r = origEnd.call(this, chunk, ...rest);
+      self.ended = true;
+      let r = this;
+      if (self.withheld) {
+        calledBack(rest);
+      } else {
+        r = origEnd.call(this, chunk, ...rest);
+      }
       self.onEnd?.();
       return r;
     };
+  }
+
+  /** Keeps what the handler writes from now on from the client; it is still recorded. */
+  withhold() {
+    this.withheld = true;
   }
 
   /** Records the status and the stored headers, and sets Idempotency-Result. */
@@ -702,12 +742,6 @@ class Recorder {
     this.size += b.length;
   }
 
-  /** Drops whatever the handler writes from now on. */
-  silence() {
-    this.silenced = true;
-    this.restore();
-  }
-
   stored() {
     const resp = { schema_version: HTTP_SCHEMA_VERSION, status_code: this.status, body: Buffer.concat(this.chunks), metadata: {} };
     for (const [name, values] of Object.entries(this.headers)) {
@@ -728,7 +762,7 @@ class Recorder {
  * puts it back (also as req.rawBody).
  */
 function httpMiddleware(client, options = {}) {
-  const guard = new Guard(client, normalizeOptions(options));
+  const guard = new Guard(client, normalizeOptions(client, options));
   return function idempotency(req, res, next) {
     const signal = disconnectSignal(req, res);
     guard.begin(req, res, req.rawBody ?? null, signal).then((g) => {
@@ -756,7 +790,13 @@ function fastifyPlugin(fastify, opts, done) {
     done(new Error('idemcoord: fastifyPlugin needs { client }'));
     return;
   }
-  const o = normalizeOptions(options);
+  let o;
+  try {
+    o = normalizeOptions(client, options);
+  } catch (err) {
+    done(err);
+    return;
+  }
   const guard = new Guard(client, o);
   fastify.addHook('preParsing', async (request, reply, payload) => {
     if (!o.methods.has(request.raw.method) || request.headers['idempotency-key'] == null) {

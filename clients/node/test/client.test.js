@@ -9,6 +9,7 @@ const {
   Client, markSideEffect, currentLease, FailureError, StoredFailureError, LeaseLostError, LeaseUnconfirmedError,
 } = require('..');
 const { startCoordinator } = require('./coordinator');
+const { fault, until } = require('./fault');
 
 let coord;
 const clients = [];
@@ -36,82 +37,6 @@ const uniqueKey = (prefix) => `${prefix}-${crypto.randomUUID()}`;
 /** A gRPC error with a status code, as a handler would throw. */
 function grpcError(code, message) {
   return Object.assign(new Error(message), { code, details: message });
-}
-
-/** Resolves when cond() is true, checking every 10 ms. */
-async function until(cond) {
-  while (!cond()) {
-    await new Promise((r) => setTimeout(r, 10));
-  }
-}
-
-/**
- * An interceptor for the named method (e.g. 'Heartbeat'): it counts calls
- * and their statuses and can, per call, hand the call to the coordinator and
- * replace its answer with UNAVAILABLE (the reply was lost), or fail it with
- * UNAVAILABLE without sending it (the coordinator is cut off).
- *
- * With hold = { call, until, lose }, the call numbered call (1 for the
- * first) reaches the coordinator, but its answer is held back (held is set
- * when it arrives) until the promise until settles; it is then delivered,
- * or with lose replaced by CANCELLED: the caller gave up before the answer
- * reached it.
- */
-function fault(method) {
-  const f = {
-    calls: 0, requests: [], statuses: [], loseReplies: 0, cutOff: false, hold: null, held: false,
-    interceptor: (options, nextCall) => {
-      if (!options.method_definition.path.endsWith(`/${method}`)) {
-        return new grpc.InterceptingCall(nextCall(options));
-      }
-      f.calls++;
-      if (f.cutOff) {
-        return new grpc.InterceptingCall(nextCall(options), {
-          start(metadata, listener) {
-            setImmediate(() => {
-              f.statuses.push(grpc.status.UNAVAILABLE);
-              listener.onReceiveStatus({ code: grpc.status.UNAVAILABLE, details: 'cut off (test)', metadata: new grpc.Metadata() });
-            });
-          },
-          sendMessage() {},
-          halfClose() {},
-        });
-      }
-      const lose = f.loseReplies > 0;
-      if (lose) {
-        f.loseReplies--;
-      }
-      const hold = f.hold?.call === f.calls ? f.hold : null;
-      return new grpc.InterceptingCall(nextCall(options), {
-        sendMessage(message, next) {
-          f.requests.push(message);
-          next(message);
-        },
-        start(metadata, listener, next) {
-          next(metadata, {
-            // A lost reply: the message is passed on (grpc-js holds the
-            // status back until it is) but the status turns UNAVAILABLE,
-            // so the caller gets an error and never the answer.
-            onReceiveStatus(status, nextStatus) {
-              if (hold) {
-                f.held = true;
-                const inFlight = setInterval(() => {}, 1000); // as a call in flight would, keep the process up
-                hold.until.finally(() => {
-                  clearInterval(inFlight);
-                  f.statuses.push(hold.lose ? grpc.status.CANCELLED : status.code);
-                  nextStatus(hold.lose ? { code: grpc.status.CANCELLED, details: 'gave up before the answer arrived (test)', metadata: new grpc.Metadata() } : status);
-                });
-                return;
-              }
-              f.statuses.push(lose ? grpc.status.UNAVAILABLE : status.code);
-              nextStatus(lose ? { code: grpc.status.UNAVAILABLE, details: 'reply lost (test)', metadata: new grpc.Metadata() } : status);
-            },
-          });
-        },
-      });
-    },
-  };
-  return f;
 }
 
 const stored = () => ({

@@ -4,11 +4,16 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const crypto = require('node:crypto');
 const express = require('express');
 const Fastify = require('fastify');
-const { Client, httpMiddleware, fastifyPlugin } = require('..');
+const grpc = require('@grpc/grpc-js');
+const {
+  Client, httpMiddleware, fastifyPlugin, PROBLEMS,
+} = require('..');
 const { startCoordinator } = require('./coordinator');
 const { runHttpConformance, suite } = require('./conformance');
+const { fault } = require('./fault');
 
 let coord;
 let client;
@@ -31,19 +36,22 @@ function listen(server) {
   });
 }
 
-async function startExpress(options, act) {
+async function startExpress(options, act, c = client) {
   const app = express();
-  app.use(httpMiddleware(client, options));
+  app.use(httpMiddleware(c, options));
   app.all('/items', async (req, res) => {
     const closed = new Promise((resolve) => res.once('close', resolve));
     const answer = await act(req.headers, closed);
-    if (answer) {
-      res.status(answer.status);
-      for (const [k, v] of Object.entries(answer.headers)) res.setHeader(k, v);
-      res.end(answer.body);
+    if (!answer) {
+      // Giving up the Node way: throw the signal's reason (status 503).
+      req.idempotency?.signal.throwIfAborted();
+      return;
     }
+    res.status(answer.status);
+    for (const [k, v] of Object.entries(answer.headers)) res.setHeader(k, v);
+    res.end(answer.body);
   });
-  app.use((err, req, res, next) => res.status(500).end('internal error')); // eslint-disable-line no-unused-vars
+  app.use((err, req, res, next) => res.status(err.status ?? 500).end('internal error')); // eslint-disable-line no-unused-vars
   const server = app.listen(0, '127.0.0.1');
   await new Promise((resolve) => server.once('listening', resolve));
   return {
@@ -55,15 +63,17 @@ async function startExpress(options, act) {
   };
 }
 
-async function startFastify(options, act) {
+async function startFastify(options, act, c = client) {
   const app = Fastify();
   app.removeAllContentTypeParsers();
   app.addContentTypeParser('*', { parseAs: 'buffer' }, (req, body, done) => done(null, body));
-  await app.register(fastifyPlugin, { client, ...options });
+  await app.register(fastifyPlugin, { client: c, ...options });
   app.all('/items', async (request, reply) => {
     const closed = new Promise((resolve) => reply.raw.once('close', resolve));
     const answer = await act(request.headers, closed);
     if (!answer) {
+      // Giving up the Node way: throw the signal's reason (status 503).
+      request.idempotency?.signal.throwIfAborted();
       return reply.hijack();
     }
     reply.code(answer.status).headers(answer.headers);
@@ -140,3 +150,141 @@ test('mismatchStatus, onReplay and Idempotency-Expires on a replay', TIMEOUT, as
     server.close();
   }
 });
+
+const STACKS = { express: startExpress, fastify: startFastify };
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/**
+ * A careless handler: it ignores its signal, sleeps ms and answers 201
+ * "charged once"; calls counts its runs.
+ */
+function carelessHandler(ms) {
+  const h = {
+    calls: 0,
+    act: async () => {
+      h.calls++;
+      await sleep(ms);
+      return { status: 201, headers: { 'Content-Type': 'text/plain' }, body: 'charged once' };
+    },
+  };
+  return h;
+}
+
+/** The states Lookup reads for key every 50 ms until done settles, each change once, in order. */
+async function statesWhile(c, key, done) {
+  const seen = [];
+  let over = false;
+  done.finally(() => { over = true; });
+  while (!over) {
+    let state;
+    try {
+      state = (await c.lookup({ scope: 'http', key })).record.state;
+    } catch (err) {
+      state = err.code === grpc.status.NOT_FOUND ? 'absent' : `error ${err.code}`;
+    }
+    if (seen.at(-1) !== state) seen.push(state);
+    await sleep(50);
+  }
+  return seen;
+}
+
+/** Waits up to 10 s for the record of key to read want. */
+async function wantState(c, key, want) {
+  const deadline = Date.now() + 10000;
+  let got;
+  do {
+    got = (await c.lookup({ scope: 'http', key })).record.state;
+    if (got === want) return;
+    await sleep(50);
+  } while (Date.now() < deadline);
+  assert.equal(got, want, `state of ${key}`);
+}
+
+async function assertLeaseLost(resp) {
+  const body = await resp.text();
+  const where = `got ${resp.status} ${JSON.stringify([...resp.headers])} ${body}`;
+  assert.equal(resp.status, 503, where);
+  assert.equal(resp.headers.get('content-type'), 'application/problem+json', where);
+  assert.equal(JSON.parse(body).type, PROBLEMS.leaseLost, where);
+  assert.equal(resp.headers.get('retry-after'), '1', where);
+  assert.equal(resp.headers.get('idempotency-result'), null, where);
+}
+
+for (const [stack, start] of Object.entries(STACKS)) {
+  test(`${stack}: the lease cannot be confirmed while a careless handler runs: nothing is recorded RETRYABLE, the client gets 503 lease-lost, the handler's answer is recorded`, TIMEOUT, async () => {
+    const beats = fault('Heartbeat');
+    beats.cutOff = true; // no heartbeat reaches the coordinator
+    const c = new Client(coord.addr, { token: coord.token });
+    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000, maxAttempts: 1, interceptors: [beats.interceptor] });
+    const h = carelessHandler(2500);
+    const svc = await start({ withoutPrincipal: true }, h.act, served);
+    try {
+      const key = `unconfirmed-${crypto.randomUUID()}`;
+      const send = () => fetch(`${svc.url}/items`, { method: 'POST', headers: { 'Idempotency-Key': key }, body: 'x' });
+      const first = send();
+      const seen = await statesWhile(c, key, first);
+      await assertLeaseLost(await first);
+      assert.ok(beats.calls >= 1, 'no heartbeat was tried');
+      assert.ok(!seen.includes('STATE_FAILED_RETRYABLE'), `states while the handler ran: ${seen}`);
+      // No other attempt took the key over: the handler's answer is recorded.
+      await wantState(c, key, 'STATE_COMPLETED');
+      const again = await send();
+      assert.equal(again.status, 201);
+      assert.equal(again.headers.get('idempotency-result'), 'replayed');
+      assert.equal(await again.text(), 'charged once');
+      assert.equal(h.calls, 1);
+    } finally {
+      await svc.close();
+      await served.shutdown({ timeoutMs: 5000 });
+      c.close();
+    }
+  });
+
+  test(`${stack}: a heartbeat is refused while a careless handler runs: nothing is recorded, the client gets 503 lease-lost, not the handler's 201`, TIMEOUT, async () => {
+    const beats = fault('Heartbeat');
+    beats.rewrite = (req) => ({ ...req, lease_token: 'not-the-holders-token' }); // the coordinator refuses it
+    const c = new Client(coord.addr, { token: coord.token });
+    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000, interceptors: [beats.interceptor] });
+    const h = carelessHandler(2000);
+    const svc = await start({ withoutPrincipal: true }, h.act, served);
+    try {
+      const key = `refused-${crypto.randomUUID()}`;
+      const first = fetch(`${svc.url}/items`, { method: 'POST', headers: { 'Idempotency-Key': key }, body: 'x' });
+      const seen = await statesWhile(c, key, first);
+      await assertLeaseLost(await first);
+      assert.ok(beats.statuses.includes(grpc.status.FAILED_PRECONDITION), `heartbeat statuses ${beats.statuses}`);
+      assert.ok(!seen.includes('STATE_FAILED_RETRYABLE') && !seen.includes('STATE_COMPLETED'), `states: ${seen}`);
+      // Nothing recorded: the lease runs out and the record reads UNKNOWN.
+      await wantState(c, key, 'STATE_UNKNOWN');
+      assert.equal(h.calls, 1);
+    } finally {
+      await svc.close();
+      await served.shutdown({ timeoutMs: 5000 });
+      c.close();
+    }
+  });
+
+  test(`${stack}: a handler that has not answered lingerMs after its client went away leaves the lease to run out (UNKNOWN), and its late answer is still recorded`, TIMEOUT, async () => {
+    const c = new Client(coord.addr, { token: coord.token });
+    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000 });
+    const h = carelessHandler(3000);
+    const svc = await start({ withoutPrincipal: true, lingerMs: 200 }, h.act, served);
+    try {
+      const key = `linger-${crypto.randomUUID()}`;
+      const send = (init = {}) => fetch(`${svc.url}/items`, { method: 'POST', headers: { 'Idempotency-Key': key }, body: 'x', ...init });
+      const gaveUp = send({ signal: AbortSignal.timeout(300) }).then(() => assert.fail('answered'), () => {});
+      const seen = await statesWhile(c, key, Promise.all([gaveUp, sleep(2000)]));
+      // Held while the handler may act, then left to run out; never released or RETRYABLE.
+      assert.deepEqual(seen.filter((st, i) => !(i === 0 && st === 'absent')), ['STATE_IN_PROGRESS', 'STATE_UNKNOWN'], `states: ${seen}`);
+      await wantState(c, key, 'STATE_COMPLETED');
+      const again = await send();
+      assert.equal(again.headers.get('idempotency-result'), 'replayed');
+      assert.equal(await again.text(), 'charged once');
+      assert.equal(h.calls, 1);
+    } finally {
+      await svc.close();
+      await served.shutdown({ timeoutMs: 5000 });
+      c.close();
+    }
+  });
+}
