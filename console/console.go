@@ -8,6 +8,7 @@ import (
 	"embed"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"html/template"
 	"log/slog"
 	"net"
@@ -41,10 +42,13 @@ const (
 	tenantHeader = "idemcoord-tenant"
 	// maxTokenBytes bounds a bearer token typed into the login form.
 	maxTokenBytes = 4096
-	// maxFormBytes bounds a form post: a resolved response's body (the
-	// server enforces its own, smaller limit) plus the other fields.
-	maxFormBytes = 8 << 20
 )
+
+// MaxFormBytes bounds a form the console takes: a resolved response's
+// body (the server's limit, max_response_bytes, is 1 MiB by default) plus
+// the other fields. A listener that serves the console lets its requests'
+// bodies be this large.
+const MaxFormBytes = 2 << 20
 
 //go:embed templates/*.html static/style.css
 var files embed.FS
@@ -244,20 +248,20 @@ func checkCSRF(r *http.Request) bool {
 }
 
 // parsePost reads a posted form (URL-encoded or multipart, at most
-// maxFormBytes) and checks its CSRF token; it answers the request itself
+// MaxFormBytes) and checks its CSRF token; it answers the request itself
 // and returns false when either fails.
 func (c *Console) parsePost(w http.ResponseWriter, r *http.Request) bool {
-	r.Body = http.MaxBytesReader(w, r.Body, maxFormBytes)
+	r.Body = http.MaxBytesReader(w, r.Body, MaxFormBytes)
 	var err error
 	if strings.HasPrefix(r.Header.Get("Content-Type"), "multipart/form-data") {
-		err = r.ParseMultipartForm(maxFormBytes)
+		err = r.ParseMultipartForm(MaxFormBytes)
 	} else {
 		err = r.ParseForm()
 	}
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			c.renderError(w, r, http.StatusRequestEntityTooLarge, "The form is larger than 8 MiB.")
+			c.renderError(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("The form is larger than %d MiB.", MaxFormBytes>>20))
 			return false
 		}
 		c.renderError(w, r, http.StatusBadRequest, "The form could not be read.")

@@ -20,7 +20,6 @@ import (
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
 	"connectrpc.com/vanguard/vanguardgrpc"
-	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -193,14 +192,27 @@ const (
 //     identity, and per-message compression (Grpc-Encoding,
 //     Connect-Content-Encoding, a Connect GET's compression parameter) but
 //     identity, is 415: the listener inflates only what it can bound.
-//   - All requests together hold at most WithHTTPMaxBufferedBytes bytes of
+//   - A request that is not a call of an API method (/metrics, /healthz,
+//     /readyz, an unknown path, a page or form mounted next to the API)
+//     has a body cap of its own, WithHTTPOtherMaxBodyBytes, and its own
+//     small budget of buffered bytes (8 of its bodies, at least 1 MiB),
+//     apart from the API's: no such request takes from the API's budget.
+//   - API calls together hold at most WithHTTPMaxBufferedBytes bytes of
 //     body (as read and, for gzip, as inflated, plus the inflater's state),
 //     charged as they are read and given back once the request is answered:
 //     a request whose next bytes do not fit gets 503 with Retry-After and
 //     its connection closed, without reading more. Many small requests fit
 //     at once; many connections that each hold a body near the cap (for
 //     instance a few KB of gzip inflating to it and never finished) cost
-//     the budget, not the cap each.
+//     the budget, not the cap each. A body is read into pieces that grow
+//     as it comes (4 KiB, then twice as large up to 64 KiB), so a
+//     connection that trickles a few bytes costs a few KiB.
+//   - One client (the remote IP address; an IPv6 /64 network) holds at
+//     most its share of either budget (WithHTTPMaxBufferedBytesPerClient;
+//     an eighth by default): past it, its request gets 429 with
+//     Retry-After and its connection closed, while other clients are
+//     still served. Behind a proxy every request through it is one
+//     client.
 //   - Framing mistakes the transcoder would answer as internal errors are
 //     invalid_argument: a gRPC-Web body cut inside a frame, or of more than
 //     one frame (grpc-status 3),
@@ -229,8 +241,8 @@ func (s *Server) NewHTTPServer(h http.Handler) *http.Server {
 // connection's deadlines before next runs; see NewHTTPServer.
 func (s *Server) guardHTTP(next http.Handler) http.Handler {
 	allowed := s.opts.httpAllowedHosts
-	maxBody := s.opts.httpMaxBody
-	budget := semaphore.NewWeighted(s.opts.httpMaxBuffered)
+	apiBudget := newBodyBudget(s.opts.httpMaxBuffered, s.opts.httpClientBuffered, bodyCost(s.opts.httpMaxBody))
+	otherBudget := newBodyBudget(s.httpOtherMaxBuffered(), 0, bodyCost(s.opts.httpOtherMaxBody))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !s.policies.Load().AuthEnabled() && !isProbe(r) && !hostAllowed(r.Host, allowed) {
 			closeUnread(w)
@@ -252,8 +264,13 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 			http.Error(w, err.Error(), http.StatusUnsupportedMediaType)
 			return
 		}
-		body, charged, err := readBody(w, r, gz, maxBody, budget)
-		defer budget.Release(charged)
+		maxBody, budget := s.opts.httpMaxBody, apiBudget
+		if !isAPICall(r) {
+			maxBody, budget = s.opts.httpOtherMaxBody, otherBudget
+		}
+		client := clientOf(r.RemoteAddr)
+		body, charged, err := readBody(w, r, gz, maxBody, budget, client)
+		defer budget.give(client, charged)
 		if err != nil {
 			var tooLarge *http.MaxBytesError
 			switch {
@@ -261,6 +278,10 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 				w.Header().Set("Connection", "close")
 				w.Header().Set("Retry-After", httpBusyRetryAfter)
 				http.Error(w, "too many request bodies being received at once: retry later", http.StatusServiceUnavailable)
+			case errors.Is(err, errClientShare):
+				w.Header().Set("Connection", "close")
+				w.Header().Set("Retry-After", httpBusyRetryAfter)
+				http.Error(w, "too many request bodies being received at once from this client: retry later", http.StatusTooManyRequests)
 			case errors.As(err, &tooLarge):
 				w.Header().Set("Connection", "close")
 				http.Error(w, fmt.Sprintf("request body over %d bytes (counted after decompression)", maxBody),
@@ -361,14 +382,15 @@ func requestCompression(r *http.Request) (gz bool, err error) {
 	return gz, nil
 }
 
-// bodySlabBytes is the size of the pieces a body of unknown length is read
-// into: a body costs its length rounded up to it, never twice its length as
-// a growing buffer would.
-const bodySlabBytes = 64 << 10
-
-// errBodyBudget is readBody's error when the listener's budget of buffered
-// body bytes cannot take the request's next bytes.
-var errBodyBudget = errors.New("the budget of buffered request bodies is spent")
+// A body is read into pieces of bodyFirstSlabBytes, then each twice as
+// large as the one before up to bodySlabBytes: a body that has come in
+// costs at most its length plus 64 KiB (or twice its length, under
+// 128 KiB), never more than the cap plus a byte, and a connection that
+// trickles a few bytes costs a few KiB, not the largest piece.
+const (
+	bodyFirstSlabBytes = 4 << 10
+	bodySlabBytes      = 64 << 10
+)
 
 // gzipStateBytes is what readBody charges to the budget for a gzip
 // reader's state (its 32 KiB window, tables and buffer).
@@ -377,11 +399,11 @@ const gzipStateBytes = 64 << 10
 // readBody reads r's body whole, inflating it when gz, and fails with an
 // *http.MaxBytesError once it is over maxBytes as sent or as inflated. A
 // request without a body gives nil. Each piece of the body (and the gzip
-// reader's state) is charged to budget before it is allocated, without
-// waiting: when it does not fit, readBody fails with errBodyBudget. It
-// returns how much it charged, to release once the body is no longer
-// used, whether it fails or not.
-func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, budget *semaphore.Weighted) (_ net.Buffers, charged int64, _ error) {
+// reader's state) is charged to client in budget before it is allocated,
+// without waiting: when it does not fit, readBody fails with take's error
+// (errBodyBudget or errClientShare). It returns how much it charged, to
+// give back once the body is no longer used, whether it fails or not.
+func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, budget *bodyBudget, client string) (_ net.Buffers, charged int64, _ error) {
 	if r.Body == nil || r.Body == http.NoBody || (r.ContentLength == 0 && len(r.TransferEncoding) == 0) {
 		return nil, 0, nil
 	}
@@ -389,8 +411,8 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 		return nil, 0, &http.MaxBytesError{Limit: maxBytes}
 	}
 	charge := func(n int64) error {
-		if !budget.TryAcquire(n) {
-			return errBodyBudget
+		if err := budget.take(client, n); err != nil {
+			return err
 		}
 		charged += n
 		return nil
@@ -414,8 +436,8 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 		limit = r.ContentLength + 1
 	}
 	body := net.Buffers{}
-	for n := int64(0); ; {
-		size := min(bodySlabBytes, limit-n)
+	for n, next := int64(0), int64(bodyFirstSlabBytes); ; next = min(2*next, bodySlabBytes) {
+		size := min(next, limit-n)
 		if err := charge(size); err != nil {
 			return nil, charged, err
 		}

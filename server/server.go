@@ -82,6 +82,9 @@ type options struct {
 	httpReadTimeout  time.Duration
 	httpMaxBuffered  int64
 	httpAllowedHosts map[string]bool
+
+	httpOtherMaxBody   int64
+	httpClientBuffered int64
 }
 
 // WithPolicies sets the per-scope policy and limits (default
@@ -116,6 +119,23 @@ func WithHTTPMaxBodyBytes(n int64) Option { return func(o *options) { o.httpMaxB
 // DefaultHTTPMaxBufferedBytes or 16 body caps, whichever is larger; 0 keeps
 // the default). It must be at least the body cap. See NewHTTPServer.
 func WithHTTPMaxBufferedBytes(n int64) Option { return func(o *options) { o.httpMaxBuffered = n } }
+
+// WithHTTPMaxBufferedBytesPerClient bounds the share of the HTTP
+// listener's budget of buffered body bytes (WithHTTPMaxBufferedBytes) that
+// one client, a remote IP address or IPv6 /64 network, holds at once
+// (default, or 0: an eighth of the budget, but at least one body at the
+// cap). Behind a proxy, every request through it is one client: raise the
+// share to the budget to turn shares off. See NewHTTPServer.
+func WithHTTPMaxBufferedBytesPerClient(n int64) Option {
+	return func(o *options) { o.httpClientBuffered = n }
+}
+
+// WithHTTPOtherMaxBodyBytes caps the body of a request to the HTTP
+// listener that is not a call of an API method (default
+// DefaultHTTPOtherMaxBodyBytes): the forms of a console mounted next to
+// the API need more. Such requests are held within a budget of their own,
+// 8 bodies at this cap but at least 1 MiB; see NewHTTPServer.
+func WithHTTPOtherMaxBodyBytes(n int64) Option { return func(o *options) { o.httpOtherMaxBody = n } }
 
 // WithHTTPReadTimeout bounds how long the HTTP listener waits for a
 // request's headers and body (default DefaultHTTPReadTimeout); see
@@ -158,7 +178,7 @@ var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceN
 func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200,
 		slowCall:    DefaultSlowCallThreshold,
-		httpMaxBody: DefaultHTTPMaxBodyBytes, httpReadTimeout: DefaultHTTPReadTimeout, httpAllowedHosts: map[string]bool{}}
+		httpMaxBody: DefaultHTTPMaxBodyBytes, httpOtherMaxBody: DefaultHTTPOtherMaxBodyBytes, httpReadTimeout: DefaultHTTPReadTimeout, httpAllowedHosts: map[string]bool{}}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -170,6 +190,14 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	}
 	if o.httpMaxBuffered < o.httpMaxBody {
 		return nil, fmt.Errorf("server: HTTP buffered body budget %d: want at least the body cap, %d bytes", o.httpMaxBuffered, o.httpMaxBody)
+	}
+	if o.httpClientBuffered < 0 || (o.httpClientBuffered > 0 && o.httpClientBuffered < o.httpMaxBody) {
+		return nil, fmt.Errorf("server: HTTP buffered body share per client %d: want at least the body cap, %d bytes, or 0 for the default",
+			o.httpClientBuffered, o.httpMaxBody)
+	}
+	if o.httpOtherMaxBody <= 0 || o.httpOtherMaxBody > o.httpMaxBody {
+		return nil, fmt.Errorf("server: HTTP body cap of requests that are not API calls %d: want 1 to the body cap, %d bytes",
+			o.httpOtherMaxBody, o.httpMaxBody)
 	}
 	if o.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("server: HTTP read timeout %v: want more than 0", o.httpReadTimeout)

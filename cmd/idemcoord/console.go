@@ -32,6 +32,15 @@ func checkConsoleExposure(c *config, authEnabled bool) error {
 	return nil
 }
 
+// consoleServerOptions are the server options --console needs: requests
+// that are not API calls may carry the console's forms.
+func consoleServerOptions(c *config) []server.Option {
+	if !c.console {
+		return nil
+	}
+	return []server.Option{server.WithHTTPOtherMaxBodyBytes(console.MaxFormBytes)}
+}
+
 // mountConsole adds the operator console under /console/ to the HTTP
 // listener's handler. With --tls-cert the listener then serves HTTPS (the
 // console's cookies are Secure, and a client certificate signed by

@@ -4,6 +4,7 @@ import (
 	"io"
 	"net/http"
 	"regexp"
+	"strconv"
 	"testing"
 
 	"google.golang.org/grpc/credentials/insecure"
@@ -23,15 +24,40 @@ func TestGCPercent(t *testing.T) {
 			grpcAddr, httpAddr := coordtest.FreeAddr(t), coordtest.FreeAddr(t)
 			p := launch(t, bin, []string{"DATABASE_URL=" + dbURL}, "--listen", grpcAddr, "--http-listen", httpAddr)
 			waitFor(t, "SERVING", p, func() bool { return serving(grpcAddr, insecure.NewCredentials()) })
-			if got := gogcPercent(t, httpAddr); got != tc.want {
+			if got := runtimeMetric(t, httpAddr, "go_gc_gogc_percent"); got != tc.want {
 				t.Fatalf("go_gc_gogc_percent = %q with GOGC=%q, want %s", got, tc.gogc, tc.want)
 			}
 		})
 	}
 }
 
-// gogcPercent reads go_gc_gogc_percent from the binary's /metrics.
-func gogcPercent(t *testing.T, httpAddr string) string {
+// TestMemoryLimit checks the binary's Go memory limit on /metrics
+// (go_gc_gomemlimit_bytes): 256 MiB plus twice the HTTP listener's budgets
+// of buffered bodies when GOMEMLIMIT is not set (the API's, here 8 MiB,
+// and the 1 MiB of other requests), and the operator's GOMEMLIMIT when it
+// is.
+func TestMemoryLimit(t *testing.T) {
+	bin, dbURL := coordtest.BuildBinary(t), pgtest.NewDatabase(t)
+	for _, tc := range []struct {
+		gomemlimit string
+		want       float64
+	}{{"", 256<<20 + 2*(8<<20+1<<20)}, {"1GiB", 1 << 30}} {
+		t.Run("GOMEMLIMIT="+tc.gomemlimit, func(t *testing.T) {
+			t.Setenv("GOMEMLIMIT", tc.gomemlimit)
+			grpcAddr, httpAddr := coordtest.FreeAddr(t), coordtest.FreeAddr(t)
+			p := launch(t, bin, []string{"DATABASE_URL=" + dbURL, "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES=" + strconv.Itoa(8<<20)}, "--listen", grpcAddr, "--http-listen", httpAddr)
+			waitFor(t, "SERVING", p, func() bool { return serving(grpcAddr, insecure.NewCredentials()) })
+			got := runtimeMetric(t, httpAddr, "go_gc_gomemlimit_bytes")
+			if v, err := strconv.ParseFloat(got, 64); err != nil || v != tc.want {
+				t.Fatalf("go_gc_gomemlimit_bytes = %s with GOMEMLIMIT=%q, want %.0f", got, tc.gomemlimit, tc.want)
+			}
+		})
+	}
+}
+
+// runtimeMetric reads the unlabelled metric name from the binary's
+// /metrics.
+func runtimeMetric(t *testing.T, httpAddr, name string) string {
 	t.Helper()
 	resp, err := http.Get("http://" + httpAddr + "/metrics")
 	if err != nil {
@@ -42,9 +68,9 @@ func gogcPercent(t *testing.T, httpAddr string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := regexp.MustCompile(`(?m)^go_gc_gogc_percent (\S+)$`).FindSubmatch(b)
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindSubmatch(b)
 	if m == nil {
-		t.Fatalf("no go_gc_gogc_percent on /metrics:\n%s", b)
+		t.Fatalf("no %s on /metrics:\n%s", name, b)
 	}
 	return string(m[1])
 }

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -221,9 +222,10 @@ func TestHTTPGzipBombRefused(t *testing.T) {
 
 // TestHTTPBodyCapBoundsMemory: an uncompressed 16 MiB body gets 413 before
 // it is buffered, with its length announced or chunked, alone or 16 at
-// once, and the coordinator's peak memory stays bounded.
+// once, and the coordinator's peak memory stays bounded. The bodies all
+// come from one client, whose share is the whole budget here.
 func TestHTTPBodyCapBoundsMemory(t *testing.T) {
-	p, addr := startListener(t)
+	p, addr := startListener(t, "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES_PER_CLIENT="+strconv.Itoa(server.DefaultHTTPMaxBufferedBytes))
 	wantOutcome(t, "warm-up Begin", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_ACQUIRED")
 	const prefix = `{"scope":"build","key":"big","fingerprint":"`
 	body := prefix + strings.Repeat("A", 16<<20-len(prefix)-2) + `"}`
@@ -401,10 +403,13 @@ func TestHTTPSlowBodyDisconnected(t *testing.T) {
 // connections that each send a few KB of gzip inflating to just under the
 // body cap, and never finish it, cost the coordinator at most the budget;
 // those past it get 503 with Retry-After, and once they are gone a request
-// is served again.
+// is served again. The bodies all come from one client, whose share is
+// the whole budget here (TestHTTPTrickleFloodLeavesAPIServed tests
+// shares).
 func TestHTTPBufferedBodiesBounded(t *testing.T) {
 	const budget = 8 << 20
-	p, addr := startListener(t, "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES="+strconv.Itoa(budget))
+	p, addr := startListener(t, "IDEMCOORD_HTTP_MAX_BUFFERED_BYTES="+strconv.Itoa(budget),
+		"IDEMCOORD_HTTP_MAX_BUFFERED_BYTES_PER_CLIENT="+strconv.Itoa(budget))
 	wantOutcome(t, "warm-up Begin", post(beginPath, `{"scope":"build","key":"k"}`).do(t, addr), "OUTCOME_ACQUIRED")
 
 	// A gzip stream flushed but never finished: the coordinator inflates
@@ -467,5 +472,126 @@ func TestHTTPBufferedBodiesBounded(t *testing.T) {
 	chunked := gzipped(t, `{"scope":"build","key":"k"}`)
 	wantOutcome(t, "chunked gzip Begin once the budget is free", httpCall{path: beginPath, header: map[string]string{"Content-Encoding": "gzip"},
 		body: io.MultiReader(bytes.NewReader(chunked)), length: -1}.do(t, addr), "OUTCOME_IN_PROGRESS")
+	p.stop()
+}
+
+// trickleFlood opens n connections to addr from the loopback address from,
+// each sending request (its headers, ending with a chunked body's first
+// chunk) and then one more byte of body every second, never finishing it.
+// It returns the connections; closing them ends the flood.
+func trickleFlood(t *testing.T, addr, from string, n int, request string) []net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+	conns := make([]net.Conn, 0, n)
+	t.Cleanup(func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	for range n {
+		c, err := d.Dial("tcp", addr)
+		if err != nil {
+			t.Fatalf("connection %d of the flood from %s: %v", len(conns)+1, from, err)
+		}
+		conns = append(conns, c)
+		_, _ = io.WriteString(c, request)
+	}
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) })
+	go func() {
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+				for _, c := range conns {
+					_ = c.SetWriteDeadline(time.Now().Add(10 * time.Millisecond))
+					_, _ = io.WriteString(c, "1\r\n \r\n")
+				}
+			}
+		}
+	}()
+	return conns
+}
+
+// refusedOf counts the connections of a flood that the listener has
+// answered, by status.
+func refusedOf(conns []net.Conn) map[int]int {
+	statuses := map[int]int{}
+	for _, c := range conns {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Millisecond))
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			continue // still held (or closed without an answer)
+		}
+		resp.Body.Close()
+		statuses[resp.StatusCode]++
+	}
+	return statuses
+}
+
+// TestHTTPTrickleFloodLeavesAPIServed: thousands of connections from one
+// client that each send a little of a body and then trickle the rest do
+// not starve the listener's budget of buffered bodies: while
+// unauthenticated ones flood paths that are not API methods (which have a
+// budget of their own), and then while an authenticated tenant's flood an
+// API method (16 KiB each, past the client's share of the budget), the
+// flood's requests past the share get 429, authenticated calls from
+// another client are served (never 503), /healthz answers, and the
+// coordinator's memory stays bounded.
+func TestHTTPTrickleFloodLeavesAPIServed(t *testing.T) {
+	const conns = 2200 // 2,100 × 64 KiB fill the default budget of 128 MiB
+	cfg := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("tenants:\n  - { name: builds, token_sha256: %s, scopes: [\"*\"] }\n"+
+		"  - { name: noisy, token_sha256: %s, scopes: [\"*\"] }\n", tokenHash("build-secret"), tokenHash("noisy-secret"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	httpAddr := coordtest.FreeAddr(t)
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), httpAddr, "--config", cfg)
+	auth := []string{"Authorization", "Bearer build-secret"}
+	wantOutcome(t, "warm-up Begin", post(beginPath, `{"scope":"build","key":"warm"}`, auth...).do(t, httpAddr), "OUTCOME_ACQUIRED")
+
+	for i, flood := range []struct{ name, request string }{
+		{"unauthenticated, to /nowhere and /metrics", "POST /nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"},
+		{"authenticated, to Begin", "POST " + beginPath + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+			"Authorization: Bearer noisy-secret\r\nTransfer-Encoding: chunked\r\n\r\n4000\r\n{" + strings.Repeat(" ", 16<<10-1) + "\r\n"},
+	} {
+		before := processMemory(t, p.cmd.Process.Pid)
+		flooding := trickleFlood(t, httpAddr, "127.0.0.2", conns, flood.request)
+		if i == 0 {
+			flooding = append(flooding, trickleFlood(t, httpAddr, "127.0.0.2", conns/10,
+				strings.Replace(flood.request, "/nowhere", "/metrics", 1))...)
+		}
+		time.Sleep(2 * time.Second) // the listener reads what each sent
+		failed := 0
+		for k := range 10 {
+			a := post(beginPath, fmt.Sprintf(`{"scope":"build","key":"during-%d-%d"}`, i, k), auth...).do(t, httpAddr)
+			if a.status != http.StatusOK {
+				failed++
+				t.Logf("%s flood: Begin %d: HTTP %d %.200s", flood.name, k, a.status, a.body)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if a := (httpCall{method: http.MethodGet, path: "/healthz"}).do(t, httpAddr); a.status != http.StatusOK {
+			t.Errorf("%s flood: /healthz: HTTP %d %.200s", flood.name, a.status, a.body)
+		}
+		statuses := refusedOf(flooding)
+		t.Logf("%s flood of %d connections from 127.0.0.2: %d of 10 authenticated Begins failed; the flood's answers: %v",
+			flood.name, len(flooding), failed, statuses)
+		// The flood's bodies are held within the budget (128 MiB) or
+		// refused; the connections themselves cost some tens of MiB.
+		wantMemoryBounded(t, p, flood.name+" flood", before, server.DefaultHTTPMaxBufferedBytes)
+		if failed > 0 {
+			t.Fatalf("%s flood: %d of 10 authenticated Begins from another client failed", flood.name, failed)
+		}
+		if statuses[http.StatusTooManyRequests] == 0 {
+			t.Fatalf("%s flood: none of its requests got 429 (past the client's share): %v", flood.name, statuses)
+		}
+		for _, c := range flooding {
+			c.Close()
+		}
+	}
 	p.stop()
 }

@@ -79,6 +79,7 @@ type config struct {
 	httpMaxBody     int64
 	httpReadTimeout time.Duration
 	httpMaxBuffered int64
+	httpClientBuf   int64
 	httpHosts       []string
 	slowCall        time.Duration
 	batchWorkers    uint
@@ -119,6 +120,9 @@ func parseFlags(args []string) (*config, error) {
 	maxBuffered := fs.String("http-max-buffered-bytes", env("IDEMCOORD_HTTP_MAX_BUFFERED_BYTES", "0"),
 		"most request body bytes --http-listen holds at once, all requests together, counted after gzip decompression; a request past it gets 503 with Retry-After; "+
 			"0: 128 MiB or 16 times --http-max-body-bytes, whichever is larger (IDEMCOORD_HTTP_MAX_BUFFERED_BYTES)")
+	perClient := fs.String("http-max-buffered-bytes-per-client", env("IDEMCOORD_HTTP_MAX_BUFFERED_BYTES_PER_CLIENT", "0"),
+		"most of --http-max-buffered-bytes that one client (remote IP address, IPv6 /64; behind a proxy, the proxy) holds at once; past it a request gets 429 with Retry-After; "+
+			"0: an eighth of the budget, at least --http-max-body-bytes (IDEMCOORD_HTTP_MAX_BUFFERED_BYTES_PER_CLIENT)")
 	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
 		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
 	fs.UintVar(&c.batchWorkers, "batch-workers", envs.uint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
@@ -140,6 +144,10 @@ func parseFlags(args []string) (*config, error) {
 	if c.httpMaxBuffered, err = strconv.ParseInt(*maxBuffered, 10, 64); err != nil || c.httpMaxBuffered < 0 ||
 		(c.httpMaxBuffered > 0 && c.httpMaxBuffered < c.httpMaxBody) {
 		return nil, fmt.Errorf("--http-max-buffered-bytes %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *maxBuffered, c.httpMaxBody)
+	}
+	if c.httpClientBuf, err = strconv.ParseInt(*perClient, 10, 64); err != nil || c.httpClientBuf < 0 ||
+		(c.httpClientBuf > 0 && c.httpClientBuf < c.httpMaxBody) {
+		return nil, fmt.Errorf("--http-max-buffered-bytes-per-client %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *perClient, c.httpMaxBody)
 	}
 	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
@@ -378,7 +386,7 @@ func run(args []string, logOut *os.File) error {
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))),
-		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPMaxBufferedBytes(c.httpMaxBuffered), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
+		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPMaxBufferedBytes(c.httpMaxBuffered), server.WithHTTPMaxBufferedBytesPerClient(c.httpClientBuf), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
 		server.WithSlowCallThreshold(c.slowCall)}
 	if metricsToken != "" {
 		sopts = append(sopts, server.WithMetricsToken(metricsToken))
@@ -399,10 +407,11 @@ func run(args []string, logOut *os.File) error {
 		sopts = append(sopts, server.WithGRPCOptions(tracing))
 		logger.Info("tracing calls over OTLP", "endpoint", c.otlpEndpoint)
 	}
-	srv, err := server.New(store, sopts...)
+	srv, err := server.New(store, append(sopts, consoleServerOptions(c)...)...)
 	if err != nil {
 		return err
 	}
+	setMemoryLimit(logger, srv)
 	lis, err := net.Listen("tcp", c.listen)
 	if err != nil {
 		return err
