@@ -243,8 +243,14 @@ export interface HttpMiddlewareOptions {
   requireKey?: boolean;
   /** Run the handler unprotected when the coordinator cannot be reached (default: 503). */
   failOpen?: boolean;
-  /** The end user a request acts for, folded into its key (foldPrincipal); a throw answers 400. */
+  /**
+   * The end user a request acts for, folded into its key (foldPrincipal); a throw answers 400. Whom a
+   * key belongs to is a decision: built with neither principal nor withoutPrincipal, the middleware
+   * warns (the Client's logger, else process.emitWarning, code IDEMCOORD_UNDECIDED_PRINCIPAL).
+   */
   principal?: (req: IncomingMessage) => string | Promise<string>;
+  /** Keys are not per end user, on purpose: every request with the same key shares one record. Silences the warning. */
+  withoutPrincipal?: boolean;
   /** Guarded methods (default POST and PATCH); others pass through. */
   methods?: string[];
   /** The request's fingerprint (default httpFingerprint: method, path with query, body); a throw answers 400. */
@@ -257,7 +263,7 @@ export interface HttpMiddlewareOptions {
   scope?: string;
   /** Largest body of a request with a key (default 10 MiB); larger answers 413. */
   maxBodyBytes?: number;
-  /** Status of a key reused with another request (default 422; 409 allowed). */
+  /** Status of a key reused with another request: 422 (default) or 409; any other value throws a RangeError. */
   mismatchStatus?: number;
   /**
    * How long a handler whose client went away may take to end its answer (default 60000 ms). The
@@ -318,8 +324,10 @@ export interface ServerInterceptorOptions {
   methods?: string[];
   /** The key of a call (default: its idempotency-key metadata); '' for none. */
   key?: (metadata: Metadata, request: unknown) => string | Promise<string>;
-  /** The end user a call acts for, folded into its key (foldPrincipal). */
+  /** The end user a call acts for, folded into its key (foldPrincipal); with neither this nor withoutPrincipal, it warns as httpMiddleware does. */
   principal?: (metadata: Metadata) => string | Promise<string>;
+  /** Keys are not per end user, on purpose; silences the warning. */
+  withoutPrincipal?: boolean;
   /** The request's fingerprint (default SHA-256 of the method, "\n" and the request's encoding). */
   fingerprint?: (metadata: Metadata, request: unknown) => Bytes | null | Promise<Bytes | null>;
   /** A call without a key fails INVALID_ARGUMENT instead of running unprotected. */

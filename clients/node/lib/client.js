@@ -187,6 +187,20 @@ class Client {
     this._logger?.[level]?.(msg, fields);
   }
 
+  /**
+   * Warns, through logger or else process.emitWarning, that guard (a
+   * middleware or interceptor) was built without saying whom a key belongs
+   * to: neither the option named withOpt nor the one named withoutOpt.
+   */
+  _warnUndecidedPrincipal(guard, withOpt, withoutOpt) {
+    const msg = `idemcoord: ${guard} built without ${withOpt} or ${withoutOpt}: two end users who send the same idempotency key and request share one record; fold the end user in with ${withOpt}, or say ${withoutOpt}: true`;
+    if (this._logger?.warn) {
+      this._logger.warn(msg);
+    } else {
+      process.emitWarning(msg, { code: 'IDEMCOORD_UNDECIDED_PRINCIPAL' });
+    }
+  }
+
   _metadata() {
     const md = new grpc.Metadata();
     if (this._token) {

@@ -64,6 +64,12 @@ function encodeString(field, s) {
  * without a registered descriptor.
  */
 function serverInterceptor(client, options = {}) {
+  if (options.principal && options.withoutPrincipal) {
+    throw new TypeError('idemcoord: principal and withoutPrincipal exclude each other');
+  }
+  if (!options.principal && !options.withoutPrincipal) {
+    client._warnUndecidedPrincipal('serverInterceptor', 'principal', 'withoutPrincipal');
+  }
   const defs = methodsByPath(options.services);
   const selected = options.methods ? new Set(options.methods) : null;
   const kinds = { ...DEFAULT_FAILURE_KINDS, ...(options.failureKinds ?? {}) };

@@ -173,8 +173,22 @@ function decodeErrorInfoReason(buf) {
 /** How long a handler whose client went away may take to end its answer while the middleware keeps its lease. */
 const DEFAULT_LINGER_MS = 60000;
 
+/**
+ * The options of httpMiddleware and fastifyPlugin, checked: a mismatchStatus
+ * other than 409 or 422 throws a RangeError. Warns through client (as Go's
+ * HTTPMiddleware) when neither principal nor withoutPrincipal is given.
+ */
 function normalizeOptions(client, options = {}) {
   const mismatchStatus = options.mismatchStatus ?? 422;
+  if (mismatchStatus !== 409 && mismatchStatus !== 422) {
+    throw new RangeError(`idemcoord: mismatchStatus takes 409 or 422, not ${mismatchStatus}: a key reused with another request is refused, never answered as a success`);
+  }
+  if (options.principal && options.withoutPrincipal) {
+    throw new TypeError('idemcoord: principal and withoutPrincipal exclude each other');
+  }
+  if (!options.principal && !options.withoutPrincipal) {
+    client._warnUndecidedPrincipal('httpMiddleware', 'principal', 'withoutPrincipal');
+  }
   const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => String(m).toUpperCase()));
   const replayHeaders = ['location'];
   for (const n of options.replayHeaders ?? []) {

@@ -29,6 +29,8 @@ function middlewareOptions(o = {}) {
   if (o.principal_header) {
     const h = o.principal_header.toLowerCase();
     out.principal = (req) => req.headers[h] ?? '';
+  } else {
+    out.withoutPrincipal = true;
   }
   return out;
 }

@@ -66,7 +66,7 @@ function begin(call, callback) {
 async function startServer(o) {
   const server = new grpc.Server({
     interceptors: [serverInterceptor(client, {
-      services: [api.CoordinatorClient.service], waitMs: o.wait_ms ?? 0, requireKey: Boolean(o.require_key),
+      services: [api.CoordinatorClient.service], waitMs: o.wait_ms ?? 0, requireKey: Boolean(o.require_key), withoutPrincipal: true,
     })],
   });
   server.addService(api.CoordinatorClient.service, { Begin: begin });

@@ -9,7 +9,7 @@ const express = require('express');
 const Fastify = require('fastify');
 const grpc = require('@grpc/grpc-js');
 const {
-  Client, httpMiddleware, fastifyPlugin, PROBLEMS,
+  Client, httpMiddleware, fastifyPlugin, serverInterceptor, PROBLEMS,
 } = require('..');
 const { startCoordinator } = require('./coordinator');
 const { runHttpConformance, suite } = require('./conformance');
@@ -288,3 +288,49 @@ for (const [stack, start] of Object.entries(STACKS)) {
     }
   });
 }
+
+test('mismatchStatus takes 409 or 422 only: another status is refused when the middleware is built', TIMEOUT, async () => {
+  for (const mismatchStatus of [200, 201, 400, 500]) {
+    assert.throws(() => httpMiddleware(client, { withoutPrincipal: true, mismatchStatus }), RangeError);
+    const app = Fastify();
+    await assert.rejects(async () => app.register(fastifyPlugin, { client, withoutPrincipal: true, mismatchStatus }), RangeError);
+    await app.close().catch(() => {});
+  }
+  for (const mismatchStatus of [409, 422]) {
+    assert.equal(typeof httpMiddleware(client, { withoutPrincipal: true, mismatchStatus }), 'function');
+  }
+});
+
+test('built without principal or withoutPrincipal, the middlewares and the interceptor warn (logger, else a process warning)', TIMEOUT, async () => {
+  const warned = [];
+  const logged = new Client(coord.addr, { token: coord.token, logger: { warn: (msg) => warned.push(msg) } });
+  try {
+    httpMiddleware(logged);
+    assert.equal(warned.length, 1);
+    assert.match(warned[0], /httpMiddleware built without principal or withoutPrincipal/);
+    httpMiddleware(logged, { withoutPrincipal: true });
+    httpMiddleware(logged, { principal: (req) => String(req.headers['x-user']) });
+    assert.equal(warned.length, 1, 'either option silences the warning');
+    const app = Fastify();
+    await app.register(fastifyPlugin, { client: logged });
+    await app.close();
+    assert.equal(warned.length, 2);
+    serverInterceptor(logged, { services: [] });
+    assert.match(warned[2] ?? '', /serverInterceptor built without principal or withoutPrincipal/);
+    serverInterceptor(logged, { services: [], withoutPrincipal: true });
+    assert.equal(warned.length, 3);
+    assert.throws(() => httpMiddleware(logged, { principal: () => 'u', withoutPrincipal: true }), TypeError);
+  } finally {
+    logged.close();
+  }
+  const warnings = [];
+  const onWarning = (w) => warnings.push(w);
+  process.on('warning', onWarning);
+  try {
+    httpMiddleware(client); // client has no logger
+    await new Promise((r) => setImmediate(r));
+  } finally {
+    process.off('warning', onWarning);
+  }
+  assert.deepEqual(warnings.map((w) => w.code), ['IDEMCOORD_UNDECIDED_PRINCIPAL']);
+});

@@ -41,7 +41,7 @@ http.createServer((req, res) => mw(req, res, () => {
   res.end(`${req.idempotency?.lease.attempt} ${req.rawBody?.length} ${foldPrincipal('u', 'k')} ${PROBLEMS.leaseLost}`);
 }));
 const fastifyLike = { addHook: (..._args: unknown[]) => undefined };
-fastifyPlugin(fastifyLike, { client, waitMs: 0 }, () => {});
+fastifyPlugin(fastifyLike, { client, waitMs: 0, withoutPrincipal: true, lingerMs: 30000 }, () => {});
 
 // The gRPC server interceptor, as a grpc-js server installs it.
 import { serverInterceptor } from '../..';
