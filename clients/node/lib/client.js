@@ -209,16 +209,26 @@ class Client {
     return md;
   }
 
-  /** One unary call, cancelled when signal aborts. */
+  /**
+   * One unary call, cancelled when signal aborts. A call cut off with
+   * CANCELLED that signal did not ask for, once its deadline has passed,
+   * fails with DEADLINE_EXCEEDED: a server resets the stream at the
+   * deadline it was sent, and that can reach us before our own timer fires
+   * (grpc-go's client makes the same correction).
+   */
   _invoke(method, request, signal, timeoutMs) {
     return new Promise((resolve, reject) => {
       if (signal?.aborted) {
         reject(signal.reason);
         return;
       }
-      const call = this._rpc[method](api.requestToWire(request), this._metadata(), { deadline: Date.now() + timeoutMs },
+      const deadline = Date.now() + timeoutMs;
+      const call = this._rpc[method](api.requestToWire(request), this._metadata(), { deadline },
         (err, res) => {
           signal?.removeEventListener('abort', onAbort);
+          if (err?.code === S.CANCELLED && !signal?.aborted && Date.now() >= deadline) {
+            err.code = S.DEADLINE_EXCEEDED;
+          }
           if (err) {
             reject(err);
           } else {

@@ -22,16 +22,32 @@ async function until(cond) {
  * when it arrives) until the promise until settles; it is then delivered,
  * or with lose replaced by CANCELLED: the caller gave up before the answer
  * reached it. With rewrite (a function of the request), what reaches the
- * coordinator is rewrite(request).
+ * coordinator is rewrite(request). With resetAtDeadline, the call is not
+ * sent and ends CANCELLED just after its deadline, before grpc-js's own
+ * deadline timer: what a server that resets the stream at the deadline it
+ * was sent looks like when the reset wins that race.
  */
 function fault(method) {
   const f = {
-    calls: 0, requests: [], statuses: [], loseReplies: 0, cutOff: false, hold: null, held: false, rewrite: null,
+    calls: 0, requests: [], statuses: [], loseReplies: 0, cutOff: false, hold: null, held: false, rewrite: null, resetAtDeadline: false,
     interceptor: (options, nextCall) => {
       if (!options.method_definition.path.endsWith(`/${method}`)) {
         return new grpc.InterceptingCall(nextCall(options));
       }
       f.calls++;
+      if (f.resetAtDeadline) {
+        return new grpc.InterceptingCall(nextCall(options), {
+          start(metadata, listener) {
+            const deadline = new Date(options.deadline).getTime();
+            setTimeout(() => {
+              f.statuses.push(grpc.status.CANCELLED);
+              listener.onReceiveStatus({ code: grpc.status.CANCELLED, details: 'Call cancelled', metadata: new grpc.Metadata() });
+            }, Math.max(deadline - Date.now(), 0) + 5);
+          },
+          sendMessage() {},
+          halfClose() {},
+        });
+      }
       if (f.cutOff) {
         return new grpc.InterceptingCall(nextCall(options), {
           start(metadata, listener) {

@@ -334,3 +334,43 @@ test('built without principal or withoutPrincipal, the middlewares and the inter
   }
   assert.deepEqual(warnings.map((w) => w.code), ['IDEMCOORD_UNDECIDED_PRINCIPAL']);
 });
+
+test('a Begin slower than timeoutMs, cut off CANCELLED after its deadline, is the coordinator unreachable: 503 + Retry-After, or the handler runs with failOpen', TIMEOUT, async () => {
+  const begins = fault('Begin');
+  begins.resetAtDeadline = true;
+  const slow = new Client(coord.addr, { token: coord.token, timeoutMs: 200, interceptors: [begins.interceptor] });
+  const ran = [];
+  const apps = [];
+  const start = async (options) => {
+    const app = express();
+    app.use(httpMiddleware(slow, { withoutPrincipal: true, ...options }));
+    app.post('/items', (req, res) => {
+      ran.push(options.failOpen ?? false);
+      res.status(201).end('ran');
+    });
+    const server = app.listen(0, '127.0.0.1');
+    apps.push(server);
+    await new Promise((resolve) => server.once('listening', resolve));
+    return `http://127.0.0.1:${server.address().port}/items`;
+  };
+  try {
+    const closed = await start({});
+    const resp = await fetch(closed, { method: 'POST', headers: { 'Idempotency-Key': `slow-${crypto.randomUUID()}` }, body: 'x' });
+    const body = await resp.text();
+    assert.equal(resp.status, 503, body);
+    assert.equal(JSON.parse(body).type, PROBLEMS.unavailable, body);
+    assert.equal(resp.headers.get('retry-after'), '1');
+    assert.ok(begins.statuses.includes(grpc.status.CANCELLED));
+    const open = await start({ failOpen: true });
+    const unprotected = await fetch(open, { method: 'POST', headers: { 'Idempotency-Key': `slow-${crypto.randomUUID()}` }, body: 'x' });
+    assert.equal(unprotected.status, 201);
+    assert.equal(await unprotected.text(), 'ran');
+    assert.deepEqual(ran, [true]);
+  } finally {
+    for (const server of apps) {
+      server.closeAllConnections();
+      server.close();
+    }
+    slow.close();
+  }
+});
