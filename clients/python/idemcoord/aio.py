@@ -17,13 +17,16 @@ and idemcoord.current_lease() work inside it.
 import asyncio
 import random
 import time
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 import grpc.aio
 
+import idemcoord.client
+
 from . import _api
 from .client import (MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_TIMEOUT, Attempt, _C, _HolderBase, _begin_fields,
-                     _begin_outcome, _configure, _code, _credentials, _current, _duration, _fail_reason, _lease_gone,
+                     _begin_outcome, _channel_options, _configure, _code, _credentials, _current, _duration, _fail_reason, _lease_gone,
                      _lease_length, _new_attempt_id, _once_ending, _once_request, _once_result, _release_fail,
                      _seconds, _status_response, _unreachable, _without_wait)
 from .errors import LeaseLost, LeaseUnconfirmed
@@ -40,11 +43,22 @@ class Client:
 
     def __init__(self, address, token=None, tls=None, *, max_attempts=5, backoff=0.1, max_backoff=2.0, timeout=10.0,
                  lease=None, options=(), logger=None):
+        options = _channel_options(options)
         creds = _credentials(tls)
         self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
                          else grpc.aio.insecure_channel(address, options))
         _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
         self._background = set()
+
+    @classmethod
+    def like(cls, client: "idemcoord.client.Client") -> "Client":
+        """An asyncio client to the same coordinator with the same settings as client (an idemcoord.Client).
+
+        Call it inside the event loop that will use it (a grpc.aio channel
+        belongs to one). The sync client's interceptors are not carried
+        over: they are grpc's synchronous kind.
+        """
+        return cls(**client._settings)
 
     async def __aenter__(self):
         return self
@@ -186,8 +200,17 @@ class _AsyncHolder(_HolderBase):
         res = await self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
-    async def run(self, fn):
-        """Runs fn(attempt) with heartbeats; returns (value, error, marked, started)."""
+    async def start(self, attempt: Attempt,
+                    on_cancel: Callable[[], None]) -> Optional[Callable[[], Awaitable[None]]]:
+        """Starts the heartbeats of attempt; returns the coroutine function that stops them, or None when fn must not run.
+
+        None when the lease was lost (lost) or cannot be confirmed for long
+        enough to start (a Begin that waited long is confirmed with a
+        heartbeat first). While it runs, a refused heartbeat or a lease that
+        could not be confirmed before it would run out cancels attempt (its
+        reason says which) and calls on_cancel. The ASGI middleware runs its
+        app between start and stop; run runs fn so.
+        """
         confirmed = self.sent
         if time.monotonic() - confirmed > self.length / 3:
             sent = time.monotonic()
@@ -199,17 +222,36 @@ class _AsyncHolder(_HolderBase):
             except grpc.aio.AioRpcError as err:
                 if _lease_gone(err):
                     self.lost = True
-                    return None, None, False, False
+                    return None
         if time.monotonic() >= confirmed + self.length - self.margin:
-            return None, None, False, False
-        attempt = Attempt(self.info)
+            return None
         self.started = True
+        beats = asyncio.ensure_future(self._keep_alive(attempt, on_cancel, confirmed))
+
+        async def stop() -> None:
+            beats.cancel()
+            try:
+                await beats
+            except asyncio.CancelledError:
+                pass
+        return stop
+
+    async def run(self, fn):
+        """Runs fn(attempt) with heartbeats; returns (value, error, marked, started)."""
+        attempt = Attempt(self.info)
+        task = None
+
+        def cancel_fn() -> None:
+            if task is not None:
+                task.cancel()
+        stop = await self.start(attempt, cancel_fn)
+        if stop is None:
+            return None, None, False, False
         token = _current.set(attempt)
         try:
             task = asyncio.ensure_future(fn(attempt))
         finally:
             _current.reset(token)
-        beats = asyncio.ensure_future(self._keep_alive(attempt, task, confirmed))
         value = error = None
         try:
             value = await task
@@ -220,21 +262,17 @@ class _AsyncHolder(_HolderBase):
         except Exception as err:
             error = err
         finally:
-            beats.cancel()
-            try:
-                await beats
-            except asyncio.CancelledError:
-                pass
+            await stop()
         return value, error, attempt._marked, True
 
-    async def _keep_alive(self, attempt, task, confirmed):
+    async def _keep_alive(self, attempt: Attempt, on_cancel: Callable[[], None], confirmed: float) -> None:
         until = confirmed + self.length - self.margin
         next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
         while True:
             now = time.monotonic()
             if now >= until:
                 attempt.cancel(LeaseUnconfirmed())
-                task.cancel()
+                on_cancel()
                 return
             await asyncio.sleep(max(0.0, min(next_beat, until) - now))
             if time.monotonic() < next_beat:
@@ -249,7 +287,7 @@ class _AsyncHolder(_HolderBase):
                 if _lease_gone(err):
                     self.lost = True
                     attempt.cancel(LeaseLost())
-                    task.cancel()
+                    on_cancel()
                     return
                 next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
 
@@ -382,14 +420,34 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                                 % retry_ms, ((s.PUSHBACK_TRAILER, str(retry_ms)),))
         holder = _AsyncHolder(c, breq, res, sent)
         hctx = _HandlerContext(context)
+        running = asyncio.ensure_future(holder.run(lambda attempt: behavior(request, hctx)))
         try:
-            response, error, marked, started = await holder.run(lambda attempt: behavior(request, hctx))
+            # The call's cancellation (its deadline passed, its caller left)
+            # does not reach the handler: like a Go handler that ignores its
+            # context, it runs on, and what it ends with is recorded then.
+            response, error, marked, started = await asyncio.shield(running)
         except asyncio.CancelledError:
-            if not holder.started:
+            if not holder.started:  # the handler never started: nobody will act on the acquisition
+                running.cancel()
                 await asyncio.shield(c._release(breq, holder.token))
             else:
-                await asyncio.shield(holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the call was cancelled while the handler ran"))
+                c._run_in_background(self._record_later(m, holder, hctx, running, context))
             raise
+        return await self._record(m, holder, hctx, context, response, error, marked, started)
+
+    async def _record_later(self, m, holder: "_AsyncHolder", hctx: "_HandlerContext", running: "asyncio.Future[Any]",
+                            context: Any) -> None:
+        """Records the outcome of a handler that runs on after its call was cancelled; answers nobody."""
+        try:
+            response, error, marked, started = await running
+            await self._record(m, holder, hctx, context, response, error, marked, started)
+        except Exception:  # the call is gone: what _record would answer reaches no one
+            pass
+
+    async def _record(self, m, holder: "_AsyncHolder", hctx: "_HandlerContext", context: Any, response: Any,
+                      error: Optional[BaseException], marked: bool, started: bool) -> Any:
+        """Records the handler's outcome, then answers it (returns the response, or aborts)."""
+        r, s = self._r, self._sync
         if holder.lost:
             if error is not None:
                 await context.abort(_C.ABORTED, "the idempotency key was taken over by another attempt; retry")

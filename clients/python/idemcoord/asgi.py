@@ -2,6 +2,10 @@
 
     app.add_middleware(idemcoord.asgi.IdempotencyMiddleware, client=client)
 
+client is an idemcoord.aio.Client or an idemcoord.Client (then the
+middleware builds an asyncio client like it in its event loop): it waits on
+asyncio, never on a thread.
+
 A guarded request (POST and PATCH unless methods=...) with an
 Idempotency-Key runs the app at most once per key across every service that
 shares the coordinator: the first answer is stored (2xx, 3xx, and 404, 409,
@@ -18,18 +22,28 @@ A client that goes away never strands a key: while Begin is in flight or
 waiting, the acquisition is released (Fail ABANDONED); an app that returns
 without answering after its client left is recorded FAILURE_KIND_RETRYABLE
 (UNKNOWN after mark_side_effect), never a 200. The app learns that its
-client left as ASGI says: receive() answers http.disconnect.
+client left as ASGI says: receive() answers http.disconnect. An app that
+goes on after that and answers is recorded by its answer; so is one that
+raises after its whole answer was sent (a background task), the exception
+logged and raised on.
 """
 
 import asyncio
-import concurrent.futures
 import inspect
-import threading
+import warnings
+import weakref
+from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional, Tuple, Union
 
 import grpc
 
 from . import _api, _http
-from .client import Attempt, _answer_lost, _current, _Holder
+from . import aio as _aio
+from .client import Attempt, Client, _current
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 
 async def _maybe_await(v):
@@ -50,33 +64,64 @@ async def _send_problem(send, p, echo):
 
 
 class IdempotencyMiddleware:
-    """Makes an ASGI app idempotent through client (an idemcoord.Client).
+    """Makes an ASGI app idempotent through client (an idemcoord.aio.Client, or an idemcoord.Client).
 
-    threads bounds the threads the client's blocking calls run on (a
-    waiting duplicate holds one while it waits). Options (keywords, each as
-    Go's WithHTTP… option): wait (seconds),
+    It runs on asyncio alone: a duplicate that waits for the first request
+    waits on the event loop, holding no thread. Given an idemcoord.Client,
+    it builds an idemcoord.aio.Client like it (idemcoord.aio.Client.like:
+    same coordinator, token, TLS, retries, lease and channel options) in
+    each event loop it serves, and closes it at the ASGI lifespan's
+    shutdown; an idemcoord.aio.Client is used as given (its owner closes it).
+
+    Options (keywords, each as Go's WithHTTP… option): wait (seconds),
     require_key, fail_open, principal (a function of the ASGI scope, may be
-    async), methods, fingerprint (a function of scope and body), replay_headers,
-    replayable_statuses, scope, max_body_bytes, mismatch_status, on_replay
-    (a function of scope and the StoredResponse).
+    async) or without_principal=True, methods, fingerprint (a function of
+    scope and body), replay_headers, replayable_statuses, scope,
+    max_body_bytes, mismatch_status (409 or 422), on_replay (a function of
+    scope and the StoredResponse).
     """
 
-    def __init__(self, app, client, *, threads=64, **options):
+    def __init__(self, app, client: Union[Client, _aio.Client], *, threads: Optional[int] = None, **options: Any):
         self.app = app
         self.client = client
         self.o = _http.Options(**options)
         if self.o.undecided_principal:
             _http.warn_undecided_principal("idemcoord.asgi.IdempotencyMiddleware")
-        # The client's calls block (a waiting Begin for up to wait): they run
-        # on threads of their own, so waiting duplicates never starve the
-        # calls that end the attempt they wait for.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="idemcoord-asgi")
+        if threads is not None:
+            warnings.warn("idemcoord.asgi.IdempotencyMiddleware: threads= is no longer used (the middleware "
+                          "runs on asyncio)", DeprecationWarning, stacklevel=2)
+        if not isinstance(client, (Client, _aio.Client)):
+            raise TypeError("idemcoord.asgi.IdempotencyMiddleware takes an idemcoord.Client or an "
+                            "idemcoord.aio.Client, not %s" % type(client).__name__)
+        # The asyncio clients built from a sync client, one per event loop.
+        self._owned: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _aio.Client]" = weakref.WeakKeyDictionary()
 
-    def _thread(self, f, *args, **kwargs):
-        return asyncio.get_running_loop().run_in_executor(self._pool, lambda: f(*args, **kwargs))
+    def _client(self) -> _aio.Client:
+        """The asyncio client of the running loop."""
+        if isinstance(self.client, _aio.Client):
+            return self.client
+        loop = asyncio.get_running_loop()
+        c = self._owned.get(loop)
+        if c is None:
+            c = self._owned[loop] = _aio.Client.like(self.client)
+        return c
 
-    async def __call__(self, scope, receive, send):
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Passes the lifespan on; at its shutdown, closes the loop's own client (pending endings first)."""
+        async def on_shutdown() -> Message:
+            msg = await receive()
+            if msg["type"] == "lifespan.shutdown":
+                owned = self._owned.pop(asyncio.get_running_loop(), None)
+                if owned is not None:
+                    await owned.shutdown(timeout=_aio.FINISH_TIMEOUT)
+            return msg
+        await self.app(scope, on_shutdown, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         o = self.o
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] not in o.methods:
             await self.app(scope, receive, send)
             return
@@ -117,37 +162,62 @@ class IdempotencyMiddleware:
             await _send_problem(send, p, echo)
             return
 
-        gone = asyncio.Event()
-        cancel_event = threading.Event()  # the client went away, for the client's calls
+        left = asyncio.Event()  # the client went away
+        gone = asyncio.Event()  # the app's receive answers http.disconnect: the client left, or the attempt was cancelled
 
-        async def watch():
+        async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            cancel_event.set()
+            left.set()
             gone.set()
         watcher = asyncio.ensure_future(watch())
         try:
-            await self._guarded(scope, send, key, body, fp, echo, gone, cancel_event)
+            await self._guarded(scope, send, key, body, fp, echo, left, gone)
         finally:
             watcher.cancel()
 
-    async def _guarded(self, scope, send, key, body, fp, echo, gone, cancel_event):
-        o, c = self.o, self.client
+    async def _begin(self, c: _aio.Client, breq: Dict[str, Any],
+                     left: asyncio.Event) -> Optional[Tuple[Any, float]]:
+        """Begin's answer and when it was sent (see idemcoord.aio.Client._begin_waiting), None when the client left first.
+
+        When the client leaves (or this task is cancelled) while Begin is in
+        flight or waiting, what that Begin may have acquired is released
+        before it returns. Raises what Begin raised.
+        """
+        waiting = asyncio.ensure_future(c._begin_waiting(breq, _http.wait_until(self.o)))
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            waiting.cancel()
+            await asyncio.shield(c._release(breq))
+            raise
+        finally:
+            leaving.cancel()
+        if waiting.done():
+            return waiting.result()
+        waiting.cancel()
+        await asyncio.wait({waiting})
+        await c._release(breq)
+        return None
+
+    async def _guarded(self, scope, send, key, body, fp, echo, left, gone):
+        o, c = self.o, self._client()
         breq = _http.begin_request(c, o, key, fp)
         try:
-            res, sent = await self._thread(c._begin_waiting, breq, None, cancel_event, _http.wait_until(o))
-        except (grpc.RpcError, concurrent.futures.CancelledError) as err:
-            if cancel_event.is_set():
-                await self._thread(c._release, breq)  # the client has gone: nobody will act on it
-                return
-            if _answer_lost(err):
-                threading.Thread(target=c._release, args=(breq,), daemon=True).start()
+            begun = await self._begin(c, breq, left)
+        except grpc.RpcError as err:
+            if _aio._answer_lost(err):
+                c._run_in_background(c._release(breq))
             p = _http.begin_failed(c, o, err)
             if p is None:
                 await self.app(scope, _replaying(body, gone), send)
             else:
                 await _send_problem(send, p, echo)
             return
+        if begun is None:
+            return  # the client has gone: nobody will act on it
+        res, sent = begun
         if res.outcome == _api.Outcome.OUTCOME_REPLAY:
             status, headers, stored = _http.replay_answer(o, scope, res.record)
             await send({"type": "http.response.start", "status": status,
@@ -158,24 +228,26 @@ class IdempotencyMiddleware:
             await _send_problem(send, _http.not_acquired(res), echo)
             return
 
-        holder = _Holder(c, breq, res, sent)
-        attempt = Attempt(holder.info, cancel_event)
-        stop = await self._thread(holder.start, attempt)
+        holder = _aio._AsyncHolder(c, breq, res, sent)
+        if left.is_set():  # the client left as the key was acquired
+            await c._release(breq, holder.token)
+            return
+        attempt = Attempt(holder.info)
+        # A lost or unconfirmed lease shows the app a disconnect, as a client that left does.
+        stop = await holder.start(attempt, gone.set)
         if stop is None:
-            if holder.gave_up:
-                await self._thread(c._release, breq, holder.token)
-            elif holder.lost:
+            if holder.lost:
                 await _send_problem(send, _http.lease_lost(), echo)
             else:
-                await self._thread(holder.finish, kind="FAILURE_KIND_ABANDONED",
-                                        reason="the lease could not be confirmed before the handler started")
+                await holder.finish(kind="FAILURE_KIND_ABANDONED",
+                                    reason="the lease could not be confirmed before the handler started")
                 await _send_problem(send, _http.not_started(), echo)
             return
 
         rec = _http.Recording(o)
         dropped = False
 
-        async def recording_send(msg):
+        async def recording_send(msg: Message) -> None:
             nonlocal dropped
             if msg["type"] == "http.response.start":
                 if holder.lost or dropped:
@@ -194,45 +266,58 @@ class IdempotencyMiddleware:
                     rec.ended = True
             await send(msg)
 
-        # The app's receive answers http.disconnect once the client has gone
-        # or the attempt was cancelled (lease lost or unconfirmed).
-        async def cancelled_watch():
-            while not attempt.cancelled.is_set() and not gone.is_set():
-                await asyncio.sleep(0.05)
-            gone.set()
-        canceller = asyncio.ensure_future(cancelled_watch())
         token = _current.set(attempt)
+        leaving = asyncio.ensure_future(_cancel_when_left(left, attempt))
         try:
             await self.app(scope, _replaying(body, gone), recording_send)
         except BaseException as err:
-            await self._thread(stop)
-            if not holder.lost:
-                await self._thread(holder.finish, kind="FAILURE_KIND_UNKNOWN",
-                                        reason="the app raised %s" % type(err).__name__)
+            await asyncio.shield(self._after_raise(c, holder, stop, rec, attempt, err))
             raise
         finally:
             _current.reset(token)
-            canceller.cancel()
-        await self._thread(stop)
+            leaving.cancel()
+        await stop()
         if holder.lost:
             c._log.warning("idemcoord: lease lost while the app ran; its response is not stored (%s/%s)",
                            holder.scope, holder.key)
             if not rec.wrote:
                 await _send_problem(send, _http.lease_lost(), echo)
             return
-        if not rec.wrote and (cancel_event.is_set() or attempt.cancelled.is_set()):
+        if not rec.wrote and attempt.cancelled.is_set():
             cause = attempt.reason
-            await self._thread(holder.finish, **_http.silent_ending(attempt._marked, cause))
-            await _send_problem(send, _http.silent(cause is not None and type(cause).__name__ == "LeaseUnconfirmed"), echo)
+            await holder.finish(**_http.silent_ending(attempt._marked, cause))
+            await _send_problem(send, _http.silent(isinstance(cause, _aio.LeaseUnconfirmed)), echo)
             return
         if not rec.wrote:
             await recording_send({"type": "http.response.start", "status": 200, "headers": []})
             await recording_send({"type": "http.response.body", "body": b"", "more_body": False})
         if not rec.ended:
-            await self._thread(holder.finish, kind="FAILURE_KIND_UNKNOWN",
-                                    reason="HTTP %d: the answer was cut off before it ended" % rec.status)
+            await holder.finish(kind="FAILURE_KIND_UNKNOWN",
+                                reason="HTTP %d: the answer was cut off before it ended" % rec.status)
             return
-        await self._thread(holder.finish, **rec.ending(attempt._marked))
+        await holder.finish(**rec.ending(attempt._marked))
+
+    @staticmethod
+    async def _after_raise(c: _aio.Client, holder: "_aio._AsyncHolder", stop: Callable[[], Awaitable[None]],
+                           rec: _http.Recording, attempt: Attempt, err: BaseException) -> None:
+        """Records an attempt whose app raised err: what it answered when the answer was complete, else UNKNOWN."""
+        await stop()
+        if holder.lost:
+            return
+        if rec.ended and isinstance(err, Exception):
+            # The client has its whole answer (a background task, say,
+            # raised after it): what was answered is what happened.
+            c._log.warning("idemcoord: the app raised %s after its answer was complete; the answer is stored "
+                           "(%s/%s)", type(err).__name__, holder.scope, holder.key)
+            await holder.finish(**rec.ending(attempt._marked))
+            return
+        await holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the app raised %s" % type(err).__name__)
+
+
+async def _cancel_when_left(left: asyncio.Event, attempt: Attempt) -> None:
+    """Cancels attempt (Attempt.cancelled) once the client has left."""
+    await left.wait()
+    attempt.cancel(RuntimeError("idemcoord: the client went away"))
 
 
 def _replaying(body, gone):

@@ -162,5 +162,112 @@ class ASGIOptionsTest(unittest.TestCase):
         self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
 
 
+
+class ASGIWaitingTest(unittest.TestCase):
+    def test_waiting_duplicates_hold_no_thread(self):
+        """100 duplicates wait for one key; a request for another key is not held up, and every duplicate gets the result."""
+        import httpx
+        import uuid
+
+        async def pay(request):
+            await request.body()
+            if request.headers.get("x-slow"):
+                await asyncio.sleep(0.3)
+            return starlette.responses.Response(b"paid " + request.headers["idempotency-key"].encode(), 201)
+        app = starlette.applications.Starlette(
+            routes=[starlette.routing.Route("/pay", pay, methods=["POST"])],
+            middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, without_principal=True)])
+        base, close = serve(app)
+        self.addCleanup(close)
+        busy, other = "busy-" + uuid.uuid4().hex, "other-" + uuid.uuid4().hex
+
+        async def main():
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as http:
+                first = asyncio.ensure_future(http.post("/pay", content=b"x",
+                                                        headers={"Idempotency-Key": busy, "X-Slow": "1"}))
+                await asyncio.sleep(0.1)
+                dups = [asyncio.ensure_future(http.post("/pay", content=b"x", headers={"Idempotency-Key": busy}))
+                        for _ in range(100)]
+                await asyncio.sleep(0.1)
+                started = time.monotonic()
+                unrelated = await http.post("/pay", content=b"y", headers={"Idempotency-Key": other})
+                took = time.monotonic() - started
+                return await first, await asyncio.gather(*dups), unrelated, took
+        first, dups, unrelated, took = asyncio.run(main())
+        self.assertEqual((first.status_code, first.headers.get("idempotency-result")), (201, "created"))
+        self.assertEqual((unrelated.status_code, unrelated.headers.get("idempotency-result")), (201, "created"))
+        self.assertLess(took, 1.0, "a request for an unrelated key waited behind the duplicates")
+        got = {}
+        for r in dups:
+            got[(r.status_code, r.headers.get("idempotency-result"))] = got.get((r.status_code, r.headers.get("idempotency-result")), 0) + 1
+        self.assertEqual(got, {(201, "replayed"): 100})
+
+
+class ASGIAnswerTest(unittest.TestCase):
+    def test_a_background_task_that_raises_after_the_answer_leaves_it_stored(self):
+        import httpx
+        import uuid
+        runs = []
+
+        def after():
+            raise RuntimeError("the background task failed")
+        app = fastapi.FastAPI()
+        app.add_middleware(IdempotencyMiddleware, client=CLIENT, without_principal=True)
+
+        @app.post("/orders", status_code=201)
+        async def orders(background: fastapi.BackgroundTasks):
+            runs.append(1)
+            background.add_task(after)
+            return {"order": "created"}
+        base, close = serve(app)
+        self.addCleanup(close)
+        key = "bg-" + uuid.uuid4().hex
+        with self.assertLogs("idemcoord", "WARNING") as logs:
+            first = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key})
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any("after its answer" in m for m in logs.output):
+                time.sleep(0.02)
+        self.assertEqual((first.status_code, first.headers.get("idempotency-result")), (201, "created"))
+        self.assertTrue(any("RuntimeError" in m for m in logs.output), logs.output)
+        deadline = time.monotonic() + 5
+        state = CLIENT.lookup(scope="http", key=key).record.state
+        while state != idemcoord.State.STATE_COMPLETED and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = CLIENT.lookup(scope="http", key=key).record.state
+        self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
+        retry = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key})
+        self.assertEqual((retry.status_code, retry.headers.get("idempotency-result"), retry.json()),
+                         (201, "replayed", {"order": "created"}))
+        self.assertEqual(len(runs), 1)
+
+
+class ASGIAsyncClientTest(unittest.TestCase):
+    def test_an_aio_client_is_taken_as_given(self):
+        import httpx
+        import uuid
+        import idemcoord.aio
+
+        async def made(request):
+            return starlette.responses.Response(await request.body(), 201)
+        inner = starlette.applications.Starlette(routes=[starlette.routing.Route("/made", made, methods=["POST"])])
+        guarded = []
+
+        async def app(scope, receive, send):
+            if not guarded:  # a grpc.aio channel is made in the loop that uses it
+                client = idemcoord.aio.Client(COORD.addr, token=COORD.token)
+                guarded.append(IdempotencyMiddleware(inner, client=client, without_principal=True))
+            await guarded[0](scope, receive, send)
+        base, close = serve(app)
+        self.addCleanup(close)
+        key = {"Idempotency-Key": "aio-" + uuid.uuid4().hex}
+        first = httpx.post(base + "/made", content=b"a", headers=key)
+        self.assertEqual((first.status_code, first.content, first.headers.get("idempotency-result")),
+                         (201, b"a", "created"))
+        again = httpx.post(base + "/made", content=b"a", headers=key)
+        self.assertEqual((again.content, again.headers.get("idempotency-result")), (b"a", "replayed"))
+        self.assertEqual(httpx.post(base + "/made", content=b"b", headers=key).status_code, 422)
+
+
 if __name__ == "__main__":
     unittest.main()
