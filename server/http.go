@@ -3,7 +3,6 @@ package server
 import (
 	"bufio"
 	"compress/gzip"
-	"context"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -585,11 +584,9 @@ func carriesStatusInTrailers(r *http.Request) bool {
 // to the call the transcoder makes of it (authenticate, on the same
 // authorization values and the same client certificate); that chain still
 // authenticates the call. It lets guardHTTP refuse a caller without valid
-// credentials before buffering, inflating or decoding anything it sent.
-// A refused call of a method the API has is counted and logged as the
-// gRPC chain counts and logs its refusals (grpc_server_handled_total with
-// code Unauthenticated, a "finished call" line); a path that names no
-// method is neither (it would make a metric label of any string).
+// credentials before buffering, inflating or decoding anything it sent; a
+// refusal is counted and logged as the gRPC listener's are
+// (authenticateUnread).
 func (s *Server) authenticateHTTP(r *http.Request) error {
 	ctx := r.Context()
 	if v := r.Header.Values("Authorization"); len(v) > 0 {
@@ -599,13 +596,7 @@ func (s *Server) authenticateHTTP(r *http.Request) error {
 	if r.TLS != nil {
 		p.AuthInfo = credentials.TLSInfo{State: *r.TLS}
 	}
-	ctx = peer.NewContext(ctx, p)
-	_, err := s.authenticate(ctx)
-	if err != nil && s.apiMethods[r.URL.Path] {
-		_, _ = s.refusedHTTP(ctx, nil, &grpc.UnaryServerInfo{FullMethod: r.URL.Path},
-			func(context.Context, any) (any, error) { return nil, err })
-	}
-	return err
+	return s.authenticateUnread(peer.NewContext(ctx, p), r.URL.Path)
 }
 
 // httpPeerAddr is the remote address of an HTTP request, as a peer's.

@@ -22,6 +22,7 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/semaphore"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -55,12 +56,15 @@ type Server struct {
 	// unary method: call log, recovery and rate limit (the Batch RPC
 	// itself was counted and authenticated).
 	batchItem grpc.UnaryServerInterceptor
-	// refusedHTTP counts and logs, as the gRPC chain does, a call of an
-	// API method that the HTTP listener refused unauthenticated before
-	// the transcoder saw it (see authenticateHTTP); apiMethods are those
-	// methods' full names.
-	refusedHTTP grpc.UnaryServerInterceptor
-	apiMethods  map[string]bool
+	// refusedUnread counts and logs, as the gRPC chain does, a call of an
+	// API method that a listener refused unauthenticated before reading
+	// its request (see authenticateUnread); apiMethods are those methods'
+	// full names.
+	refusedUnread grpc.UnaryServerInterceptor
+	apiMethods    map[string]bool
+	// openCalls are the slots of calls that need no credentials while
+	// auth is on (see admitCall).
+	openCalls *semaphore.Weighted
 	// callWorkers run the calls of Batch RPCs.
 	callWorkers *callWorkers
 }
@@ -77,6 +81,8 @@ type options struct {
 	unary          []grpc.UnaryServerInterceptor
 	metricsToken   string
 	slowCall       time.Duration
+
+	grpcReadTimeout time.Duration
 
 	httpMaxBody      int64
 	httpReadTimeout  time.Duration
@@ -177,7 +183,7 @@ var healthServices = []string{"", idempotencyv1.Coordinator_ServiceDesc.ServiceN
 // New builds a Server over store. Call Serve to accept calls.
 func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	o := options{policies: DefaultPolicies(), logger: slog.New(slog.DiscardHandler), healthInterval: time.Second, maxScopeLabels: 200,
-		slowCall:    DefaultSlowCallThreshold,
+		slowCall: DefaultSlowCallThreshold, grpcReadTimeout: DefaultGRPCReadTimeout,
 		httpMaxBody: DefaultHTTPMaxBodyBytes, httpOtherMaxBody: DefaultHTTPOtherMaxBodyBytes, httpReadTimeout: DefaultHTTPReadTimeout, httpAllowedHosts: map[string]bool{}}
 	for _, opt := range opts {
 		opt(&o)
@@ -199,6 +205,9 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		return nil, fmt.Errorf("server: HTTP body cap of requests that are not API calls %d: want 1 to the body cap, %d bytes",
 			o.httpOtherMaxBody, o.httpMaxBody)
 	}
+	if o.grpcReadTimeout <= 0 {
+		return nil, fmt.Errorf("server: gRPC read timeout %v: want more than 0", o.grpcReadTimeout)
+	}
 	if o.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("server: HTTP read timeout %v: want more than 0", o.httpReadTimeout)
 	}
@@ -206,7 +215,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("server: build validator: %w", err)
 	}
-	s := &Server{store: store, validator: pv, logger: o.logger, opts: o, callWorkers: newCallWorkers(),
+	s := &Server{store: store, validator: pv, logger: o.logger, opts: o, callWorkers: newCallWorkers(), openCalls: newOpenCalls(),
 		metrics: newMetrics(store, o.maxScopeLabels, o.logger)}
 	s.policies.Store(o.policies)
 	s.metrics.scopes.named = func(scope string) string { return s.policies.Load().scopeLabel(scope) }
@@ -224,7 +233,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		selector.UnaryServerInterceptor(ratelimit.UnaryServerInterceptor(limiter), selector.MatchFunc(rateLimited)),
 	}, o.unary...)
 	s.unary = unary
-	s.refusedHTTP = chainUnary([]grpc.UnaryServerInterceptor{s.metrics.grpc.UnaryServerInterceptor(), callLog})
+	s.refusedUnread = chainUnary([]grpc.UnaryServerInterceptor{s.metrics.grpc.UnaryServerInterceptor(), callLog})
 	s.apiMethods = map[string]bool{}
 	for _, sd := range []grpc.ServiceDesc{idempotencyv1.Coordinator_ServiceDesc, idempotencyv1.Admin_ServiceDesc} {
 		for _, m := range sd.Methods {
@@ -236,7 +245,7 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		recovery.UnaryServerInterceptor(recoveryHandler),
 		ratelimit.UnaryServerInterceptor(limiter),
 	})
-	gopts := append([]grpc.ServerOption{
+	gopts := append(s.listenerOptions(),
 		// Calls run on long-lived worker goroutines whose stacks have
 		// already grown, instead of a new goroutine per call that grows
 		// its stack again (about 8% of the coordinator's CPU under load,
@@ -244,14 +253,16 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		// starts a goroutine per call as without workers.
 		grpc.NumStreamWorkers(streamWorkers),
 		grpc.ForceServerCodecV2(newLenientCodec()),
-		grpc.ChainUnaryInterceptor(unary...),
+		// The first interceptor stops the read timeout that admitCall set.
+		grpc.ChainUnaryInterceptor(append([]grpc.UnaryServerInterceptor{readUnary}, unary...)...),
 		grpc.ChainStreamInterceptor(
+			readStream,
 			s.metrics.grpc.StreamServerInterceptor(),
 			logging.StreamServerInterceptor(interceptorLogger(o.logger), logging.WithLogOnEvents(logging.FinishCall)),
 			recovery.StreamServerInterceptor(recoveryHandler),
 			selector.StreamServerInterceptor(auth.StreamServerInterceptor(s.authenticate), needsAuth),
-		),
-	}, o.grpcOptions...)
+		))
+	gopts = append(gopts, o.grpcOptions...)
 	s.grpc = grpc.NewServer(gopts...)
 	idempotencyv1.RegisterCoordinatorServer(s.grpc, s)
 	idempotencyv1.RegisterAdminServer(s.grpc, &adminService{s: s})

@@ -1,0 +1,373 @@
+package main
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/server"
+)
+
+// rawGRPCConn is a client HTTP/2 connection to the gRPC listener written
+// frame by frame, so that a test can do what no gRPC client does: open a
+// call and send only part of its request message. It keeps to the
+// server's flow-control windows, as a careful attacker does (sending past
+// them only gets the connection closed).
+type rawGRPCConn struct {
+	conn net.Conn
+	fr   *http2.Framer
+
+	mu            sync.Mutex // guards what follows, and writing frames
+	changed       *sync.Cond // windows grew, a call ended, or reading failed
+	connWindow    int64
+	initialWindow int64
+	windows       map[uint32]int64
+	ended         map[uint32]string // the grpc-status of a call the server answered, or "RST <code>"
+	readErr       error
+	nextID        uint32
+	headers       bytes.Buffer
+	enc           *hpack.Encoder
+}
+
+// dialRawGRPC opens a raw HTTP/2 connection to the gRPC listener at addr.
+func dialRawGRPC(t *testing.T, addr string) *rawGRPCConn {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	c := &rawGRPCConn{conn: conn, fr: http2.NewFramer(conn, conn), connWindow: 65535, initialWindow: 65535,
+		windows: map[uint32]int64{}, ended: map[uint32]string{}, nextID: 1}
+	c.changed = sync.NewCond(&c.mu)
+	c.enc = hpack.NewEncoder(&c.headers)
+	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	if _, err := conn.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	go c.read()
+	return c
+}
+
+// read handles the server's frames until the connection fails.
+func (c *rawGRPCConn) read() {
+	for {
+		f, err := c.fr.ReadFrame()
+		c.mu.Lock()
+		if err != nil {
+			c.readErr = err
+			c.changed.Broadcast()
+			c.mu.Unlock()
+			return
+		}
+		switch f := f.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				if v, ok := f.Value(http2.SettingInitialWindowSize); ok {
+					for id := range c.windows {
+						c.windows[id] += int64(v) - c.initialWindow
+					}
+					c.initialWindow = int64(v)
+				}
+				_ = c.fr.WriteSettingsAck()
+			}
+		case *http2.WindowUpdateFrame:
+			if f.StreamID == 0 {
+				c.connWindow += int64(f.Increment)
+			} else {
+				c.windows[f.StreamID] += int64(f.Increment)
+			}
+		case *http2.MetaHeadersFrame:
+			if s := f.PseudoValue("status"); s != "" && s != "200" {
+				c.ended[f.StreamID] = "HTTP " + s
+			}
+			for _, hf := range f.RegularFields() {
+				if hf.Name == "grpc-status" {
+					c.ended[f.StreamID] = hf.Value
+				}
+			}
+		case *http2.RSTStreamFrame:
+			if _, ok := c.ended[f.StreamID]; !ok {
+				c.ended[f.StreamID] = "RST " + f.ErrCode.String()
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				_ = c.fr.WritePing(true, f.Data)
+			}
+		case *http2.GoAwayFrame:
+			c.readErr = fmt.Errorf("GOAWAY %v", f.ErrCode)
+		}
+		c.changed.Broadcast()
+		c.mu.Unlock()
+	}
+}
+
+// open starts a call of method with the metadata md (name, value pairs)
+// and no request yet, and returns its stream id.
+func (c *rawGRPCConn) open(method string, md ...string) (uint32, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.headers.Reset()
+	fields := []string{":method", "POST", ":scheme", "http", ":path", method, ":authority", "idemcoord",
+		"content-type", "application/grpc", "te", "trailers"}
+	fields = append(fields, md...)
+	for i := 0; i+1 < len(fields); i += 2 {
+		if err := c.enc.WriteField(hpack.HeaderField{Name: fields[i], Value: fields[i+1]}); err != nil {
+			return 0, err
+		}
+	}
+	id := c.nextID
+	c.nextID += 2
+	c.windows[id] = c.initialWindow
+	return id, c.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: c.headers.Bytes(), EndHeaders: true})
+}
+
+// send writes data on stream id as the windows allow, until all of it is
+// sent, the server ends the call, the connection fails or deadline
+// passes; it returns how much it sent.
+func (c *rawGRPCConn) send(id uint32, data []byte, deadline time.Time) int {
+	stop := time.AfterFunc(time.Until(deadline), func() {
+		c.mu.Lock()
+		c.changed.Broadcast()
+		c.mu.Unlock()
+	})
+	defer stop.Stop()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sent := 0
+	for sent < len(data) {
+		if _, ok := c.ended[id]; ok || c.readErr != nil || time.Now().After(deadline) {
+			break
+		}
+		n := min(int64(len(data)-sent), c.windows[id], c.connWindow, 16384)
+		if n <= 0 {
+			c.changed.Wait()
+			continue
+		}
+		if err := c.fr.WriteData(id, false, data[sent:sent+int(n)]); err != nil {
+			break
+		}
+		c.windows[id] -= n
+		c.connWindow -= n
+		sent += int(n)
+	}
+	return sent
+}
+
+// waitEnded waits until the server has ended the call on stream id, or
+// deadline passes, and returns how it ended ("" when it has not).
+func (c *rawGRPCConn) waitEnded(id uint32, deadline time.Time) string {
+	stop := time.AfterFunc(time.Until(deadline), func() {
+		c.mu.Lock()
+		c.changed.Broadcast()
+		c.mu.Unlock()
+	})
+	defer stop.Stop()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for {
+		if s, ok := c.ended[id]; ok || c.readErr != nil || time.Now().After(deadline) {
+			return s
+		}
+		c.changed.Wait()
+	}
+}
+
+// grpcMessage is msg in the gRPC wire format: a flag byte (not
+// compressed), its length in 4 bytes, the message.
+func grpcMessage(t *testing.T, msg proto.Message) []byte {
+	t.Helper()
+	b, err := proto.Marshal(msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b))), b...)
+}
+
+// largeBegin is a Begin request message just under the 4 MiB message
+// limit.
+func largeBegin() *idempotencyv1.BeginRequest {
+	return &idempotencyv1.BeginRequest{Scope: "build", Key: "k", Fingerprint: bytes.Repeat([]byte("a"), 4<<20-1024)}
+}
+
+// startWithTenants runs the binary with auth on (one tenant, token
+// "pay-secret") on loopback ports, with args added, and returns it with
+// its HTTP address.
+func startWithTenants(t *testing.T, args ...string) (*proc, string) {
+	t.Helper()
+	cfg := filepath.Join(t.TempDir(), "idemcoord.yaml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("tenants:\n  - { name: payments, token_sha256: %s, scopes: [\"*\"] }\n",
+		tokenHash("pay-secret"))), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	httpAddr := coordtest.FreeAddr(t)
+	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), httpAddr,
+		append([]string{"--config", cfg}, args...)...)
+	return p, httpAddr
+}
+
+// TestGRPCUnauthenticatedFloodBoundsMemory: 2 connections × 200 calls that
+// each send all but the last byte of a 4 MiB Begin, with no token, are
+// refused UNAUTHENTICATED from their headers: the coordinator holds none of
+// their bodies (unbounded, they held 1.6 GB), and a caller with a token is
+// served meanwhile.
+func TestGRPCUnauthenticatedFloodBoundsMemory(t *testing.T) {
+	p, _ := startWithTenants(t)
+	msg := grpcMessage(t, largeBegin())
+	before := processMemory(t, p.cmd.Process.Pid)
+	const conns, calls = 2, 200
+	deadline := time.Now().Add(30 * time.Second)
+	var wg sync.WaitGroup
+	type call struct {
+		c  *rawGRPCConn
+		id uint32
+	}
+	var all []call
+	for range conns {
+		c := dialRawGRPC(t, p.grpcAddr)
+		for range calls {
+			id, err := c.open(beginMethod)
+			if err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, call{c, id})
+			wg.Go(func() { c.send(id, msg[:len(msg)-1], deadline) })
+		}
+	}
+	wg.Wait()
+	time.Sleep(time.Second)
+	// Each body held would be 4 MiB: bounded, the coordinator holds no
+	// body, only the connections and refused streams, plus garbage the
+	// collector has not yet reclaimed.
+	wantMemoryBounded(t, p, fmt.Sprintf("%d×%d unauthenticated 4 MiB Begins, all but their last byte", conns, calls), before, 2*rssBoundBytes)
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer pay-secret")
+	if r, err := idempotencyv1.NewCoordinatorClient(conn).Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		t.Fatalf("Begin with a valid token after the flood: %v %v", r, err)
+	}
+	for _, c := range all {
+		if got := c.c.waitEnded(c.id, time.Now().Add(5*time.Second)); got != strconv.Itoa(16) {
+			t.Fatalf("an unauthenticated Begin's call ended %q, want grpc-status 16 (UNAUTHENTICATED)", got)
+		}
+	}
+	p.stop()
+}
+
+// beginMethod is the full name of Coordinator.Begin.
+const beginMethod = "/idempotency.v1.Coordinator/Begin"
+
+// TestGRPCRefusesUnauthenticatedBeforeReading: while auth is on, a call
+// without a token, or with a wrong one, is refused UNAUTHENTICATED from its
+// headers, before it sends any of its request message (the coordinator
+// does not wait for it), and counted as the chain counts its refusals; a
+// call with a valid token is served by the real client, and one whose
+// message is still coming is not refused.
+func TestGRPCRefusesUnauthenticatedBeforeReading(t *testing.T) {
+	p, httpAddr := startWithTenants(t)
+	c := dialRawGRPC(t, p.grpcAddr)
+	for _, md := range [][]string{nil, {"authorization", "Bearer wrong"}} {
+		id, err := c.open(beginMethod, md...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.waitEnded(id, time.Now().Add(10*time.Second)); got != "16" {
+			t.Fatalf("a Begin with metadata %q and no message yet ended %q, want grpc-status 16 (UNAUTHENTICATED)", md, got)
+		}
+	}
+	id, err := c.open(beginMethod, "authorization", "Bearer pay-secret")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.waitEnded(id, time.Now().Add(time.Second)); got != "" {
+		t.Fatalf("a Begin with a valid token and no message yet ended %q, want it waiting for its message", got)
+	}
+
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := idempotencyv1.NewCoordinatorClient(conn)
+	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer pay-secret")
+	if r, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		t.Fatalf("Begin with a valid token: %v %v", r, err)
+	}
+	if _, err := client.Begin(callCtx(t), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("Begin without a token through the client: %v, want UNAUTHENTICATED", err)
+	}
+	// The refusals are counted as the chain counts them.
+	const refused = `grpc_server_handled_total{grpc_code="Unauthenticated",grpc_method="Begin",grpc_service="idempotency.v1.Coordinator",grpc_type="unary"} 3`
+	if scrape := scrapeMetrics(t, httpAddr); !strings.Contains(scrape, refused) {
+		t.Fatalf("no %s in /metrics", refused)
+	}
+	_ = c.conn.Close() // the call still waiting for its message
+	p.stop()
+}
+
+// scrapeMetrics returns the text of httpAddr's /metrics.
+func scrapeMetrics(t *testing.T, httpAddr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + httpAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestGRPCListenerFlags reads --grpc-max-connections and
+// --grpc-read-timeout from the flags or the environment, with defaults,
+// and refuses values that are not of their kind.
+func TestGRPCListenerFlags(t *testing.T) {
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.grpcMaxConns != defaultGRPCMaxConns || c.grpcReadTimeout != server.DefaultGRPCReadTimeout {
+		t.Fatalf("defaults: %+v %v", c, err)
+	}
+	if c, err = parseFlags([]string{"--database-url", "postgres://x", "--grpc-max-connections", "0", "--grpc-read-timeout", "2s"}); err != nil ||
+		c.grpcMaxConns != 0 || c.grpcReadTimeout != 2*time.Second {
+		t.Fatalf("flags: %+v %v", c, err)
+	}
+	t.Setenv("IDEMCOORD_GRPC_MAX_CONNECTIONS", "9")
+	t.Setenv("IDEMCOORD_GRPC_READ_TIMEOUT", "5s")
+	if c, err = parseFlags([]string{"--database-url", "postgres://x"}); err != nil || c.grpcMaxConns != 9 || c.grpcReadTimeout != 5*time.Second {
+		t.Fatalf("environment: %+v %v", c, err)
+	}
+	for _, args := range [][]string{{"--grpc-read-timeout", "0s"}, {"--grpc-read-timeout", "soon"}, {"--grpc-max-connections", "-1"}} {
+		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...)); err == nil {
+			t.Fatalf("%q accepted", args)
+		}
+	}
+}
