@@ -16,6 +16,7 @@ export GOTOOLCHAIN := local
 
 GO_PACKAGES := ./...
 
+## all: the default target: `make test`
 .PHONY: all help run test lint generate check-generated tools build bench clean-data
 
 all: test
@@ -43,7 +44,7 @@ test-pgbouncer:
 run-ha: build
 	@scripts/run-ha.sh
 
-## build: compile every package and the binaries into ./bin
+## build: compile the coordinator into ./bin/idemcoord (idemctl: `go build -o bin/idemctl ./cmd/idemctl`)
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
@@ -74,8 +75,8 @@ chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
 ## mutants: plant each bug of a fixed list (scripts/mutants.sh) in a throwaway copy, one at a
-## time, and check that the tests named for it fail; prints the score. gremlins-statemachine:
-## the gremlins mutation tool (pinned) over statemachine.
+## time, and check that the tests named for it fail; prints the score
+## gremlins-statemachine: the gremlins mutation tool (pinned) over statemachine
 .PHONY: mutants gremlins-statemachine
 GREMLINS_VERSION := v0.6.0
 mutants:
@@ -174,6 +175,8 @@ check-generated: tools
 	    cmp -s $$f $$tmp/api.binpb || { echo "$$f is stale: run 'make generate' and commit the result"; exit 1; }; \
 	  done
 
+## tools: install the pinned tools (buf, protoc-gen-go, protoc-gen-go-grpc, grpcurl, toxiproxy-server, helm,
+## golangci-lint) into ./bin
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
        $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.helm-$(HELM_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)
