@@ -58,7 +58,9 @@ test: lint check-docs deploy-check
 	IDEMCOORD_TEST_CALL_BATCHING=2 go test -race -count=1 ./clients/
 
 ## check-docs: compile or check every code block of README.md and docs/ (Go built as programs, sh with bash -n,
-## yaml as a config, js and python parsed), compare generated blocks with their commands, resolve every relative link and #anchor
+## yaml as a config, js and python parsed), run the pages' Go, Node, Python and HTTP programs against a coordinator
+## and the operating page's config and idemctl session, check stated flag defaults and make help against the code,
+## compare generated blocks with their commands, resolve every relative link and #anchor
 .PHONY: check-docs docs-generated
 check-docs:
 	go test -count=1 ./internal/doccheck/

@@ -320,3 +320,29 @@ createProject('Apollo').then(async (res) => {
 		}
 	})
 }
+
+// TestGoInstallFromAClone runs the Go page's install lines (the module
+// pointed at this clone) in a module of its own outside the repository and
+// builds the page's first program there, as a newcomer's service would.
+func TestGoInstallFromAClone(t *testing.T) {
+	b := blocksOn(t, "docs/go.md", "sh", "go mod edit")[0]
+	clone, err := filepath.Abs(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if out, err := runProgram(t, dir, nil, "go", "mod", "init", "example.com/service"); err != nil {
+		t.Fatalf("go mod init: %v\n%s", err, out)
+	}
+	prog := blocksOn(t, "docs/go.md", "go", "clients.New(")[0]
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(prog.text), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	script := strings.ReplaceAll(b.text, "/path/to/idemcoord", clone)
+	if out, err := runProgram(t, dir, []string{"GOFLAGS=-mod=mod"}, "bash", "-e", "-c", script); err != nil {
+		t.Fatalf("%s: %v\n%s", b, err, out)
+	}
+	if out, err := runProgram(t, dir, nil, "go", "build", "-o", filepath.Join(dir, "service"), "."); err != nil {
+		t.Errorf("%s: the program does not build in a module set up by the page's lines: %v\n%s", prog, err, out)
+	}
+}
