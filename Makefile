@@ -16,6 +16,7 @@ export GOTOOLCHAIN := local
 
 GO_PACKAGES := ./...
 
+## all: the default target: `make test`
 .PHONY: all help run test lint generate check-generated tools build bench clean-data
 
 all: test
@@ -43,7 +44,7 @@ test-pgbouncer:
 run-ha: build
 	@scripts/run-ha.sh
 
-## build: compile every package and the binaries into ./bin
+## build: compile the coordinator into ./bin/idemcoord (idemctl: `go build -o bin/idemctl ./cmd/idemctl`)
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
@@ -57,7 +58,9 @@ test: lint check-docs deploy-check
 	IDEMCOORD_TEST_CALL_BATCHING=2 go test -race -count=1 ./clients/
 
 ## check-docs: compile or check every code block of README.md and docs/ (Go built as programs, sh with bash -n,
-## yaml as a config, js and python parsed), compare generated blocks with their commands, resolve every relative link and #anchor
+## yaml as a config, js and python parsed), run the pages' Go, Node, Python and HTTP programs against a coordinator
+## and the operating page's config and idemctl session, check stated flag defaults and make help against the code,
+## compare generated blocks with their commands, resolve every relative link and #anchor
 .PHONY: check-docs docs-generated
 check-docs:
 	go test -count=1 ./internal/doccheck/
@@ -74,8 +77,8 @@ chaos:
 	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
 
 ## mutants: plant each bug of a fixed list (scripts/mutants.sh) in a throwaway copy, one at a
-## time, and check that the tests named for it fail; prints the score. gremlins-statemachine:
-## the gremlins mutation tool (pinned) over statemachine.
+## time, and check that the tests named for it fail; prints the score
+## gremlins-statemachine: the gremlins mutation tool (pinned) over statemachine
 .PHONY: mutants gremlins-statemachine
 GREMLINS_VERSION := v0.6.0
 mutants:
@@ -174,6 +177,8 @@ check-generated: tools
 	    cmp -s $$f $$tmp/api.binpb || { echo "$$f is stale: run 'make generate' and commit the result"; exit 1; }; \
 	  done
 
+## tools: install the pinned tools (buf, protoc-gen-go, protoc-gen-go-grpc, grpcurl, toxiproxy-server, helm,
+## golangci-lint) into ./bin
 tools: $(BIN)/.buf-$(BUF_VERSION) $(BIN)/.protoc-gen-go-$(PROTOC_GEN_GO_VERSION) \
        $(BIN)/.protoc-gen-go-grpc-$(PROTOC_GEN_GO_GRPC_VERSION) $(BIN)/.grpcurl-$(GRPCURL_VERSION) \
        $(BIN)/.toxiproxy-$(TOXIPROXY_VERSION) $(BIN)/.helm-$(HELM_VERSION) $(BIN)/.golangci-lint-$(GOLANGCI_LINT_VERSION)

@@ -13,7 +13,7 @@ const { Client, httpMiddleware, markSideEffect } = require('idemcoord');
 function createApp(client) {
   const charges = [];
   const app = express();
-  app.use(httpMiddleware(client, { requireKey: true, methods: ['POST'] }));
+  app.use(httpMiddleware(client, { requireKey: true, methods: ['POST'], scope: 'express-charges' }));
   app.use(express.json());
   app.post('/charges', (req, res) => {
     const amount = Number(req.body?.amount);

@@ -22,7 +22,7 @@ from idemcoord.asgi import IdempotencyMiddleware
 def create_app(client):
     """The app; app.state.charges is its side effect, the charges it booked (GET /charges counts them)."""
     app = fastapi.FastAPI()
-    app.add_middleware(IdempotencyMiddleware, client=client, require_key=True, methods=["POST"])
+    app.add_middleware(IdempotencyMiddleware, client=client, require_key=True, methods=["POST"], scope="fastapi-charges")
     app.state.charges = []
     lock = threading.Lock()
 

@@ -20,6 +20,18 @@ func TestMain(m *testing.M) { os.Exit(coordtest.Main(m)) }
 // compiled.
 const tokenEnv = "IDEMCOORD_TOKEN"
 
+// token is the one tenant's token of the coordinators startAuthOn starts.
+const token = "doc-snippet-token"
+
+// startAuthOn starts a coordinator with auth on: one tenant, every scope,
+// admin, whose token is token.
+func startAuthOn(t *testing.T) *coordtest.Coordinator {
+	t.Helper()
+	sum := sha256.Sum256([]byte(token))
+	return coordtest.Start(t, coordtest.Options{Config: fmt.Sprintf(
+		"tenants:\n  - { name: docs, token_sha256: %s, scopes: [\"*\"], admin: true }\n", hex.EncodeToString(sum[:]))})
+}
+
 // TestGoBlocksRunAgainstAuthOnCoordinator runs every Go block that reads
 // IDEMCOORD_TOKEN (with `go run`) against a real coordinator with auth on:
 // without the token it must fail, with it it must succeed. So the docs'
@@ -34,10 +46,7 @@ func TestGoBlocksRunAgainstAuthOnCoordinator(t *testing.T) {
 	if len(runnable) == 0 {
 		t.Fatal("no Go block reads IDEMCOORD_TOKEN and IDEMCOORD_ADDR: the Go client snippet of docs/go.md should")
 	}
-	const token = "doc-snippet-token"
-	sum := sha256.Sum256([]byte(token))
-	coord := coordtest.Start(t, coordtest.Options{Config: fmt.Sprintf(
-		"tenants:\n  - { name: docs, token_sha256: %s, scopes: [\"*\"] }\n", hex.EncodeToString(sum[:]))})
+	coord := startAuthOn(t)
 	dir, err := os.MkdirTemp(root, "_docrun")
 	if err == nil {
 		dir, err = filepath.Abs(dir)
