@@ -13,7 +13,9 @@ const { Client, httpMiddleware, markSideEffect } = require('idemcoord');
 function createApp(client) {
   const charges = [];
   const app = express();
-  app.use(httpMiddleware(client, { requireKey: true, methods: ['POST'], scope: 'express-charges' }));
+  // One caller (the shop's backend) sends every key, so keys need no end user folded in; a
+  // service whose end users send their own keys passes principal: (req) => their user id.
+  app.use(httpMiddleware(client, { requireKey: true, methods: ['POST'], scope: 'express-charges', withoutPrincipal: true }));
   app.use(express.json());
   app.post('/charges', (req, res) => {
     const amount = Number(req.body?.amount);
