@@ -30,7 +30,7 @@ MAX_REASON_BYTES = 1024
 _C = grpc.StatusCode
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
-# How fn's errors are recorded by gRPC code (DESIGN.md, the Go client's table).
+# How fn's errors are recorded by gRPC code (the Go client's table).
 DEFAULT_FAILURE_KINDS = {
     _C.INVALID_ARGUMENT: "FAILURE_KIND_ABANDONED", _C.UNAUTHENTICATED: "FAILURE_KIND_ABANDONED",
     _C.PERMISSION_DENIED: "FAILURE_KIND_ABANDONED", _C.RESOURCE_EXHAUSTED: "FAILURE_KIND_ABANDONED",
