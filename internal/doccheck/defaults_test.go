@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -76,7 +77,7 @@ var (
 	flagRow  = regexp.MustCompile("^\\|\\s*(`--[a-z0-9-]+`[^|]*)\\|([^|]*)\\|")
 	flagSpan = regexp.MustCompile("`--([a-z0-9-]+)`")
 	// "`--flag`, default `V`", "`--flag` (default V)", "`--flag` (`VAR`, default `V`)"
-	flagThenDefault = regexp.MustCompile("`--([a-z0-9-]+)`(?:\\s*\\([^)]*?|[,:]?)\\s*\\(?default:?\\s+(`[^`]+`|[0-9][0-9a-zA-Z.:]*)")
+	flagThenDefault = regexp.MustCompile("`--([a-z0-9-]+)`(?:\\s*\\([^)]*?|[,:]?)\\s*\\(?default:?\\s+(`[^`]+`|[0-9][0-9a-zA-Z.:]*(?: (?:ns|us|ms|s|m|h)\\b)?)")
 	// "`--flag`, now V by default", "`--flag` is V by default"
 	flagThenByDefault = regexp.MustCompile("`--([a-z0-9-]+)`[,:]?\\s+(?:is\\s+|now\\s+)?(`[^`]+`|[0-9][0-9a-zA-Z.:]*)\\s+(?:[a-z]+\\s+){0,3}by default")
 	// "V worker(s) ... by default, `--flag`"
@@ -154,11 +155,22 @@ func normalizeDefault(s string) string {
 			return s[i+1 : i+1+j]
 		}
 	}
-	if f := strings.Fields(s); len(f) > 0 {
-		return strings.TrimRight(f[0], ":,;")
+	f := strings.Fields(s)
+	if len(f) == 0 {
+		return ""
 	}
-	return ""
+	v := strings.TrimRight(f[0], ":,;")
+	// "30 s" is a duration written for people: the flag spells it 30s.
+	if len(f) > 1 && durationUnit[strings.TrimRight(f[1], ":,;)")] {
+		if _, err := strconv.ParseFloat(v, 64); err == nil {
+			return v + strings.TrimRight(f[1], ":,;)")
+		}
+	}
+	return v
 }
+
+// durationUnit holds the units of Go's duration syntax.
+var durationUnit = map[string]bool{"ns": true, "us": true, "ms": true, "s": true, "m": true, "h": true}
 
 // TestStatedFlagDefaultsAreTheFlagsDefaults: wherever a page states the
 // default of a flag of idemcoord or idemctl, it is the default the binary
