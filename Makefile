@@ -157,12 +157,15 @@ lint: tools check-generated
 # The Node and Python client libraries load the API at run time from a
 # FileDescriptorSet of proto/ and third_party/ (no protoc, no generated code).
 DESCRIPTOR_SETS := clients/node/idempotency.binpb clients/python/idemcoord/idempotency.binpb
+# Copies of clients/testdata/shared_tables.json (the tables the libraries share) inside packages.
+SHARED_TABLES := clients/node/shared_tables.json
 
 ## generate: regenerate gen/ and the client libraries' descriptor sets from proto/
 generate: tools
 	rm -rf gen/idempotency
 	$(BIN)/buf generate
 	for f in $(DESCRIPTOR_SETS); do $(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o $$f || exit 1; done
+	for f in $(SHARED_TABLES); do cp clients/testdata/shared_tables.json $$f || exit 1; done
 
 ## check-generated: fail when gen/ or a descriptor set differs from what proto/ generates
 check-generated: tools
@@ -175,6 +178,9 @@ check-generated: tools
 	  $(BIN)/buf build --as-file-descriptor-set --exclude-source-info -o $$tmp/api.binpb && \
 	  for f in $(DESCRIPTOR_SETS); do \
 	    cmp -s $$f $$tmp/api.binpb || { echo "$$f is stale: run 'make generate' and commit the result"; exit 1; }; \
+	  done; \
+	  for f in $(SHARED_TABLES); do \
+	    cmp -s $$f clients/testdata/shared_tables.json || { echo "$$f is stale: run 'make generate' and commit the result"; exit 1; }; \
 	  done
 
 ## tools: install the pinned tools (buf, protoc-gen-go, protoc-gen-go-grpc, grpcurl, toxiproxy-server, helm,

@@ -12,6 +12,7 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
 require('protobufjs/ext/descriptor');
+const { ERROR_INFO_DOMAIN } = require('./tables');
 
 const descriptorPath = path.join(__dirname, '..', 'idempotency.binpb');
 const descriptors = fs.readFileSync(descriptorPath);
@@ -28,6 +29,8 @@ const CoordinatorClient = grpc.makeGenericClientConstructor(packageDefinition['i
 
 const root = protobuf.Root.fromDescriptor(descriptors);
 const statusType = root.lookupType('google.rpc.Status');
+const errorInfoType = root.lookupType('google.rpc.ErrorInfo');
+const ERROR_INFO_TYPE_URL = 'type.googleapis.com/google.rpc.ErrorInfo';
 const errorReasonEnum = root.lookupEnum('idempotency.v1.ErrorReason');
 const ERROR_REASON_PREFIX = 'ERROR_REASON_';
 
@@ -64,6 +67,31 @@ function decodeStatus(bytes) {
   } catch {
     return null;
   }
+}
+
+/**
+ * Encodes a google.rpc.Status of code and message whose details are one
+ * google.rpc.ErrorInfo of reason (a wire name: 'UNKNOWN_HELD') in the
+ * shared ErrorInfo domain.
+ */
+function encodeErrorInfoStatus(code, message, reason) {
+  const info = errorInfoType.encode(errorInfoType.fromObject({ reason, domain: ERROR_INFO_DOMAIN })).finish();
+  return encodeStatus({ code, message, details: [{ type_url: ERROR_INFO_TYPE_URL, value: Buffer.from(info) }] });
+}
+
+/** The reason of the first google.rpc.ErrorInfo in encoded google.rpc.Status details, '' when none. */
+function errorInfoReason(statusBytes) {
+  const st = decodeStatus(statusBytes);
+  for (const d of st?.details ?? []) {
+    if (String(d.type_url ?? '').endsWith('/google.rpc.ErrorInfo')) {
+      try {
+        return errorInfoType.decode(d.value ?? Buffer.alloc(0)).reason;
+      } catch {
+        return '';
+      }
+    }
+  }
+  return '';
 }
 
 /**
@@ -148,6 +176,8 @@ module.exports = {
   descriptorPath,
   encodeStatus,
   decodeStatus,
+  encodeErrorInfoStatus,
+  errorInfoReason,
   requestToWire,
   answerFromWire,
   metadataToWire,

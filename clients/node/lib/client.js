@@ -11,37 +11,19 @@ const {
 
 const S = grpc.status;
 
-// Timings, as in the Go client (clients/lease.go).
-const DEFAULT_LEASE_MS = 30000; // when a Begin answer does not tell the lease
-const MIN_HEARTBEAT_MS = 50;
-const FINISH_TIMEOUT_MS = 5000; // the Complete/Fail made before once returns
-const MAX_BEGIN_WAIT_MS = 30000; // the longest wait one Begin asks for
-const RELEASE_TIMEOUT_MS = 5000; // the release of an acquisition nobody will act on, all its calls together
-const RELEASE_REASON = 'caller gave up before the handler ran';
+// Timings, the release and the failure table are the ones every library
+// shares (lib/tables.js).
+const {
+  DEFAULT_LEASE_MS, MIN_HEARTBEAT_MS, FINISH_TIMEOUT_MS, MAX_BEGIN_WAIT_MS, RELEASE_TIMEOUT_MS, RELEASE_REASON,
+  FAILURE_KINDS,
+} = require('./tables');
 const MAX_REASON_BYTES = 1024;
 
 /** The attempt a function run by once is in (see markSideEffect, currentLease). */
 const currentAttempt = new AsyncLocalStorage();
 
-/** How fn's errors are recorded by gRPC code (DESIGN.md, the Go client's table). */
-const DEFAULT_FAILURE_KINDS = Object.freeze({
-  [S.INVALID_ARGUMENT]: 'FAILURE_KIND_ABANDONED',
-  [S.UNAUTHENTICATED]: 'FAILURE_KIND_ABANDONED',
-  [S.PERMISSION_DENIED]: 'FAILURE_KIND_ABANDONED',
-  [S.RESOURCE_EXHAUSTED]: 'FAILURE_KIND_ABANDONED',
-  [S.UNIMPLEMENTED]: 'FAILURE_KIND_ABANDONED',
-  [S.UNAVAILABLE]: 'FAILURE_KIND_RETRYABLE',
-  [S.ABORTED]: 'FAILURE_KIND_RETRYABLE',
-  [S.DEADLINE_EXCEEDED]: 'FAILURE_KIND_UNKNOWN',
-  [S.CANCELLED]: 'FAILURE_KIND_UNKNOWN',
-  [S.INTERNAL]: 'FAILURE_KIND_UNKNOWN',
-  [S.UNKNOWN]: 'FAILURE_KIND_UNKNOWN',
-  [S.DATA_LOSS]: 'FAILURE_KIND_UNKNOWN',
-  [S.FAILED_PRECONDITION]: 'FAILURE_KIND_REPLAYABLE',
-  [S.NOT_FOUND]: 'FAILURE_KIND_REPLAYABLE',
-  [S.ALREADY_EXISTS]: 'FAILURE_KIND_REPLAYABLE',
-  [S.OUT_OF_RANGE]: 'FAILURE_KIND_REPLAYABLE',
-});
+/** How fn's errors are recorded by gRPC code: the table of docs/go.md, from lib/tables.js. */
+const DEFAULT_FAILURE_KINDS = FAILURE_KINDS;
 
 function newAttemptId() {
   return crypto.randomBytes(16).toString('hex');
@@ -193,11 +175,16 @@ class Client {
    * to: neither the option named withOpt nor the one named withoutOpt.
    */
   _warnUndecidedPrincipal(guard, withOpt, withoutOpt) {
-    const msg = `idemcoord: ${guard} built without ${withOpt} or ${withoutOpt}: two end users who send the same idempotency key and request share one record; fold the end user in with ${withOpt}, or say ${withoutOpt}: true`;
+    this._warn(`idemcoord: ${guard} built without ${withOpt} or ${withoutOpt}: two end users who send the same idempotency key and request share one record; fold the end user in with ${withOpt}, or say ${withoutOpt}: true`,
+      'IDEMCOORD_UNDECIDED_PRINCIPAL');
+  }
+
+  /** Warns through logger, or else process.emitWarning with code. */
+  _warn(msg, code) {
     if (this._logger?.warn) {
       this._logger.warn(msg);
     } else {
-      process.emitWarning(msg, { code: 'IDEMCOORD_UNDECIDED_PRINCIPAL' });
+      process.emitWarning(msg, { code });
     }
   }
 

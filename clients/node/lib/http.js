@@ -11,6 +11,7 @@ const grpc = require('@grpc/grpc-js');
 const api = require('./api');
 const { Lease, newAttemptId, answerLost } = require('./client');
 const { LeaseLostError, LeaseUnconfirmedError, ClientGoneError } = require('./errors');
+const { PROBLEM_TYPES } = require('./tables');
 
 const S = grpc.status;
 
@@ -21,20 +22,8 @@ const HTTP_SCHEMA_VERSION = 'idemcoord.http/1';
 const DEFAULT_HTTP_SCOPE = 'http';
 const MAX_CAPTURED_BODY = 4 << 20;
 
-/** Problem types (RFC 9457) of the answers the middleware writes itself; the same as Go's. */
-const PROBLEMS = Object.freeze({
-  keyMissing: 'urn:idemcoord:problem:idempotency-key-missing',
-  keyInvalid: 'urn:idemcoord:problem:idempotency-key-invalid',
-  keyReused: 'urn:idemcoord:problem:idempotency-key-reused',
-  keyExpired: 'urn:idemcoord:problem:idempotency-key-expired',
-  attemptsExhausted: 'urn:idemcoord:problem:idempotency-attempts-exhausted',
-  inProgress: 'urn:idemcoord:problem:idempotency-request-in-progress',
-  outcomeUnknown: 'urn:idemcoord:problem:idempotency-outcome-unknown',
-  bodyTooLarge: 'urn:idemcoord:problem:request-body-too-large',
-  unavailable: 'urn:idemcoord:problem:idempotency-coordinator-unavailable',
-  leaseLost: 'urn:idemcoord:problem:idempotency/lease-lost',
-  internal: 'urn:idemcoord:problem:idempotency-coordinator-refused',
-});
+/** Problem types (RFC 9457) of the answers the middleware writes itself; the same as Go's (lib/tables.js). */
+const PROBLEMS = PROBLEM_TYPES;
 
 class HttpError extends Error {
   constructor(status, type, title, detail, headers = {}) {
@@ -123,51 +112,7 @@ function problemBody(status, type, title, detail) {
 /** The ErrorInfo reason in a gRPC error's status details, '' when none. */
 function errorReason(err) {
   const raw = err?.metadata?.get?.('grpc-status-details-bin')?.[0];
-  const st = raw && api.decodeStatus(raw);
-  for (const d of st?.details ?? []) {
-    if (String(d.type_url ?? d.typeUrl ?? '').endsWith('/google.rpc.ErrorInfo')) {
-      return decodeErrorInfoReason(Buffer.from(d.value ?? []));
-    }
-  }
-  return '';
-}
-
-/** Field 1 (reason) of an encoded google.rpc.ErrorInfo. */
-function decodeErrorInfoReason(buf) {
-  let i = 0;
-  const varint = () => {
-    let v = 0;
-    let shift = 0;
-    while (i < buf.length) {
-      const b = buf[i++];
-      v += (b & 0x7f) * 2 ** shift;
-      if (b < 0x80) {
-        break;
-      }
-      shift += 7;
-    }
-    return v;
-  };
-  while (i < buf.length) {
-    const tag = varint();
-    const wire = tag & 7;
-    if (wire === 2) {
-      const n = varint();
-      if (tag >>> 3 === 1) {
-        return buf.subarray(i, i + n).toString('utf8');
-      }
-      i += n;
-    } else if (wire === 0) {
-      varint();
-    } else if (wire === 5) {
-      i += 4;
-    } else if (wire === 1) {
-      i += 8;
-    } else {
-      return '';
-    }
-  }
-  return '';
+  return raw ? api.errorInfoReason(raw) : '';
 }
 
 /** How long a handler whose client went away may take to end its answer while the middleware keeps its lease. */
