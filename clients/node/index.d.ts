@@ -51,7 +51,7 @@ export interface RecordMessage {
   updated_at: Timestamp | null;
   lease_expires_at: Timestamp | null;
   expires_at: Timestamp | null;
-  /** Sticky uncertainty (DESIGN.md), present once the proto has it. */
+  /** Sticky uncertainty (docs/design.md), present once the proto has it. */
   uncertain?: boolean;
   [field: string]: unknown;
 }
@@ -318,10 +318,14 @@ import type { ServerInterceptor, ServiceDefinition, Metadata } from '@grpc/grpc-
 
 /** Options of serverInterceptor; each as Go's InterceptorOption of the same name. */
 export interface ServerInterceptorOptions {
-  /** The services whose unary methods are guarded (their codecs replay stored responses); other methods pass through. */
-  services: ServiceDefinition[];
-  /** Only these full method names ('/pkg.Service/Method'); default every unary method not marked NO_SIDE_EFFECTS. */
-  methods?: string[];
+  /**
+   * Descriptors of the server's services (optional): a method marked NO_SIDE_EFFECTS is left unguarded, the
+   * output message's full name is the schema version, and the request is re-encoded for the fingerprint.
+   * Without them every unary method is guarded, stored and replayed with the call's own codec.
+   */
+  services?: ServiceDefinition[];
+  /** Only these full method names ('/pkg.Service/Method'), or those the function accepts; default every unary method not marked NO_SIDE_EFFECTS. */
+  methods?: string[] | ((fullMethod: string) => boolean);
   /** The key of a call (default: its idempotency-key metadata); '' for none. */
   key?: (metadata: Metadata, request: unknown) => string | Promise<string>;
   /** The end user a call acts for, folded into its key (foldPrincipal); with neither this nor withoutPrincipal, it warns as httpMiddleware does. */
@@ -342,9 +346,9 @@ export interface ServerInterceptorOptions {
   schemaVersions?: Record<string, string>;
   /** Metadata keys stored and replayed (default every key but idemcoord's and gRPC's own). */
   replayMetadata?: string[];
-  /** How handler errors are recorded, by gRPC code (default DESIGN.md's table). */
+  /** How handler errors are recorded, by gRPC code (default the table of docs/go.md, from shared_tables.json). */
   failureKinds?: Record<number, FailureKind>;
 }
 
-/** A grpc-js server interceptor: `new grpc.Server({ interceptors: [serverInterceptor(client, { services })] })`. */
-export function serverInterceptor(client: Client, options: ServerInterceptorOptions): ServerInterceptor;
+/** A grpc-js server interceptor: `new grpc.Server({ interceptors: [serverInterceptor(client, { principal })] })`. */
+export function serverInterceptor(client: Client, options?: ServerInterceptorOptions): ServerInterceptor;

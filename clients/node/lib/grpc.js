@@ -35,33 +35,69 @@ function methodsByPath(services) {
 function defaultSchema(def) {
   const name = def.responseType?.type?.name;
   const pkg = def.path.slice(1, def.path.indexOf('/', 1)).split('.').slice(0, -1).join('.');
-  return name ? (pkg ? `${pkg}.${name}` : name) : `${def.path} response`;
+  return name ? (pkg ? `${pkg}.${name}` : name) : pathSchema(def.path);
+}
+
+/** The schema version of a method's responses when no descriptor of it is known. */
+function pathSchema(path) {
+  return `${path} response`;
+}
+
+/** Bytes handed to the call's serializer, which sends them as they are: a stored response, replayed byte for byte. */
+class StoredBytes {
+  constructor(bytes) {
+    this.bytes = bytes;
+  }
+}
+
+/**
+ * Taps the codec of one grpc-js call: every request message's bytes as
+ * read (before the method's deserializer) are kept in tap.requests, and
+ * the method's serializer sends StoredBytes as they are. grpc-js hands an
+ * interceptor the method's requestDeserialize and responseSerialize only;
+ * the bytes themselves are reached through the call's own handler (the
+ * innermost call of the interceptor chain), replaced for this call alone.
+ * null when the installed grpc-js has no such call.
+ */
+function tapCodec(call) {
+  let c = call;
+  for (let depth = 0; c && depth < 64; depth++) {
+    const h = c.handler;
+    if (h && typeof h.serialize === 'function' && typeof h.deserialize === 'function' && typeof c.serializeMessage === 'function') {
+      const tap = { requests: [] };
+      c.handler = {
+        ...h,
+        serialize: (value) => (value instanceof StoredBytes ? value.bytes : h.serialize(value)),
+        deserialize: (bytes) => {
+          tap.requests.push(Buffer.from(bytes));
+          return h.deserialize(bytes);
+        },
+      };
+      return tap;
+    }
+    c = c.nextCall;
+  }
+  return null;
 }
 
 function statusError(code, details, metadata) {
   return { code, details, metadata: metadata ?? new grpc.Metadata() };
 }
 
-/** A google.rpc.Status with an ErrorInfo (reason, domain idemcoord) in grpc-status-details-bin. */
+/** A status whose google.rpc.Status details (grpc-status-details-bin) carry an ErrorInfo of reason. */
 function withErrorInfo(code, details, reason) {
   const md = new grpc.Metadata();
-  const info = Buffer.concat([encodeString(1, reason), encodeString(2, 'idemcoord')]);
-  md.set('grpc-status-details-bin', api.encodeStatus({
-    code, message: details, details: [{ type_url: 'type.googleapis.com/google.rpc.ErrorInfo', value: info }],
-  }));
+  md.set('grpc-status-details-bin', api.encodeErrorInfoStatus(code, details, reason));
   return statusError(code, details, md);
 }
 
-function encodeString(field, s) {
-  const b = Buffer.from(s, 'utf8');
-  return Buffer.concat([Buffer.from([(field << 3) | 2, b.length]), b]);
-}
-
 /**
- * serverInterceptor makes the unary methods of services idempotent; see
- * index.d.ts for the options. Methods it has no definition of (not in
- * options.services) pass through, as Go's interceptor passes methods
- * without a registered descriptor.
+ * serverInterceptor makes every unary method of a grpc-js server
+ * idempotent; see index.d.ts for the options. It stores and replays with
+ * the call's own codec, so it needs no descriptor; options.services adds
+ * what only a descriptor tells (NO_SIDE_EFFECTS methods left unguarded,
+ * the output message's full name as schema version, the request
+ * re-encoded for the fingerprint).
  */
 function serverInterceptor(client, options = {}) {
   if (options.principal && options.withoutPrincipal) {
@@ -71,22 +107,54 @@ function serverInterceptor(client, options = {}) {
     client._warnUndecidedPrincipal('serverInterceptor', 'principal', 'withoutPrincipal');
   }
   const defs = methodsByPath(options.services);
-  const selected = options.methods ? new Set(options.methods) : null;
+  let selected = null;
+  if (typeof options.methods === 'function') {
+    selected = options.methods;
+  } else if (options.methods) {
+    const names = new Set(options.methods);
+    selected = (path) => names.has(path);
+    const unaryKnown = [...names].filter((p) => !defs.has(p) || (!defs.get(p).requestStream && !defs.get(p).responseStream));
+    if (unaryKnown.length === 0) {
+      client._warn(`idemcoord: serverInterceptor built with methods ${JSON.stringify([...names])} guards nothing: ${
+        names.size === 0 ? 'the list is empty' : 'every method named is streaming'}; every call passes through unprotected`,
+      'IDEMCOORD_GUARDS_NOTHING');
+    }
+  }
   const kinds = { ...DEFAULT_FAILURE_KINDS, ...(options.failureKinds ?? {}) };
   const scopeOf = options.scope ?? ((path) => path);
   const waitMs = Math.max(options.waitMs ?? 0, 0);
   const replayMetadata = options.replayMetadata ? new Set(options.replayMetadata.map((k) => k.toLowerCase())) : null;
   const notReplayed = new Set([RESULT_HEADER, EXPIRES_HEADER, 'content-type', 'grpc-status-details-bin', PUSHBACK_TRAILER, 'date']);
   const keep = (k) => !notReplayed.has(k) && !k.startsWith('grpc-') && (!replayMetadata || replayMetadata.has(k));
+  let untappedLogged = false;
 
   return function idempotencyInterceptor(descriptor, call) {
+    // def: what a descriptor (options.services) says of the method, when one does.
     const def = defs.get(descriptor.path);
-    const wrapped = def && !def.requestStream && !def.responseStream &&
-      (selected ? selected.has(descriptor.path) : def.options?.idempotency_level !== 'NO_SIDE_EFFECTS');
+    const wrapped = !descriptor.requestStream && !descriptor.responseStream &&
+      (selected ? selected(descriptor.path) : def?.options?.idempotency_level !== 'NO_SIDE_EFFECTS');
     if (!wrapped) {
       return new grpc.ServerInterceptingCall(call);
     }
-    const schema = options.schemaVersions?.[descriptor.path] ?? defaultSchema(def);
+    const tap = tapCodec(call);
+    if (!tap && !def) {
+      // Neither the call's codec nor a descriptor: the method cannot be
+      // guarded, and it is not run unguarded.
+      if (!untappedLogged) {
+        untappedLogged = true;
+        client._log('error', 'idemcoord: this @grpc/grpc-js does not let the interceptor reach a call\'s codec; pass the services option', { method: descriptor.path });
+      }
+      return new grpc.ServerInterceptingCall(call, {
+        start(next) {
+          next({});
+          call.sendStatus(statusError(S.INTERNAL, 'idempotency interceptor cannot guard this method'));
+        },
+      });
+    }
+    const fixedSchema = options.schemaVersions?.[descriptor.path];
+    const schema = fixedSchema ?? (def ? defaultSchema(def) : pathSchema(descriptor.path));
+    // A method whose descriptor became known later still replays what was stored without it.
+    const accepted = fixedSchema || !def ? [schema] : [schema, pathSchema(descriptor.path)];
     const cancel = new AbortController();
     let metadata;
     let message;
@@ -118,13 +186,14 @@ function serverInterceptor(client, options = {}) {
         }
         return;
       }
-      if (resp.schema_version !== schema) {
+      if (!accepted.includes(resp.schema_version)) {
         call.sendStatus(statusError(S.INTERNAL, `the stored response for this idempotency key has schema version ${resp.schema_version}`));
         return;
       }
       let out;
       try {
-        out = def.responseDeserialize(Buffer.from(resp.body ?? []));
+        const body = Buffer.from(resp.body ?? []);
+        out = tap ? new StoredBytes(body) : def.responseDeserialize(body);
       } catch {
         call.sendStatus(statusError(S.INTERNAL, 'the stored response for this idempotency key cannot be decoded'));
         return;
@@ -185,11 +254,11 @@ function serverInterceptor(client, options = {}) {
         key = foldPrincipal(await options.principal(metadata), key);
       }
       const fp = options.fingerprint ? await options.fingerprint(metadata, message)
-        : crypto.createHash('sha256').update(`${descriptor.path}\n`).update(def.requestSerialize(message)).digest();
+        : crypto.createHash('sha256').update(`${descriptor.path}\n`).update(def ? def.requestSerialize(message) : tap.requests[0]).digest();
       const breq = {
         scope: scopeOf(descriptor.path), key, fingerprint: Buffer.from(fp ?? []), attempt_id: newAttemptId(),
         lease: client._opts.leaseMs > 0 ? api.duration(client._opts.leaseMs) : null,
-        accept_schema_versions: [schema, SCHEMA_VERSION_STATUS],
+        accept_schema_versions: [...accepted, SCHEMA_VERSION_STATUS],
       };
       const deadline = call.getDeadline();
       const callEnd = deadline instanceof Date ? deadline.getTime() : (Number.isFinite(deadline) ? deadline : Infinity);
@@ -274,7 +343,7 @@ function serverInterceptor(client, options = {}) {
       if (!outcome.failed) {
         let body;
         try {
-          body = def.responseSerialize(pending.message);
+          body = descriptor.responseSerialize(pending.message);
         } catch {
           await lease.finish({ kind: 'FAILURE_KIND_UNKNOWN', reason: "the handler's response could not be encoded for storage" });
           releaseHeader(false);
