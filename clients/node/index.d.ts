@@ -352,3 +352,16 @@ export interface ServerInterceptorOptions {
 
 /** A grpc-js server interceptor: `new grpc.Server({ interceptors: [serverInterceptor(client, { principal })] })`. */
 export function serverInterceptor(client: Client, options?: ServerInterceptorOptions): ServerInterceptor;
+
+/**
+ * A grpc-js client interceptor (a client's `interceptors` option) that gives every call without
+ * idempotency-key metadata a new UUIDv4 key, the same on every retry attempt grpc-js makes of it.
+ */
+export function clientInterceptor(): Interceptor;
+
+/**
+ * Gives a fetch request (a Headers, a Request, or a RequestInit, whose headers become a Headers) an
+ * Idempotency-Key header when it has none, a UUIDv4 as a structured-field string, and returns the key it
+ * carries. Call it once per operation, before the retry loop.
+ */
+export function stampIdempotencyKey(target: Headers | Request | { headers?: HeadersInit }): string;

@@ -8,6 +8,7 @@ const { dedupKey, normalizeName } = require('./lib/dedup');
 const errors = require('./lib/errors');
 const http = require('./lib/http');
 const { serverInterceptor } = require('./lib/grpc');
+const { clientInterceptor, stampIdempotencyKey } = require('./lib/callers');
 
 module.exports = {
   Client,
@@ -18,6 +19,8 @@ module.exports = {
   httpMiddleware: http.httpMiddleware,
   fastifyPlugin: http.fastifyPlugin,
   serverInterceptor,
+  clientInterceptor,
+  stampIdempotencyKey,
   parseIdempotencyKey: http.parseIdempotencyKey,
   foldPrincipal: http.foldPrincipal,
   httpFingerprint: http.httpFingerprint,

@@ -52,3 +52,11 @@ const server = new grpc.Server({
   interceptors: [serverInterceptor(client, { services: [service], waitMs: 1000, requireKey: true, methods: ['/pkg.S/M'] })],
 });
 void server;
+
+// The calling side.
+import { clientInterceptor, stampIdempotencyKey } from '../..';
+const callerInterceptors = [clientInterceptor()];
+const stampInit: RequestInit = { method: 'POST' };
+const stampedKey: string = stampIdempotencyKey(stampInit);
+void callerInterceptors;
+void stampedKey;
