@@ -6,13 +6,62 @@
 
 import type { ChannelCredentials, Interceptor, ChannelOptions } from '@grpc/grpc-js';
 
+// BEGIN proto enums: generated from idempotency.binpb by `node test/proto-types.js --write`; do not edit.
+/** idempotency.v1.State, by value name. */
 export type State =
-  | 'STATE_UNSPECIFIED' | 'STATE_IN_PROGRESS' | 'STATE_COMPLETED' | 'STATE_FAILED_RETRYABLE'
-  | 'STATE_FAILED_REPLAYABLE' | 'STATE_EXPIRED' | 'STATE_UNKNOWN';
-export type Outcome = 'OUTCOME_UNSPECIFIED' | 'OUTCOME_ACQUIRED' | 'OUTCOME_REPLAY' | 'OUTCOME_IN_PROGRESS';
+  | 'STATE_UNSPECIFIED'
+  | 'STATE_IN_PROGRESS'
+  | 'STATE_COMPLETED'
+  | 'STATE_FAILED_RETRYABLE'
+  | 'STATE_FAILED_REPLAYABLE'
+  | 'STATE_EXPIRED'
+  | 'STATE_UNKNOWN';
+/** idempotency.v1.Outcome, by value name. */
+export type Outcome =
+  | 'OUTCOME_UNSPECIFIED'
+  | 'OUTCOME_ACQUIRED'
+  | 'OUTCOME_REPLAY'
+  | 'OUTCOME_IN_PROGRESS';
+/** idempotency.v1.FailureKind, by value name. */
 export type FailureKind =
-  | 'FAILURE_KIND_UNSPECIFIED' | 'FAILURE_KIND_RETRYABLE' | 'FAILURE_KIND_REPLAYABLE'
-  | 'FAILURE_KIND_UNKNOWN' | 'FAILURE_KIND_ABANDONED';
+  | 'FAILURE_KIND_UNSPECIFIED'
+  | 'FAILURE_KIND_RETRYABLE'
+  | 'FAILURE_KIND_REPLAYABLE'
+  | 'FAILURE_KIND_UNKNOWN'
+  | 'FAILURE_KIND_ABANDONED';
+/** idempotency.v1.Resolution, by value name. */
+export type Resolution =
+  | 'RESOLUTION_UNSPECIFIED'
+  | 'RESOLUTION_COMPLETED'
+  | 'RESOLUTION_RETRYABLE';
+/** idempotency.v1.ErrorReason, by value name. */
+export type ErrorReason =
+  | 'ERROR_REASON_UNSPECIFIED'
+  | 'ERROR_REASON_FINGERPRINT_MISMATCH'
+  | 'ERROR_REASON_LEASE_LOST'
+  | 'ERROR_REASON_SCHEMA_VERSION_NOT_ACCEPTED'
+  | 'ERROR_REASON_KEY_EXPIRED'
+  | 'ERROR_REASON_ALREADY_FINISHED'
+  | 'ERROR_REASON_ATTEMPTS_EXHAUSTED'
+  | 'ERROR_REASON_RESPONSE_TOO_LARGE'
+  | 'ERROR_REASON_NOT_UNKNOWN'
+  | 'ERROR_REASON_RECORD_UNREADABLE'
+  | 'ERROR_REASON_UNKNOWN_HELD'
+  | 'ERROR_REASON_KEY_FORMAT';
+/** An ErrorInfo reason as sent on the wire: an idempotency.v1.ErrorReason name without its ERROR_REASON_ prefix. */
+export type ErrorReasonName =
+  | 'FINGERPRINT_MISMATCH'
+  | 'LEASE_LOST'
+  | 'SCHEMA_VERSION_NOT_ACCEPTED'
+  | 'KEY_EXPIRED'
+  | 'ALREADY_FINISHED'
+  | 'ATTEMPTS_EXHAUSTED'
+  | 'RESPONSE_TOO_LARGE'
+  | 'NOT_UNKNOWN'
+  | 'RECORD_UNREADABLE'
+  | 'UNKNOWN_HELD'
+  | 'KEY_FORMAT';
+// END proto enums
 
 /** google.protobuf.Duration and Timestamp as decoded. */
 export interface Duration { seconds: string | number; nanos?: number }
@@ -201,7 +250,7 @@ export function markSideEffect(): void;
 export function currentLease(): Lease | null;
 
 /** Every ErrorInfo reason of domain idempotency.v1 (the enum ErrorReason without its prefix), keyed by itself. */
-export const REASONS: Readonly<Record<string, string>>;
+export const REASONS: Readonly<{ [R in ErrorReasonName]: R }>;
 export const REASON_UNKNOWN_HELD: 'UNKNOWN_HELD';
 export const SCHEMA_VERSION_STATUS: 'google.rpc.Status';
 export const CONTENT_TYPE_PROTO: 'application/x-protobuf';
