@@ -113,14 +113,14 @@ func recordHash(id Identity) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// Subscribe returns a channel that receives a value after every committed
+// subscribe returns a channel that receives a value after every committed
 // change of the record id that a waiting Begin cares about (its state, its
 // holder, its expiry or its deletion; not a Heartbeat), whenever the
 // listener (re)connects (or at once if it is connected), and every second
 // while notifications cannot be trusted; and a function that ends the
-// subscription. Subscribe before reading the record, so no change between
+// subscription. subscribe before reading the record, so no change between
 // the read and the wait is missed.
-func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) {
+func (s *Store) subscribe(id Identity) (<-chan struct{}, func()) {
 	return s.notifier.subscribe(recordHash(id))
 }
 
