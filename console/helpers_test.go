@@ -222,13 +222,13 @@ func recordPath(scope, key string) string {
 type ledgerSessions struct{ c *coordtest.Coordinator }
 
 func (s ledgerSessions) CreateSession(ctx context.Context, n *console.NewSession) error {
-	_, err := s.c.Store.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
+	_, err := ledger.NewSessions(s.c.Store).Create(ctx, &ledger.CreateSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
 		TokenSHA256: n.TokenSHA256, Credential: n.Credential, IdleTimeout: n.IdleTimeout, MaxLifetime: n.MaxLifetime})
 	return err
 }
 
 func (s ledgerSessions) UseSession(ctx context.Context, idSHA256 []byte) (*console.Session, error) {
-	got, err := s.c.Store.TouchConsoleSession(ctx, idSHA256)
+	got, err := ledger.NewSessions(s.c.Store).Touch(ctx, idSHA256)
 	if errors.Is(err, ledger.ErrSessionNotFound) {
 		return nil, console.ErrNoSession
 	}
@@ -239,5 +239,5 @@ func (s ledgerSessions) UseSession(ctx context.Context, idSHA256 []byte) (*conso
 }
 
 func (s ledgerSessions) DeleteSession(ctx context.Context, idSHA256 []byte) error {
-	return s.c.Store.DeleteConsoleSession(ctx, idSHA256)
+	return ledger.NewSessions(s.c.Store).Delete(ctx, idSHA256)
 }
