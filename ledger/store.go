@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemcoord/idemcoord/ledger/internal/coalescer"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -32,8 +33,8 @@ type Store struct {
 
 	// begins and completes coalesce concurrent calls into one statement
 	// (nil when batching is off).
-	begins    *coalescer[*beginReq]
-	completes *coalescer[*completeReq]
+	begins    *coalescer.Coalescer[*beginReq]
+	completes *coalescer.Coalescer[*completeReq]
 	// held remembers keys whose Begins met another transaction's lock,
 	// which batches then leave to run on their own.
 	held heldKeys
@@ -206,9 +207,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		if workers < 1 {
 			workers = DefaultBatchWorkers
 		}
-		s.begins = newCoalescer(workers, batchMax, s.runBeginBatch,
+		s.begins = coalescer.New(workers, batchMax, batchTimeout, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
-		s.completes = newCoalescer(workers, batchMax, s.runCompleteBatch,
+		s.completes = coalescer.New(workers, batchMax, batchTimeout, s.runCompleteBatch,
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
@@ -241,8 +242,8 @@ func (s *Store) Close() {
 	s.stopPing()
 	<-s.pingDone
 	if s.begins != nil {
-		s.begins.close()
-		s.completes.close()
+		s.begins.Close()
+		s.completes.Close()
 	}
 	s.waitReleases()
 	s.notifier.close()
@@ -520,7 +521,7 @@ const singleLockWait = 500 * time.Millisecond
 func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	if s.begins != nil {
 		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
-		if !s.begins.submit(ctx, r) {
+		if !s.begins.Submit(ctx, r) {
 			return rec, false, now, false, submitErr(ctx)
 		}
 		var out beginRes
@@ -620,7 +621,7 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	}
 	if s.completes != nil {
 		r := &completeReq{ctx: ctx, id: id, ev: ev, args: rargs, out: make(chan completeRes, 1)}
-		if !s.completes.submit(ctx, r) {
+		if !s.completes.Submit(ctx, r) {
 			return nil, submitErr(ctx)
 		}
 		select {

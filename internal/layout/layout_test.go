@@ -45,8 +45,11 @@ var layout = map[string]rule{
 	"statemachine": {stdOnly: true},
 	// extra: golang-migrate is the "maintained migration library" that
 	// applies the embedded migrations (the design's Storage section).
-	"ledger": {own: []string{"statemachine"},
+	// extra: ledger/internal, the ledger's own parts (below).
+	"ledger": {own: []string{"statemachine", "ledger/internal"},
 		third: []string{"github.com/jackc/pgx/v5", "github.com/golang-migrate/migrate/v4"}},
+	// The ledger's parts, each its own concern; none imports ledger.
+	"ledger/internal/coalescer": {stdOnly: true},
 	// extra: internal/errorinfo, the one place reasons get their wire names.
 	"server": {own: []string{"ledger", "statemachine", "gen", "internal/errorinfo"}, deny: noPgx},
 	// extra: internal/errorinfo, as for server.
