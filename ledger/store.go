@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemcoord/idemcoord/ledger/internal/coalescer"
+	"github.com/idemcoord/idemcoord/ledger/internal/notifier"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -25,7 +26,7 @@ type Store struct {
 	pool     *pgxpool.Pool
 	clock    func() time.Time
 	logger   *slog.Logger
-	notifier *notifier
+	notifier *notifier.Notifier
 	keyring  *Keyring
 
 	// exactCountBytes: below this table size StateCounts counts exactly.
@@ -45,12 +46,10 @@ type Store struct {
 	releasesMu     sync.Mutex
 	releasesClosed bool
 
-	// cache serves replays without a round trip (nil when off); stopPing
-	// ends its ping loop. clockOffset is the database clock minus the
-	// local clock (ns), as last seen, for judging cached expiry.
+	// cache serves replays without a round trip (nil when off).
+	// clockOffset is the database clock minus the local clock (ns), as
+	// last seen, for judging cached expiry.
 	cache       *replayCache
-	stopPing    context.CancelFunc
-	pingDone    chan struct{}
 	clockOffset atomic.Int64
 }
 
@@ -194,12 +193,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
 		listenCfg = ncfg
 	}
-	s.notifier = newNotifier(listenCfg, o.logger)
+	ncfg := notifier.Config{ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
 	if o.noNotify {
 		// No listener: the notifier never trusts notifications, so
 		// subscribers poll, and there is no replay cache (it learns of
 		// changes only from notifications) and no ping.
-		s.notifier.noListen = true
+		ncfg.NoListen = true
 		o.cacheMax = 0
 	}
 	if !o.noBatch {
@@ -213,22 +212,15 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.fresh(cacheFreshness) })
-		s.notifier.onPayload = s.cache.notified
-		s.notifier.onLost = s.cache.invalidateAll
+		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.Fresh(cacheFreshness) })
+		ncfg.OnPayload = s.cache.notified
+		ncfg.OnLost = s.cache.invalidateAll
 	}
 	// The listener and its pings run from the start: the pings measure the
 	// listener's delay and carry the count of changes not notified, which
 	// the replay cache and waiting Begins rely on.
-	s.notifier.start()
-	pctx, cancel := context.WithCancel(context.Background())
-	s.stopPing, s.pingDone = cancel, make(chan struct{})
-	go func() {
-		defer close(s.pingDone)
-		if !o.noNotify {
-			s.pingLoop(pctx)
-		}
-	}()
+	s.notifier = notifier.New(ncfg)
+	s.notifier.Start()
 	return s, nil
 }
 
@@ -239,14 +231,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 // calls made after Close return ErrUnavailable too. Close waits for calls
 // on their own connection to finish.
 func (s *Store) Close() {
-	s.stopPing()
-	<-s.pingDone
 	if s.begins != nil {
 		s.begins.Close()
 		s.completes.Close()
 	}
 	s.waitReleases()
-	s.notifier.close()
+	s.notifier.Close()
 	s.pool.Close()
 }
 

@@ -149,7 +149,7 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 				}
 			}
 		}
-		if s.notifier.polling() {
+		if s.notifier.Polling() {
 			poll = nextPoll(poll)
 			sleep = min(sleep, poll)
 		}
