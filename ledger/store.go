@@ -17,6 +17,7 @@ import (
 
 	"github.com/idemcoord/idemcoord/ledger/internal/coalescer"
 	"github.com/idemcoord/idemcoord/ledger/internal/notifier"
+	"github.com/idemcoord/idemcoord/ledger/internal/replaycache"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -49,7 +50,7 @@ type Store struct {
 	// cache serves replays without a round trip (nil when off).
 	// clockOffset is the database clock minus the local clock (ns), as
 	// last seen, for judging cached expiry.
-	cache       *replayCache
+	cache       *replaycache.Cache
 	clockOffset atomic.Int64
 }
 
@@ -212,9 +213,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.Fresh(cacheFreshness) })
-		ncfg.OnPayload = s.cache.notified
-		ncfg.OnLost = s.cache.invalidateAll
+		s.cache = replaycache.New(o.cacheMax, func() bool { return s.notifier.Fresh(replaycache.Freshness) })
+		ncfg.OnPayload = s.cache.Invalidate
+		ncfg.OnLost = s.cache.InvalidateAll
 	}
 	// The listener and its pings run from the start: the pings measure the
 	// listener's delay and carry the count of changes not notified, which
@@ -366,11 +367,11 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, *evp); ok {
-			s.cache.hits.Add(1)
+			s.cache.Hit()
 			return res, res.Err
 		}
-		s.cache.misses.Add(1)
-		seq = s.cache.snapshot()
+		s.cache.Miss()
+		seq = s.cache.Snapshot()
 	}
 	if evp.NewToken == "" {
 		evp.NewToken = newToken()
@@ -402,7 +403,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		}
 		if d.Write == statemachine.WriteNone {
 			if s.cache != nil && d.Outcome == statemachine.OutcomeReplay {
-				s.cache.put(p.ID, d.Record, seq)
+				s.cache.Put(recordHash(p.ID), d.Record, seq)
 			}
 			return &Result{Decision: d, Now: now}, nil
 		}
@@ -459,7 +460,7 @@ func (s *Store) beginWithoutWrite(ctx context.Context, p *BeginParams, ev statem
 // beginCached answers a Begin from the replay cache when the cached record
 // decides it without a write and is not about to expire.
 func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, bool) {
-	rec, ok := s.cache.get(p.ID)
+	rec, ok := s.cache.Get(recordHash(p.ID))
 	if !ok {
 		return nil, false
 	}
@@ -467,7 +468,7 @@ func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, boo
 	if s.clock != nil {
 		now = *s.now()
 	}
-	if !now.Add(cacheExpiryMargin).Before(rec.ExpiresAt) {
+	if !now.Add(replaycache.ExpiryMargin).Before(rec.ExpiresAt) {
 		return nil, false
 	}
 	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)

@@ -49,8 +49,9 @@ var layout = map[string]rule{
 	"ledger": {own: []string{"statemachine", "ledger/internal"},
 		third: []string{"github.com/jackc/pgx/v5", "github.com/golang-migrate/migrate/v4"}},
 	// The ledger's parts, each its own concern; none imports ledger.
-	"ledger/internal/coalescer": {stdOnly: true},
-	"ledger/internal/notifier":  {third: []string{"github.com/jackc/pgx/v5"}},
+	"ledger/internal/coalescer":   {stdOnly: true},
+	"ledger/internal/notifier":    {third: []string{"github.com/jackc/pgx/v5"}},
+	"ledger/internal/replaycache": {own: []string{"statemachine"}, third: []string{}},
 	// extra: internal/errorinfo, the one place reasons get their wire names.
 	"server": {own: []string{"ledger", "statemachine", "gen", "internal/errorinfo"}, deny: noPgx},
 	// extra: internal/errorinfo, as for server.
