@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -214,7 +215,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	}
 	found := make(map[Identity]row, n)
 	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
-		s.newRowKeyID(), int16(sealVersion), lockTimeoutArg(batchLockWait))
+		s.newRowKeyID(), int16(keyring.SealVersion), lockTimeoutArg(batchLockWait))
 	if err == nil {
 		for rows.Next() {
 			var id Identity

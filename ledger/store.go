@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemcoord/idemcoord/ledger/internal/coalescer"
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/ledger/internal/notifier"
 	"github.com/idemcoord/idemcoord/ledger/internal/replaycache"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -28,7 +29,7 @@ type Store struct {
 	clock    func() time.Time
 	logger   *slog.Logger
 	notifier *notifier.Notifier
-	keyring  *Keyring
+	keyring  *keyring.Ring // nil: records in clear
 
 	// exactCountBytes: below this table size StateCounts counts exactly.
 	exactCountBytes int64
@@ -178,7 +179,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring, exactCountBytes: exactCountBytes}
+	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
 	listenCfg := cfg.ConnConfig.Copy()
 	if o.notifyURL != "" {
 		ncfg, err := pgx.ParseConfig(o.notifyURL)
@@ -380,7 +381,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 	// ev carries the caller's fingerprint; a new row stores it keyed under
 	// the active key, an existing one is compared in its own stored form.
 	insert := ev
-	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
+	insert.Fingerprint = s.keyring.FingerprintFor(keyring.ID(p.ID), nil, ev.Fingerprint)
 	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err
@@ -489,7 +490,7 @@ func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemac
 	if cur != nil {
 		stored = cur.Fingerprint
 	}
-	ev.Fingerprint = s.keyring.fingerprintFor(id, stored, ev.Fingerprint)
+	ev.Fingerprint = s.keyring.FingerprintFor(keyring.ID(id), stored, ev.Fingerprint)
 	return ev
 }
 
