@@ -74,6 +74,7 @@ var layout = map[string]rule{
 	"internal/coordtest":                 {own: []string{"internal/pgtest", "ledger", "server"}},
 	"internal/cmd/throwaway-coordinator": {own: []string{"internal/pgtest"}},
 	"internal/crashfs":                   {},
+	"internal/testkit":                   {stdOnly: true},
 	"internal/doccheck":                  {stdOnly: true}, // tests only
 	"internal/errorinfo":                 {own: []string{"gen"}, third: []string{"google.golang.org/genproto/googleapis/rpc/errdetails"}},
 	"internal/layout":                    {stdOnly: true}, // tests only
