@@ -568,13 +568,18 @@ func submitErr(ctx context.Context) error {
 	return errStoreClosed
 }
 
-// Complete, Fail and Heartbeat apply p.Event under the record's row lock.
+// Finish applies a Complete, Fail or Heartbeat (p.Event.Kind) under the
+// record's row lock. An identity longer than MaxIdentityBytes is refused
+// with ErrIdentityTooLong.
 //
 // A Complete by the holder of the lease takes one statement (without a
 // keyring); anything else (a stale token, a repeat, a record that ended,
 // and every Complete when responses are encrypted) takes the locked path,
 // which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	ev := storedDurations(p.Event)
 	// With a keyring the response is sealed bound to the record's
 	// generation and attempt, which only the locked path reads first.
@@ -682,11 +687,9 @@ type lockedHooks struct {
 	late func(*Result)
 }
 
-// lockedWith is locked with hooks.
+// lockedWith is locked with hooks. id has been checked (checkIdentity) by
+// the exported method that leads here, once.
 func (s *Store) lockedWith(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy, h lockedHooks) (*Result, error) {
-	if err := checkIdentity(id); err != nil {
-		return nil, err
-	}
 	for range maxRaceRetries {
 		res, retry, err := s.lockedOnce(ctx, id, ev, pol, h)
 		switch {
