@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 // toxiproxyVersion is the toxiproxy release the Makefile installs into
@@ -67,7 +68,7 @@ type toxiproxy struct {
 type toxiproxyProcess struct {
 	cmd  *exec.Cmd
 	done chan struct{} // closed once it has exited and been waited for
-	log  *syncBuffer
+	log  *testkit.LogBuffer
 }
 
 // toxiproxyProxy is a proxy as made, for a restart to make it again.
@@ -145,7 +146,7 @@ func (tp *toxiproxy) start() (*toxiproxyProcess, error) {
 	host, port, _ := net.SplitHostPort(tp.apiAddr)
 	cmd := exec.Command(tp.bin, "-host", host, "-port", port)
 	cmd.Env = append(os.Environ(), "LOG_LEVEL=error")
-	p := &toxiproxyProcess{cmd: cmd, done: make(chan struct{}), log: &syncBuffer{}}
+	p := &toxiproxyProcess{cmd: cmd, done: make(chan struct{}), log: &testkit.LogBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.log, p.log
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %v", tp.bin, err)
@@ -407,22 +408,4 @@ func tail(s string, n int) string {
 		return s
 	}
 	return s[len(s)-n:]
-}
-
-// syncBuffer is a bytes.Buffer safe for a process's output and the test.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }

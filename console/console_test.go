@@ -19,6 +19,7 @@ import (
 	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -471,7 +472,7 @@ func TestCookiesAndHeaders(t *testing.T) {
 // enough; one a non-admin tenant lists gets 403.
 func TestClientCertificateSignsIn(t *testing.T) {
 	t.Parallel()
-	ca := coordtest.NewCA(t)
+	ca := testkit.NewCA(t)
 	e := newConsoleEnv(t, true)
 	e.http.TLS = &tls.Config{ClientCAs: ca.Pool(), ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
 	e.http.StartTLS()

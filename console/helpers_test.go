@@ -1,7 +1,6 @@
 package console_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -16,7 +15,6 @@ import (
 	"os"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,6 +24,7 @@ import (
 	"github.com/idemcoord/idemcoord/console"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/ledger"
 )
 
@@ -55,24 +54,6 @@ tenants:
 `, sha(opsToken), sha(payToken))
 }
 
-// syncBuffer is a log destination tests read while the server writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // consoleEnv is a coordinator over its own database and a console in front
 // of it, served over loopback HTTP.
 type consoleEnv struct {
@@ -81,7 +62,7 @@ type consoleEnv struct {
 	client  idempotencyv1.CoordinatorClient
 	console *console.Console
 	http    *httptest.Server
-	log     *syncBuffer
+	log     *testkit.LogBuffer
 }
 
 func newConsoleEnv(t *testing.T, tlsServer bool) *consoleEnv {
@@ -94,7 +75,7 @@ func newConsoleEnv(t *testing.T, tlsServer bool) *consoleEnv {
 func newConsoleEnvOn(t *testing.T, tlsServer bool, databaseURL string) *consoleEnv {
 	t.Helper()
 	c := coordtest.Start(t, coordtest.Options{FakeClock: true, Config: tenantsConfig(), DatabaseURL: databaseURL})
-	e := &consoleEnv{t: t, coord: c, client: idempotencyv1.NewCoordinatorClient(c.Dial(t)), log: &syncBuffer{}}
+	e := &consoleEnv{t: t, coord: c, client: idempotencyv1.NewCoordinatorClient(c.Dial(t)), log: &testkit.LogBuffer{}}
 	logger := slog.New(slog.NewTextHandler(e.log, nil))
 	e.console = console.New(c.Server.AdminConn(), console.WithLogger(logger), console.WithSessions(ledgerSessions{c}), console.WithCounters(func() console.Counters {
 		t := c.Server.CounterTotals()
@@ -222,13 +203,13 @@ func recordPath(scope, key string) string {
 type ledgerSessions struct{ c *coordtest.Coordinator }
 
 func (s ledgerSessions) CreateSession(ctx context.Context, n *console.NewSession) error {
-	_, err := s.c.Store.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
+	_, err := ledger.NewSessions(s.c.Store).Create(ctx, &ledger.CreateSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
 		TokenSHA256: n.TokenSHA256, Credential: n.Credential, IdleTimeout: n.IdleTimeout, MaxLifetime: n.MaxLifetime})
 	return err
 }
 
 func (s ledgerSessions) UseSession(ctx context.Context, idSHA256 []byte) (*console.Session, error) {
-	got, err := s.c.Store.TouchConsoleSession(ctx, idSHA256)
+	got, err := ledger.NewSessions(s.c.Store).Touch(ctx, idSHA256)
 	if errors.Is(err, ledger.ErrSessionNotFound) {
 		return nil, console.ErrNoSession
 	}
@@ -239,5 +220,5 @@ func (s ledgerSessions) UseSession(ctx context.Context, idSHA256 []byte) (*conso
 }
 
 func (s ledgerSessions) DeleteSession(ctx context.Context, idSHA256 []byte) error {
-	return s.c.Store.DeleteConsoleSession(ctx, idSHA256)
+	return ledger.NewSessions(s.c.Store).Delete(ctx, idSHA256)
 }

@@ -256,6 +256,9 @@ type ResolveParams struct {
 // statemachine.ErrNotUnknown, a missing one with statemachine.ErrNotFound.
 // Waiting Begins wake, as on every write.
 func (s *Store) Resolve(ctx context.Context, p *ResolveParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	return s.locked(ctx, p.ID, statemachine.Event{Kind: statemachine.EventResolve, ResolveAs: p.As,
 		Response: p.Response}, statemachine.Policy{})
 }

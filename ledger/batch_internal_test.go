@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sync"
 	"testing"
 	"time"
 
@@ -72,43 +71,6 @@ func TestBeginBatchUnreadableRowFailsOnlyItsCaller(t *testing.T) {
 		if out.err != nil || !out.inserted || out.rec.LeaseToken != r.ev.NewToken {
 			t.Errorf("%v: %+v, want its own acquisition", r.p.ID, out)
 		}
-	}
-}
-
-// TestCoalescerCloseAnswersEveryone closes a coalescer with a batch in
-// flight and requests queued: the batch's context is cancelled, every
-// queued request is rejected (answered), and later submits are refused.
-func TestCoalescerCloseAnswersEveryone(t *testing.T) {
-	t.Parallel()
-	started := make(chan struct{})
-	var ran, rejected sync.Map
-	c := newCoalescer(1, 4, func(ctx context.Context, batch []int) {
-		for _, r := range batch {
-			ran.Store(r, true)
-		}
-		close(started)
-		<-ctx.Done() // a statement that only ends when cancelled
-	}, func(r int) { rejected.Store(r, true) })
-	if !c.submit(context.Background(), 0) {
-		t.Fatal("submit refused")
-	}
-	<-started
-	for i := 1; i <= 3; i++ {
-		if !c.submit(context.Background(), i) {
-			t.Fatal("submit refused")
-		}
-	}
-	c.close()
-	for i := 1; i <= 3; i++ {
-		if _, ok := rejected.Load(i); !ok {
-			t.Errorf("queued request %d was not answered", i)
-		}
-	}
-	if _, ok := ran.Load(0); !ok {
-		t.Error("the batch in flight did not run")
-	}
-	if c.submit(context.Background(), 9) {
-		t.Error("submit after close was accepted")
 	}
 }
 

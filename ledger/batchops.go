@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -19,6 +20,12 @@ const (
 	DefaultBatchWorkers = 1
 	batchMax            = 64
 )
+
+// batchTimeout bounds one batch statement. The statements commit by
+// themselves and run apart from their callers' contexts, so a caller that
+// gives up never cancels a commit; the bound is commitTimeout's, for the
+// same reason.
+const batchTimeout = commitTimeout
 
 // batchLockWait bounds how long a batch of Begins waits on another
 // transaction's insert or change of one of its keys (a RunTx running fn, a
@@ -172,7 +179,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 			r.out <- beginRes{}
 			return
 		}
-		if err != nil && s.begins.closing() {
+		if err != nil && s.begins.Closing() {
 			err = errStoreClosed
 		}
 		r.out <- beginRes{rec: rec, now: now, inserted: inserted, found: found, err: classify(err)}
@@ -208,7 +215,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	}
 	found := make(map[Identity]row, n)
 	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
-		s.newRowKeyID(), int16(sealVersion), lockTimeoutArg(batchLockWait))
+		s.newRowKeyID(), int16(keyring.SealVersion), lockTimeoutArg(batchLockWait))
 	if err == nil {
 		for rows.Next() {
 			var id Identity
@@ -228,7 +235,7 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		}
 	}
 	if err != nil {
-		failed := s.batchFailed("begin", len(live), err, s.begins.closing())
+		failed := s.batchFailed("begin", len(live), err, s.begins.Closing())
 		for _, r := range live {
 			r.out <- beginRes{err: failed}
 		}
@@ -315,7 +322,7 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 	case 1:
 		r := live[0]
 		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.args)
-		if err != nil && s.completes.closing() {
+		if err != nil && s.completes.Closing() {
 			err = errStoreClosed
 		}
 		r.out <- completeRes{res: res, err: classify(err)}
@@ -360,7 +367,7 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 		}
 	}
 	if err != nil {
-		failed := s.batchFailed("complete", n, err, s.completes.closing())
+		failed := s.batchFailed("complete", n, err, s.completes.Closing())
 		for _, r := range live {
 			r.out <- completeRes{err: failed}
 		}

@@ -26,5 +26,17 @@
 // Open, and runs each request through Store.RunTx, which commits the record
 // with the service's own writes. The coordinator can serve the same table.
 //
-// It imports statemachine and pgx, never gRPC or the server.
+// Store's surface is the records': what a RunTx user and the coordinator
+// need (Begin, BeginWait, Finish, Lookup, RunTx; admin, maintenance and
+// statistics). The operator console's sign-in sessions are kept apart, by
+// Sessions.
+//
+// Its parts live under ledger/internal, one concern each, and none imports
+// the ledger: notifier (the change listener: LISTEN/NOTIFY, pings,
+// polling), coalescer (the batching of concurrent Begins and Completes),
+// replaycache (finished records served without a round trip) and keyring
+// (encryption at rest).
+//
+// It imports statemachine, pgx and golang-migrate, never gRPC, the server
+// or the console.
 package ledger

@@ -1,8 +1,20 @@
 package ledger
 
+import "context"
+
 // WithNotifyQueueLimit sets the notification queue usage above which the
 // store's writes stop notifying (idemcoord.notify_queue_limit), so tests
 // reach it without filling PostgreSQL's 8 GB queue.
 func WithNotifyQueueLimit(limit string) Option {
 	return func(o *options) { o.notifyQueueLimit = limit }
+}
+
+// Subscribe lets the package's external tests wait for a record's change
+// notifications as a waiting Begin does (see subscribe).
+func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) { return s.subscribe(id) }
+
+// Watch lets the package's external tests mark a record as waited for, as
+// a waiting Begin does (see watch).
+func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
+	return s.watch(ctx, id)
 }

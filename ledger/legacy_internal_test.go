@@ -3,6 +3,8 @@ package ledger
 import (
 	"bytes"
 	"context"
+	"crypto/aes"
+	"crypto/cipher"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -12,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -63,10 +66,17 @@ func TestLegacyRowsUpgrade(t *testing.T) {
 	// Sealed in the v1 form, as the previous version wrote it.
 	v1 := id("v1")
 	seal := func(column string, plain []byte) []byte {
-		aead := ring.aeads["k1"]
+		block, err := aes.NewCipher(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		aead, err := cipher.NewGCM(block)
+		if err != nil {
+			t.Fatal(err)
+		}
 		nonce := make([]byte, aead.NonceSize())
 		_, _ = rand.Read(nonce)
-		return aead.Seal(nonce, nonce, plain, legacyAdditionalData(v1, column))
+		return aead.Seal(nonce, nonce, plain, keyring.LegacyAdditionalData(keyring.ID(v1), column))
 	}
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {

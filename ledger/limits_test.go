@@ -59,4 +59,11 @@ func TestIdentityBound(t *testing.T) {
 	if _, err := s.Begin(ctx, &ledger.BeginParams{ID: id, Event: ev}); !errors.Is(err, ledger.ErrIdentityTooLong) {
 		t.Fatalf("Begin of MaxIdentityBytes+1: %v, want ErrIdentityTooLong", err)
 	}
+	complete := statemachine.Event{Kind: statemachine.EventComplete, Token: "lt1.x", Response: &statemachine.Response{}}
+	if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id, Event: complete}); !errors.Is(err, ledger.ErrIdentityTooLong) {
+		t.Fatalf("Finish of MaxIdentityBytes+1: %v, want ErrIdentityTooLong", err)
+	}
+	if _, err := s.Resolve(ctx, &ledger.ResolveParams{ID: id, As: statemachine.StateFailedRetryable}); !errors.Is(err, ledger.ErrIdentityTooLong) {
+		t.Fatalf("Resolve of MaxIdentityBytes+1: %v, want ErrIdentityTooLong", err)
+	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -138,7 +139,7 @@ func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemach
 	}
 	rows, err := s.pool.Query(ctx, beginSQL, id.Tenant, id.Scope, id.Key, fp, ev.NewToken, ev.AttemptID,
 		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now(),
-		s.newRowKeyID(), int16(sealVersion), lockTimeoutArg(lockWait))
+		s.newRowKeyID(), int16(keyring.SealVersion), lockTimeoutArg(lockWait))
 	if err != nil {
 		return rec, false, now, false, err
 	}
@@ -227,7 +228,7 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 			rec.ExpiresAt = expires.UTC()
 		}
 		o := opener{k: s.keyring, keyID: keyID, version: version, id: *id,
-			b: binding{generation: rec.Generation, attempt: rec.Attempt, endedBy: endedBy}}
+			b: keyring.Binding{Generation: rec.Generation, Attempt: rec.Attempt, EndedBy: endedBy}}
 		if err := o.check(); err != nil {
 			return err
 		}
@@ -242,8 +243,8 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 		rec.Fingerprint = o.fingerprint(rec.Fingerprint)
 		if hasResponse {
 			rb := o.b
-			rb.response, rb.state, rb.statusCode, rb.schemaVersion, rb.contentType = true, state, statusCode, schemaVersion, contentType
-			rb.hasMetadata = metadata != nil
+			rb.Response, rb.State, rb.StatusCode, rb.SchemaVersion, rb.ContentType = true, state, statusCode, schemaVersion, contentType
+			rb.HasMetadata = metadata != nil
 			if body, err = o.open("body", rb, body); err != nil {
 				return err
 			}
@@ -280,15 +281,15 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 
 // opener opens the sealed columns of one scanned row.
 type opener struct {
-	k       *Keyring
+	k       *keyring.Ring
 	keyID   string
 	version int16
 	id      Identity
-	b       binding
+	b       keyring.Binding
 }
 
 // sealed reports whether the row is in the current sealed form.
-func (o *opener) sealed() bool { return o.keyID != "" && o.version >= sealVersion }
+func (o *opener) sealed() bool { return o.keyID != "" && o.version >= keyring.SealVersion }
 
 // legacy reports whether the row is in clear or sealed in the v1 form.
 func (o *opener) legacy() bool { return !o.sealed() }
@@ -302,25 +303,25 @@ func (o *opener) check() error {
 		return fmt.Errorf("%w: key id %q (encryption is off)", ErrUnknownKey, o.keyID)
 	case o.k == nil:
 		return nil
-	case o.keyID == "" && !o.k.legacy:
+	case o.keyID == "" && !o.k.AcceptsLegacyRows():
 		return errors.New("ledger: record stored in clear where encryption is required " +
 			"(written while encryption was off, or altered; see encryption.accept_legacy_rows)")
-	case o.legacy() && !o.k.legacy:
+	case o.legacy() && !o.k.AcceptsLegacyRows():
 		return fmt.Errorf("ledger: record sealed in the legacy form (seal_version %d) where seal_version %d is required "+
-			"(see encryption.accept_legacy_rows)", o.version, sealVersion)
+			"(see encryption.accept_legacy_rows)", o.version, keyring.SealVersion)
 	}
 	return nil
 }
 
 // open opens one sealed response column.
-func (o *opener) open(column string, b binding, v []byte) ([]byte, error) {
+func (o *opener) open(column string, b keyring.Binding, v []byte) ([]byte, error) {
 	switch {
 	case o.keyID == "":
 		return v, nil // in clear: check allowed it
 	case o.legacy():
-		return o.k.open(o.keyID, o.id, column, legacyAdditionalData(o.id, column), v)
+		return o.k.Open(o.keyID, keyring.ID(o.id), column, keyring.LegacyAdditionalData(keyring.ID(o.id), column), v)
 	}
-	return o.k.open(o.keyID, o.id, column, additionalData(o.id, column, b), v)
+	return o.k.Open(o.keyID, keyring.ID(o.id), column, keyring.AdditionalData(keyring.ID(o.id), column, b), v)
 }
 
 // openReason opens the failure reason (stored base64-encoded when sealed;
@@ -333,7 +334,7 @@ func (o *opener) openReason(v string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("ledger: failure_reason of %q is not sealed", o.id.Key)
 	}
-	plain, err := o.k.open(o.keyID, o.id, "failure_reason", additionalData(o.id, "failure_reason", o.b), sealed)
+	plain, err := o.k.Open(o.keyID, keyring.ID(o.id), "failure_reason", keyring.AdditionalData(keyring.ID(o.id), "failure_reason", o.b), sealed)
 	return string(plain), err
 }
 
@@ -345,7 +346,7 @@ func (o *opener) fingerprint(v []byte) []byte {
 		return nil
 	}
 	if o.k != nil && o.legacy() {
-		return o.k.keyedFingerprint(o.k.active, o.id, v)
+		return o.k.KeyedFingerprint(o.k.ActiveKeyID(), keyring.ID(o.id), v)
 	}
 	return v
 }
@@ -356,7 +357,7 @@ func (s *Store) newRowKeyID() string {
 	if s.keyring == nil {
 		return ""
 	}
-	return s.keyring.active
+	return s.keyring.ActiveKeyID()
 }
 
 // responseArgs returns the stored form of a response of record id:
@@ -364,7 +365,7 @@ func (s *Store) newRowKeyID() string {
 // and enc_key_id. With a keyring, body and metadata are sealed with the
 // active key and bound by b (whose response part responseArgs fills in);
 // b may be nil only without a keyring.
-func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *binding) ([]any, error) {
+func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *keyring.Binding) ([]any, error) {
 	keyID := s.newRowKeyID()
 	if r == nil {
 		return []any{false, "", "", int32(0), []byte(nil), []byte(nil), keyID}, nil
@@ -382,11 +383,11 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *binding) 
 			return nil, errors.New("ledger: sealing a response without its record's binding")
 		}
 		rb := *b
-		rb.response, rb.statusCode, rb.schemaVersion, rb.contentType = true, r.StatusCode, r.SchemaVersion, r.ContentType
-		rb.hasMetadata = metadata != nil
-		body = s.keyring.seal(id, "body", rb, body)
+		rb.Response, rb.StatusCode, rb.SchemaVersion, rb.ContentType = true, r.StatusCode, r.SchemaVersion, r.ContentType
+		rb.HasMetadata = metadata != nil
+		body = s.keyring.Seal(keyring.ID(id), "body", rb, body)
 		if metadata != nil {
-			metadata = s.keyring.seal(id, "metadata", rb, metadata)
+			metadata = s.keyring.Seal(keyring.ID(id), "metadata", rb, metadata)
 		}
 	}
 	return []any{true, r.SchemaVersion, r.ContentType, r.StatusCode, body, metadata, keyID}, nil
@@ -453,9 +454,9 @@ func decodeMetadata(b []byte) (map[string]string, error) {
 
 // recordArgs returns the values of recordColumns for rec, the record id,
 // with its sensitive columns sealed when there is a keyring: the
-// fingerprint is already in its stored form (see Keyring.fingerprintFor).
+// fingerprint is already in its stored form (see keyring.Ring.FingerprintFor).
 func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
-	b := binding{generation: rec.Generation, attempt: rec.Attempt, endedBy: int16(rec.EndedBy), state: int16(rec.State)}
+	b := keyring.Binding{Generation: rec.Generation, Attempt: rec.Attempt, EndedBy: int16(rec.EndedBy), State: int16(rec.State)}
 	resp, err := s.responseArgs(id, rec.Response, &b)
 	if err != nil {
 		return nil, err
@@ -466,12 +467,12 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	}
 	reason := rec.FailureReason
 	if s.keyring != nil && reason != "" {
-		reason = base64.StdEncoding.EncodeToString(s.keyring.seal(id, "failure_reason", b, []byte(reason)))
+		reason = base64.StdEncoding.EncodeToString(s.keyring.Seal(keyring.ID(id), "failure_reason", b, []byte(reason)))
 	}
 	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
 		reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain, int16(sealVersion)}, nil
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain, int16(keyring.SealVersion)}, nil
 }
 
 // identityArgs returns the identity followed by recordArgs.

@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// ErrSessionNotFound is what TouchConsoleSession answers for a session
+// ErrSessionNotFound is what Sessions.Touch answers for a session
 // that does not exist, has expired, or was revoked.
 var ErrSessionNotFound = errors.New("console session not found or expired")
 
@@ -18,8 +18,22 @@ var ErrSessionNotFound = errors.New("console session not found or expired")
 // deletes: the table holds the live sessions plus a bounded rest.
 const sweepSessionsBatch = 100
 
-// ConsoleSession is a signed-in operator console session.
-type ConsoleSession struct {
+// Sessions keeps the operator console's sign-in sessions in the ledger's
+// database (table idempotency_console_sessions), so that every replica
+// over the same database accepts them. It is apart from Store, whose
+// surface is the records': a service that uses the ledger as a library
+// never needs it. It is safe for concurrent use, and lives as long as the
+// Store it was made from.
+type Sessions struct {
+	store *Store
+}
+
+// NewSessions returns the console sessions kept in store's database, read
+// and written with store's connections and clock.
+func NewSessions(store *Store) *Sessions { return &Sessions{store: store} }
+
+// Session is a signed-in operator console session.
+type Session struct {
 	// Tenant is the tenant the operator signed in as.
 	Tenant string
 	// TokenSHA256 is the SHA-256 of the bearer token the operator signed
@@ -32,17 +46,17 @@ type ConsoleSession struct {
 	CreatedAt, LastSeenAt, ExpiresAt time.Time
 }
 
-// CreateConsoleSessionParams is a new console session.
-type CreateConsoleSessionParams struct {
+// CreateSessionParams is a new console session.
+type CreateSessionParams struct {
 	// IDSHA256 is the SHA-256 of the session's random id (the id itself is
 	// never stored).
 	IDSHA256 []byte
 	// Tenant is the tenant the operator signed in as.
 	Tenant string
 	// TokenSHA256 is the SHA-256 of the bearer token the operator signed
-	// in with; RevokeConsoleSessions finds sessions by it.
+	// in with; Sessions.Revoke finds sessions by it.
 	TokenSHA256 []byte
-	// Credential is stored as given and returned by TouchConsoleSession.
+	// Credential is stored as given and returned by Sessions.Touch.
 	Credential []byte
 	// IdleTimeout ends the session after this long without use;
 	// MaxLifetime ends it this long after its creation, used or not.
@@ -50,18 +64,18 @@ type CreateConsoleSessionParams struct {
 	IdleTimeout, MaxLifetime time.Duration
 }
 
-// CreateConsoleSession stores a new session, created now (the Store's
-// clock). It also deletes a bounded batch of expired sessions, so the
+// Create stores a new session, created now (the Store's clock). It also deletes a bounded batch of expired sessions, so the
 // table does not grow with sessions nobody signed out of.
-func (s *Store) CreateConsoleSession(ctx context.Context, p *CreateConsoleSessionParams) (*ConsoleSession, error) {
+func (ss *Sessions) Create(ctx context.Context, p *CreateSessionParams) (*Session, error) {
+	s := ss.store
 	if len(p.IDSHA256) != sha256.Size || len(p.TokenSHA256) != sha256.Size {
 		return nil, fmt.Errorf("%w: session id and token hashes must be SHA-256 sums", ErrInvalidArgument)
 	}
 	if p.IdleTimeout <= 0 || p.MaxLifetime <= 0 {
 		return nil, fmt.Errorf("%w: session idle timeout and lifetime must be positive", ErrInvalidArgument)
 	}
-	return detached(ctx, func(ctx context.Context) (*ConsoleSession, error) {
-		sess := &ConsoleSession{Tenant: p.Tenant, TokenSHA256: p.TokenSHA256, Credential: p.Credential}
+	return detached(ctx, func(ctx context.Context) (*Session, error) {
+		sess := &Session{Tenant: p.Tenant, TokenSHA256: p.TokenSHA256, Credential: p.Credential}
 		err := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
 swept AS (
 	DELETE FROM idempotency_console_sessions WHERE id_sha256 IN (
@@ -84,14 +98,15 @@ RETURNING created_at, last_seen_at, expires_at`,
 	})
 }
 
-// TouchConsoleSession returns the live session whose id hashes to
+// Touch returns the live session whose id hashes to
 // idSHA256 and records its use now, which moves its idle expiry (never
 // past its lifetime). A session that does not exist, has expired or was
 // revoked answers ErrSessionNotFound; an expired one is deleted.
-func (s *Store) TouchConsoleSession(ctx context.Context, idSHA256 []byte) (*ConsoleSession, error) {
-	return detached(ctx, func(ctx context.Context) (*ConsoleSession, error) {
+func (ss *Sessions) Touch(ctx context.Context, idSHA256 []byte) (*Session, error) {
+	s := ss.store
+	return detached(ctx, func(ctx context.Context) (*Session, error) {
 		now := s.now()
-		var sess ConsoleSession
+		var sess Session
 		err := s.pool.QueryRow(ctx, `UPDATE idempotency_console_sessions s
 SET last_seen_at = clock.now, expires_at = least(clock.now + s.idle_timeout, s.absolute_expires_at)
 FROM (SELECT coalesce($1::timestamptz, now()) AS now) clock
@@ -112,9 +127,10 @@ WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, now, i
 	})
 }
 
-// DeleteConsoleSession deletes the session whose id hashes to idSHA256
+// Delete deletes the session whose id hashes to idSHA256
 // (sign-out). Deleting a session that does not exist is not an error.
-func (s *Store) DeleteConsoleSession(ctx context.Context, idSHA256 []byte) error {
+func (ss *Sessions) Delete(ctx context.Context, idSHA256 []byte) error {
+	s := ss.store
 	_, err := detached(ctx, func(ctx context.Context) (struct{}, error) {
 		_, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, idSHA256)
 		return struct{}{}, classify(err)
@@ -122,10 +138,11 @@ func (s *Store) DeleteConsoleSession(ctx context.Context, idSHA256 []byte) error
 	return err
 }
 
-// RevokeConsoleSessions deletes every session signed in with one of the
+// Revoke deletes every session signed in with one of the
 // bearer tokens whose SHA-256 sums are given, and returns how many it
 // deleted.
-func (s *Store) RevokeConsoleSessions(ctx context.Context, tokenSHA256s [][]byte) (int64, error) {
+func (ss *Sessions) Revoke(ctx context.Context, tokenSHA256s [][]byte) (int64, error) {
+	s := ss.store
 	if len(tokenSHA256s) == 0 {
 		return 0, nil
 	}

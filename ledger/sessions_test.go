@@ -21,7 +21,7 @@ func sum(s string) []byte {
 // newSession creates a session with id and token (their hashes stored).
 func newSession(t *testing.T, s *ledger.Store, id, token string, idle, lifetime time.Duration) {
 	t.Helper()
-	if _, err := s.CreateConsoleSession(context.Background(), &ledger.CreateConsoleSessionParams{IDSHA256: sum(id),
+	if _, err := ledger.NewSessions(s).Create(context.Background(), &ledger.CreateSessionParams{IDSHA256: sum(id),
 		Tenant: "ops", TokenSHA256: sum(token), Credential: []byte("sealed " + id), IdleTimeout: idle, MaxLifetime: lifetime}); err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +34,7 @@ func TestConsoleSessionExpiry(t *testing.T) {
 	s, clock, _ := newClockedStore(t)
 	ctx := context.Background()
 	newSession(t, s, "a", "tok", 30*time.Minute, 12*time.Hour)
-	got, err := s.TouchConsoleSession(ctx, sum("a"))
+	got, err := ledger.NewSessions(s).Touch(ctx, sum("a"))
 	if err != nil || got.Tenant != "ops" || !bytes.Equal(got.Credential, []byte("sealed a")) || !bytes.Equal(got.TokenSHA256, sum("tok")) ||
 		!got.ExpiresAt.Equal(clock.Now().Add(30*time.Minute)) {
 		t.Fatalf("touch: %+v %v", got, err)
@@ -42,24 +42,24 @@ func TestConsoleSessionExpiry(t *testing.T) {
 	// Used every 29 minutes it lasts its 12 hours, and not a minute more.
 	for elapsed := 29 * time.Minute; elapsed < 12*time.Hour; elapsed += 29 * time.Minute {
 		clock.Advance(29 * time.Minute)
-		if _, err := s.TouchConsoleSession(ctx, sum("a")); err != nil {
+		if _, err := ledger.NewSessions(s).Touch(ctx, sum("a")); err != nil {
 			t.Fatalf("after %v: %v", elapsed, err)
 		}
 	}
 	clock.Advance(29 * time.Minute)
-	if _, err := s.TouchConsoleSession(ctx, sum("a")); !errors.Is(err, ledger.ErrSessionNotFound) {
+	if _, err := ledger.NewSessions(s).Touch(ctx, sum("a")); !errors.Is(err, ledger.ErrSessionNotFound) {
 		t.Fatalf("past the lifetime: %v", err)
 	}
 
 	newSession(t, s, "b", "tok", 30*time.Minute, 12*time.Hour)
 	clock.Advance(30 * time.Minute)
-	if _, err := s.TouchConsoleSession(ctx, sum("b")); !errors.Is(err, ledger.ErrSessionNotFound) {
+	if _, err := ledger.NewSessions(s).Touch(ctx, sum("b")); !errors.Is(err, ledger.ErrSessionNotFound) {
 		t.Fatalf("idle for 30 minutes: %v", err)
 	}
-	if _, err := s.TouchConsoleSession(ctx, sum("never")); !errors.Is(err, ledger.ErrSessionNotFound) {
+	if _, err := ledger.NewSessions(s).Touch(ctx, sum("never")); !errors.Is(err, ledger.ErrSessionNotFound) {
 		t.Fatalf("unknown session: %v", err)
 	}
-	if _, err := s.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: []byte("short"), TokenSHA256: sum("t"),
+	if _, err := ledger.NewSessions(s).Create(ctx, &ledger.CreateSessionParams{IDSHA256: []byte("short"), TokenSHA256: sum("t"),
 		IdleTimeout: time.Minute, MaxLifetime: time.Hour}); !errors.Is(err, ledger.ErrInvalidArgument) {
 		t.Fatalf("malformed id hash: %v", err)
 	}
@@ -74,19 +74,19 @@ func TestConsoleSessionRevocation(t *testing.T) {
 	newSession(t, s, "a1", "tok-a", time.Hour, time.Hour)
 	newSession(t, s, "a2", "tok-a", time.Hour, time.Hour)
 	newSession(t, s, "b1", "tok-b", time.Hour, time.Hour)
-	if err := s.DeleteConsoleSession(ctx, sum("b1")); err != nil {
+	if err := ledger.NewSessions(s).Delete(ctx, sum("b1")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.TouchConsoleSession(ctx, sum("b1")); !errors.Is(err, ledger.ErrSessionNotFound) {
+	if _, err := ledger.NewSessions(s).Touch(ctx, sum("b1")); !errors.Is(err, ledger.ErrSessionNotFound) {
 		t.Fatalf("after sign-out: %v", err)
 	}
 	newSession(t, s, "b2", "tok-b", time.Hour, time.Hour)
-	n, err := s.RevokeConsoleSessions(ctx, [][]byte{sum("tok-a"), sum("tok-c")})
+	n, err := ledger.NewSessions(s).Revoke(ctx, [][]byte{sum("tok-a"), sum("tok-c")})
 	if err != nil || n != 2 {
 		t.Fatalf("revoke: %d %v", n, err)
 	}
 	for id, live := range map[string]bool{"a1": false, "a2": false, "b2": true} {
-		if _, err := s.TouchConsoleSession(ctx, sum(id)); (err == nil) != live {
+		if _, err := ledger.NewSessions(s).Touch(ctx, sum(id)); (err == nil) != live {
 			t.Errorf("session %s: %v, want live %v", id, err, live)
 		}
 	}

@@ -15,6 +15,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemcoord/idemcoord/ledger/internal/coalescer"
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
+	"github.com/idemcoord/idemcoord/ledger/internal/notifier"
+	"github.com/idemcoord/idemcoord/ledger/internal/replaycache"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -24,16 +28,16 @@ type Store struct {
 	pool     *pgxpool.Pool
 	clock    func() time.Time
 	logger   *slog.Logger
-	notifier *notifier
-	keyring  *Keyring
+	notifier *notifier.Notifier
+	keyring  *keyring.Ring // nil: records in clear
 
 	// exactCountBytes: below this table size StateCounts counts exactly.
 	exactCountBytes int64
 
 	// begins and completes coalesce concurrent calls into one statement
 	// (nil when batching is off).
-	begins    *coalescer[*beginReq]
-	completes *coalescer[*completeReq]
+	begins    *coalescer.Coalescer[*beginReq]
+	completes *coalescer.Coalescer[*completeReq]
 	// held remembers keys whose Begins met another transaction's lock,
 	// which batches then leave to run on their own.
 	held heldKeys
@@ -44,12 +48,10 @@ type Store struct {
 	releasesMu     sync.Mutex
 	releasesClosed bool
 
-	// cache serves replays without a round trip (nil when off); stopPing
-	// ends its ping loop. clockOffset is the database clock minus the
-	// local clock (ns), as last seen, for judging cached expiry.
-	cache       *replayCache
-	stopPing    context.CancelFunc
-	pingDone    chan struct{}
+	// cache serves replays without a round trip (nil when off).
+	// clockOffset is the database clock minus the local clock (ns), as
+	// last seen, for judging cached expiry.
+	cache       *replaycache.Cache
 	clockOffset atomic.Int64
 }
 
@@ -177,7 +179,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: o.keyring, exactCountBytes: exactCountBytes}
+	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
 	listenCfg := cfg.ConnConfig.Copy()
 	if o.notifyURL != "" {
 		ncfg, err := pgx.ParseConfig(o.notifyURL)
@@ -193,12 +195,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
 		listenCfg = ncfg
 	}
-	s.notifier = newNotifier(listenCfg, o.logger)
+	ncfg := notifier.Config{ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
 	if o.noNotify {
 		// No listener: the notifier never trusts notifications, so
 		// subscribers poll, and there is no replay cache (it learns of
 		// changes only from notifications) and no ping.
-		s.notifier.noListen = true
+		ncfg.NoListen = true
 		o.cacheMax = 0
 	}
 	if !o.noBatch {
@@ -206,28 +208,21 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		if workers < 1 {
 			workers = DefaultBatchWorkers
 		}
-		s.begins = newCoalescer(workers, batchMax, s.runBeginBatch,
+		s.begins = coalescer.New(workers, batchMax, batchTimeout, s.runBeginBatch,
 			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
-		s.completes = newCoalescer(workers, batchMax, s.runCompleteBatch,
+		s.completes = coalescer.New(workers, batchMax, batchTimeout, s.runCompleteBatch,
 			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
 	}
 	if o.cacheMax > 0 {
-		s.cache = newReplayCache(o.cacheMax, func() bool { return s.notifier.fresh(cacheFreshness) })
-		s.notifier.onPayload = s.cache.notified
-		s.notifier.onLost = s.cache.invalidateAll
+		s.cache = replaycache.New(o.cacheMax, func() bool { return s.notifier.Fresh(replaycache.Freshness) })
+		ncfg.OnPayload = s.cache.Invalidate
+		ncfg.OnLost = s.cache.InvalidateAll
 	}
 	// The listener and its pings run from the start: the pings measure the
 	// listener's delay and carry the count of changes not notified, which
 	// the replay cache and waiting Begins rely on.
-	s.notifier.start()
-	pctx, cancel := context.WithCancel(context.Background())
-	s.stopPing, s.pingDone = cancel, make(chan struct{})
-	go func() {
-		defer close(s.pingDone)
-		if !o.noNotify {
-			s.pingLoop(pctx)
-		}
-	}()
+	s.notifier = notifier.New(ncfg)
+	s.notifier.Start()
 	return s, nil
 }
 
@@ -238,14 +233,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 // calls made after Close return ErrUnavailable too. Close waits for calls
 // on their own connection to finish.
 func (s *Store) Close() {
-	s.stopPing()
-	<-s.pingDone
 	if s.begins != nil {
-		s.begins.close()
-		s.completes.close()
+		s.begins.Close()
+		s.completes.Close()
 	}
 	s.waitReleases()
-	s.notifier.close()
+	s.notifier.Close()
 	s.pool.Close()
 }
 
@@ -375,11 +368,11 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 	var seq uint64
 	if s.cache != nil {
 		if res, ok := s.beginCached(p, *evp); ok {
-			s.cache.hits.Add(1)
+			s.cache.Hit()
 			return res, res.Err
 		}
-		s.cache.misses.Add(1)
-		seq = s.cache.snapshot()
+		s.cache.Miss()
+		seq = s.cache.Snapshot()
 	}
 	if evp.NewToken == "" {
 		evp.NewToken = newToken()
@@ -388,7 +381,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 	// ev carries the caller's fingerprint; a new row stores it keyed under
 	// the active key, an existing one is compared in its own stored form.
 	insert := ev
-	insert.Fingerprint = s.keyring.fingerprintFor(p.ID, nil, ev.Fingerprint)
+	insert.Fingerprint = s.keyring.FingerprintFor(keyring.ID(p.ID), nil, ev.Fingerprint)
 	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
 	if err != nil {
 		return nil, err
@@ -411,7 +404,7 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		}
 		if d.Write == statemachine.WriteNone {
 			if s.cache != nil && d.Outcome == statemachine.OutcomeReplay {
-				s.cache.put(p.ID, d.Record, seq)
+				s.cache.Put(recordHash(p.ID), d.Record, seq)
 			}
 			return &Result{Decision: d, Now: now}, nil
 		}
@@ -468,7 +461,7 @@ func (s *Store) beginWithoutWrite(ctx context.Context, p *BeginParams, ev statem
 // beginCached answers a Begin from the replay cache when the cached record
 // decides it without a write and is not about to expire.
 func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, bool) {
-	rec, ok := s.cache.get(p.ID)
+	rec, ok := s.cache.Get(recordHash(p.ID))
 	if !ok {
 		return nil, false
 	}
@@ -476,7 +469,7 @@ func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, boo
 	if s.clock != nil {
 		now = *s.now()
 	}
-	if !now.Add(cacheExpiryMargin).Before(rec.ExpiresAt) {
+	if !now.Add(replaycache.ExpiryMargin).Before(rec.ExpiresAt) {
 		return nil, false
 	}
 	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
@@ -497,7 +490,7 @@ func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemac
 	if cur != nil {
 		stored = cur.Fingerprint
 	}
-	ev.Fingerprint = s.keyring.fingerprintFor(id, stored, ev.Fingerprint)
+	ev.Fingerprint = s.keyring.FingerprintFor(keyring.ID(id), stored, ev.Fingerprint)
 	return ev
 }
 
@@ -520,7 +513,7 @@ const singleLockWait = 500 * time.Millisecond
 func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	if s.begins != nil {
 		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
-		if !s.begins.submit(ctx, r) {
+		if !s.begins.Submit(ctx, r) {
 			return rec, false, now, false, submitErr(ctx)
 		}
 		var out beginRes
@@ -575,13 +568,18 @@ func submitErr(ctx context.Context) error {
 	return errStoreClosed
 }
 
-// Complete, Fail and Heartbeat apply p.Event under the record's row lock.
+// Finish applies a Complete, Fail or Heartbeat (p.Event.Kind) under the
+// record's row lock. An identity longer than MaxIdentityBytes is refused
+// with ErrIdentityTooLong.
 //
 // A Complete by the holder of the lease takes one statement (without a
 // keyring); anything else (a stale token, a repeat, a record that ended,
 // and every Complete when responses are encrypted) takes the locked path,
 // which decides with statemachine.
 func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
+	if err := checkIdentity(p.ID); err != nil {
+		return nil, err
+	}
 	ev := storedDurations(p.Event)
 	// With a keyring the response is sealed bound to the record's
 	// generation and attempt, which only the locked path reads first.
@@ -620,7 +618,7 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	}
 	if s.completes != nil {
 		r := &completeReq{ctx: ctx, id: id, ev: ev, args: rargs, out: make(chan completeRes, 1)}
-		if !s.completes.submit(ctx, r) {
+		if !s.completes.Submit(ctx, r) {
 			return nil, submitErr(ctx)
 		}
 		select {
@@ -689,11 +687,9 @@ type lockedHooks struct {
 	late func(*Result)
 }
 
-// lockedWith is locked with hooks.
+// lockedWith is locked with hooks. id has been checked (checkIdentity) by
+// the exported method that leads here, once.
 func (s *Store) lockedWith(ctx context.Context, id Identity, ev statemachine.Event, pol statemachine.Policy, h lockedHooks) (*Result, error) {
-	if err := checkIdentity(id); err != nil {
-		return nil, err
-	}
 	for range maxRaceRetries {
 		res, retry, err := s.lockedOnce(ctx, id, ev, pol, h)
 		switch {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
@@ -86,7 +87,7 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 	url := primary.URL("postgres")
 	// Without batching, every path runs on its caller's context; without
 	// notifications, no ping of the listener commits beside the writes.
-	var logs logBuffer
+	var logs testkit.LogBuffer
 	store, err := ledger.Open(context.Background(), url, ledger.WithoutBatching(), ledger.WithoutNotifications(),
 		ledger.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	if err != nil {
@@ -221,22 +222,4 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 	waitFor(t, fmt.Sprintf("the Store's log to say %q", msg), func() (bool, error) {
 		return strings.Contains(logs.String(), msg), nil
 	})
-}
-
-// logBuffer is a log destination safe for concurrent use.
-type logBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

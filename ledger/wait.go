@@ -79,10 +79,10 @@ func holdingOf(res *Result) holding {
 // RunTx. It calls try until try finds the key not held, or giveUp passes
 // (heldAtEnd: the last try found it held), or try or ctx fails. Between
 // tries it holds no row lock or connection: it wakes on every committed
-// change of the record id (Subscribe), at the holder's lease expiry, and,
+// change of the record id (subscribe), at the holder's lease expiry, and,
 // while notifications are not trusted, on a poll backoff (nextPoll).
 //
-// Each attempt that holds the key is marked watched once (Watch), so that
+// Each attempt that holds the key is marked watched once (watch), so that
 // the change that ends it is notified.
 //
 // A try that finds the database unavailable, after an earlier try found
@@ -98,7 +98,7 @@ func holdingOf(res *Result) holding {
 func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time,
 	try func(context.Context) (holding, error),
 ) (heldAtEnd bool, err error) {
-	changed, unsubscribe := s.Subscribe(id)
+	changed, unsubscribe := s.subscribe(id)
 	defer unsubscribe()
 	var timer *time.Timer
 	defer func() {
@@ -137,7 +137,7 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 			// Each attempt is marked once: every re-read (a poll, a
 			// wake-up) would otherwise write the row again.
 			if fresh && h.attempt != watched {
-				held, err := s.Watch(ctx, id)
+				held, err := s.watch(ctx, id)
 				if err != nil && !errors.Is(err, ErrUnavailable) {
 					return false, err
 				}
@@ -149,7 +149,7 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 				}
 			}
 		}
-		if s.notifier.polling() {
+		if s.notifier.Polling() {
 			poll = nextPoll(poll)
 			sleep = min(sleep, poll)
 		}

@@ -6,13 +6,13 @@ import "context"
 var watchSQL = stateSQL(`UPDATE idempotency_records SET watched = true
 	WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = {IN_PROGRESS}`)
 
-// Watch marks the record id as waited for, so that the change that ends its
-// current attempt is notified (see Subscribe): only changes a waiter or a
+// watch marks the record id as waited for, so that the change that ends its
+// current attempt is notified (see subscribe): only changes a waiter or a
 // replay cache can care about are. A Begin that will wait for a held record
-// calls Subscribe, then Watch, then reads the record again. Watch reports
+// calls subscribe, then watch, then reads the record again. watch reports
 // whether the record is IN_PROGRESS; when it is not, nothing was marked and
 // the caller should read the record again instead of waiting.
-func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
+func (s *Store) watch(ctx context.Context, id Identity) (held bool, err error) {
 	tag, err := s.pool.Exec(ctx, watchSQL, id.Tenant, id.Scope, id.Key)
 	if err != nil {
 		return false, classify(err)

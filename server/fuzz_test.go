@@ -21,6 +21,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -285,7 +286,7 @@ type fuzzMethod struct {
 func fuzzCall(f *testing.F, m fuzzMethod) {
 	// The coordinator logs to logs, not to f: a fuzz target may not call
 	// f.Logf. An ERROR record there means a call went wrong.
-	logs := &lockedBuilder{} // from logging_test.go
+	logs := &testkit.LogBuffer{} // from logging_test.go
 	logger := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelError}))
 	c := coordtest.Start(f, coordtest.Options{FakeClock: true, ServerOptions: []server.Option{server.WithLogger(logger)}})
 	conn := c.Dial(f)

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,30 +13,14 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
-type lockedBuilder struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuilder) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuilder) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // capturedLogs returns a buffer and the server option that logs into it,
 // as JSON lines, from level up.
-func capturedLogs(level slog.Level) (*lockedBuilder, server.Option) {
-	logs := &lockedBuilder{}
+func capturedLogs(level slog.Level) (*testkit.LogBuffer, server.Option) {
+	logs := &testkit.LogBuffer{}
 	return logs, server.WithLogger(slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: level})))
 }
 

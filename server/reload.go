@@ -7,6 +7,8 @@ import (
 	"os"
 	"slices"
 	"time"
+
+	"github.com/idemcoord/idemcoord/ledger"
 )
 
 // revokeTimeout bounds how long a reload waits for the database to revoke
@@ -46,7 +48,7 @@ func (s *Server) Reload(path string, checks ...func(*Policies) error) (*Policies
 	if revoked := revokedTokens(cur, next); len(revoked) > 0 {
 		ctx, cancel := context.WithTimeout(context.Background(), revokeTimeout)
 		defer cancel()
-		if n, err := s.store.RevokeConsoleSessions(ctx, revoked); err != nil {
+		if n, err := ledger.NewSessions(s.store).Revoke(ctx, revoked); err != nil {
 			s.logger.Error("config reload: revoking the console sessions of removed tokens failed; they end when they expire",
 				"tokens", len(revoked), "err", err)
 		} else {

@@ -56,7 +56,7 @@ func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *serv
 	if err != nil {
 		return nil, nil, err
 	}
-	con := console.New(srv.AdminConn(), console.WithLogger(logger), console.WithSessions(consoleSessions{store}), console.WithCounters(func() console.Counters {
+	con := console.New(srv.AdminConn(), console.WithLogger(logger), console.WithSessions(consoleSessions{ledger.NewSessions(store)}), console.WithCounters(func() console.Counters {
 		t := srv.CounterTotals()
 		return console.Counters{Acquired: t.Acquired, Replayed: t.Replayed, InProgress: t.InProgress, UnknownEntered: t.UnknownEntered}
 	}))
@@ -76,11 +76,11 @@ func mountConsole(ctx context.Context, c *config, logger *slog.Logger, srv *serv
 
 // consoleSessions keeps the console's sessions in the ledger, so every
 // replica over the same database accepts them.
-type consoleSessions struct{ store *ledger.Store }
+type consoleSessions struct{ sessions *ledger.Sessions }
 
 // CreateSession stores a new session.
 func (s consoleSessions) CreateSession(ctx context.Context, n *console.NewSession) error {
-	_, err := s.store.CreateConsoleSession(ctx, &ledger.CreateConsoleSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
+	_, err := s.sessions.Create(ctx, &ledger.CreateSessionParams{IDSHA256: n.IDSHA256, Tenant: n.Tenant,
 		TokenSHA256: n.TokenSHA256, Credential: n.Credential, IdleTimeout: n.IdleTimeout, MaxLifetime: n.MaxLifetime})
 	return err
 }
@@ -88,7 +88,7 @@ func (s consoleSessions) CreateSession(ctx context.Context, n *console.NewSessio
 // UseSession returns a live session and records its use, or
 // console.ErrNoSession.
 func (s consoleSessions) UseSession(ctx context.Context, idSHA256 []byte) (*console.Session, error) {
-	got, err := s.store.TouchConsoleSession(ctx, idSHA256)
+	got, err := s.sessions.Touch(ctx, idSHA256)
 	if errors.Is(err, ledger.ErrSessionNotFound) {
 		return nil, console.ErrNoSession
 	}
@@ -100,5 +100,5 @@ func (s consoleSessions) UseSession(ctx context.Context, idSHA256 []byte) (*cons
 
 // DeleteSession deletes a session.
 func (s consoleSessions) DeleteSession(ctx context.Context, idSHA256 []byte) error {
-	return s.store.DeleteConsoleSession(ctx, idSHA256)
+	return s.sessions.Delete(ctx, idSHA256)
 }

@@ -2,19 +2,12 @@ package main
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
-	"encoding/pem"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/big"
 	"net"
 	"net/http"
 	"net/http/cookiejar"
@@ -28,6 +21,7 @@ import (
 
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 // TestConsoleFlag runs the binary with --console: the HTTP listener serves
@@ -95,7 +89,7 @@ func TestConsoleFlag(t *testing.T) {
 // the listener serves HTTPS and the session cookie is Secure.
 func TestConsoleExposure(t *testing.T) {
 	t.Setenv("IDEMCOORD_INSECURE_ALLOW_NO_AUTH", "")
-	certFile, keyFile := selfSigned(t)
+	certFile, keyFile, _ := testkit.NewCA(t).Issue("server", "idemcoord", "127.0.0.1")
 	logger := slog.New(slog.DiscardHandler)
 	parse := func(args ...string) *config {
 		t.Helper()
@@ -159,33 +153,4 @@ func TestConsoleExposure(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || !secure {
 		t.Fatalf("over TLS: %d, cookies %v", resp.StatusCode, resp.Cookies())
 	}
-}
-
-// selfSigned writes a certificate for 127.0.0.1 and its key.
-func selfSigned(t *testing.T) (certFile, keyFile string) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "idemcoord"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	certFile, keyFile = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return certFile, keyFile
 }

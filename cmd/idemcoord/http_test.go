@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 // readmeCurlCommands returns the curl commands of the README's "Try it with
@@ -117,7 +118,7 @@ func TestCurlSession(t *testing.T) {
 // listener serves HTTPS with the same certificate, and a client
 // certificate names the tenant there as over gRPC.
 func TestHTTPSWithClientCertificate(t *testing.T) {
-	ca := coordtest.NewCA(t)
+	ca := testkit.NewCA(t)
 	serverFile, serverKeyFile, _ := ca.Issue("server", "idemcoord", "127.0.0.1")
 	_, _, clientPair := ca.Issue("client", "builds")
 	cfg := filepath.Join(t.TempDir(), "idemcoord.yaml")
@@ -129,7 +130,7 @@ func TestHTTPSWithClientCertificate(t *testing.T) {
 	cmd := exec.Command(coordtest.BuildBinary(t), "--listen", coordtest.FreeAddr(t), "--http-listen", httpAddr,
 		"--config", cfg, "--tls-cert", serverFile, "--tls-key", serverKeyFile, "--tls-client-ca", ca.File())
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+pgtest.NewDatabase(t))
-	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}}
+	p := &proc{t: t, cmd: cmd, logs: &testkit.LogBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,6 +23,7 @@ import (
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
 )
@@ -36,26 +36,8 @@ func TestMain(m *testing.M) {
 type proc struct {
 	t        *testing.T
 	cmd      *exec.Cmd
-	logs     *syncBuffer
+	logs     *testkit.LogBuffer
 	grpcAddr string
-}
-
-// syncBuffer collects a child's output while the test reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // startBinary runs bin on fresh loopback ports over dbURL and waits until it
@@ -70,7 +52,7 @@ func startBinaryWith(t *testing.T, creds credentials.TransportCredentials, bin, 
 	t.Helper()
 	cmd := exec.Command(bin, append([]string{"--listen", grpcAddr, "--http-listen", httpAddr}, args...)...)
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
-	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}, grpcAddr: grpcAddr}
+	p := &proc{t: t, cmd: cmd, logs: &testkit.LogBuffer{}, grpcAddr: grpcAddr}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	if err := coordtest.StartTied(t, cmd); err != nil {
 		t.Fatal(err)
@@ -428,7 +410,7 @@ func TestHTTPListenExposureWithoutAuth(t *testing.T) {
 	bin, dbURL := coordtest.BuildBinary(t), pgtest.NewDatabase(t)
 	cmd := exec.Command(bin, "--listen", coordtest.FreeAddr(t), "--http-listen", "0.0.0.0:0")
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+dbURL)
-	logs := &syncBuffer{}
+	logs := &testkit.LogBuffer{}
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

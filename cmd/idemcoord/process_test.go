@@ -8,17 +8,10 @@ package main
 import (
 	"bufio"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"net/url"
@@ -41,6 +34,7 @@ import (
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 // launch starts bin with args and env added to the test's environment,
@@ -49,7 +43,7 @@ func launch(t *testing.T, bin string, env []string, args ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(bin, args...)
 	cmd.Env = append(os.Environ(), env...)
-	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}}
+	p := &proc{t: t, cmd: cmd, logs: &testkit.LogBuffer{}}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -300,46 +294,13 @@ func TestStartupWaitsForDatabase(t *testing.T) {
 	}
 }
 
-// selfSignedWithPool writes a certificate for 127.0.0.1 and its key into dir.
-func selfSignedWithPool(t *testing.T, dir string) (certFile, keyFile string, pool *x509.CertPool) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "idemcoord test"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	certFile, keyFile = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool = x509.NewCertPool()
-	pool.AddCert(cert)
-	return certFile, keyFile, pool
-}
-
 // TestTLSAndLogFlags runs the binary with --tls-cert/--tls-key,
 // --log-format json and --log-level warn: it serves only TLS (a plaintext
 // client gets nothing), every log line is JSON, and none is below WARN.
 func TestTLSAndLogFlags(t *testing.T) {
-	certFile, keyFile, pool := selfSignedWithPool(t, t.TempDir())
+	ca := testkit.NewCA(t)
+	certFile, keyFile, _ := ca.Issue("server", "idemcoord", "127.0.0.1")
+	pool := ca.Pool()
 	grpcAddr := coordtest.FreeAddr(t)
 	p := launch(t, coordtest.BuildBinary(t), []string{"DATABASE_URL=" + pgtest.NewDatabase(t)},
 		"--listen", grpcAddr, "--http-listen", coordtest.FreeAddr(t),
@@ -507,7 +468,7 @@ func TestMakeRun(t *testing.T) {
 		}
 	}
 	cmd.Env = append(cmd.Env, env...)
-	p := &proc{t: t, cmd: cmd, logs: &syncBuffer{}, grpcAddr: grpcAddr}
+	p := &proc{t: t, cmd: cmd, logs: &testkit.LogBuffer{}, grpcAddr: grpcAddr}
 	cmd.Stdout, cmd.Stderr = p.logs, p.logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -22,6 +22,7 @@ import (
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 // TestTLSBinary runs the real binary with TLS, client certificates, tenants
@@ -30,7 +31,7 @@ import (
 // works; idemctl reaches it with --tls-ca and a token and says so when it
 // tries plaintext; /metrics wants the token.
 func TestTLSBinary(t *testing.T) {
-	ca := coordtest.NewCA(t)
+	ca := testkit.NewCA(t)
 	serverCert, serverKey, _ := ca.Issue("server", "idemcoord", "127.0.0.1")
 	_, _, asAdmin := ca.Issue("as-admin", "ops")
 	_, _, ciCert := ca.Issue("ci", "ci-runner")

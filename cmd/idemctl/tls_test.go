@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -23,7 +24,7 @@ import (
 // to a plaintext one, a wrong CA, plaintext to a non-loopback address.
 func TestTLSCoordinator(t *testing.T) {
 	t.Parallel()
-	ca := coordtest.NewCA(t)
+	ca := testkit.NewCA(t)
 	_, _, serverPair := ca.Issue("server", "idemcoord", "127.0.0.1", "coord.internal")
 	_, _, namedOnly := ca.Issue("named", "idemcoord", "coord.internal")
 	cliCert, cliKey, _ := ca.Issue("client", "ops-cli")

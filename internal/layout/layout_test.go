@@ -45,8 +45,13 @@ var layout = map[string]rule{
 	"statemachine": {stdOnly: true},
 	// extra: golang-migrate is the "maintained migration library" that
 	// applies the embedded migrations (the design's Storage section).
-	"ledger": {own: []string{"statemachine"},
+	// extra: ledger/internal, the ledger's own parts (below).
+	"ledger": {own: []string{"statemachine", "ledger/internal"},
 		third: []string{"github.com/jackc/pgx/v5", "github.com/golang-migrate/migrate/v4"}},
+	// The ledger's parts, each its own concern; none imports ledger.
+	"ledger/internal/coalescer":   {stdOnly: true},
+	"ledger/internal/notifier":    {third: []string{"github.com/jackc/pgx/v5"}},
+	"ledger/internal/replaycache": {own: []string{"statemachine"}, third: []string{}},
 	// extra: internal/errorinfo, the one place reasons get their wire names.
 	"server": {own: []string{"ledger", "statemachine", "gen", "internal/errorinfo"}, deny: noPgx},
 	// extra: internal/errorinfo, as for server.
@@ -69,6 +74,7 @@ var layout = map[string]rule{
 	"internal/coordtest":                 {own: []string{"internal/pgtest", "ledger", "server"}},
 	"internal/cmd/throwaway-coordinator": {own: []string{"internal/pgtest"}},
 	"internal/crashfs":                   {},
+	"internal/testkit":                   {stdOnly: true},
 	"internal/doccheck":                  {stdOnly: true}, // tests only
 	"internal/errorinfo":                 {own: []string{"gen"}, third: []string{"google.golang.org/genproto/googleapis/rpc/errdetails"}},
 	"internal/layout":                    {stdOnly: true}, // tests only

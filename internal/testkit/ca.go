@@ -1,4 +1,4 @@
-package coordtest
+package testkit
 
 import (
 	"crypto/ecdsa"
