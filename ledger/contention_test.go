@@ -34,7 +34,7 @@ func deadlocks(t *testing.T, url string) int64 {
 	return n
 }
 
-// TestContendedFreshKeysNeverDeadlock is issue 11's first "done when": 96
+// TestContendedFreshKeysNeverDeadlock: 96
 // callers Begin 24 shared fresh keys in random order through two stores
 // (two coordinators) on one database, for many rounds; then every holder
 // Completes through both stores at once, in random order. The batches take

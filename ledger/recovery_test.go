@@ -61,7 +61,7 @@ func storedUncertain(t *testing.T, url string) bool {
 	return u
 }
 
-// The double-charge story of issue 10 against PostgreSQL: attempt 1
+// The double-charge story (docs/go.md, "Worked example") against PostgreSQL: attempt 1
 // vanishes; attempt 2 takes over, cannot check the bank and fails
 // RETRYABLE; attempt 3 is still told UNKNOWN; its Fail ABANDONED returns the
 // key to UNKNOWN with the fingerprint kept, so another request cannot take

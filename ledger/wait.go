@@ -169,7 +169,7 @@ func (s *Store) waitWhileHeld(ctx context.Context, id Identity, giveUp time.Time
 }
 
 // BeginWait is Begin for a caller that, while another attempt holds the
-// key, waits for it (DESIGN: `wait` on Begin): up to wait, but no later than
+// key, waits for it (docs/design.md, "One wait loop"): up to wait, but no later than
 // 50 ms before ctx's deadline, without holding a row lock or a connection,
 // waking on every committed change of the record and at its lease expiry,
 // and then answers as Begin would. When the wait runs out with the key
