@@ -2,6 +2,9 @@ package server
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"slices"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
@@ -9,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
 )
@@ -41,13 +45,95 @@ const (
 	grpcPingMinTime = 20 * time.Second
 )
 
+const (
+	// grpcMaxMessageBytes is the largest request message the gRPC
+	// listener reads (grpc.MaxRecvMsgSize, gRPC's default).
+	grpcMaxMessageBytes = 4 << 20
+	// grpcStreamWindow is a call's HTTP/2 flow-control window: what a
+	// client may send on a call whose message the listener is not
+	// reading. It is static (no windows grown by bandwidth estimates),
+	// so a call waiting for the budget of request messages holds at most
+	// this much.
+	grpcStreamWindow = 64 << 10
+	// grpcConnWindow is a connection's flow-control window, static too:
+	// what a client may have in flight over all its calls; what it sends
+	// is held only within its calls' windows.
+	grpcConnWindow = 1 << 20
+	// grpcBufferedCallCost is what one call's request can hold while the
+	// listener reads it, charged to the budget of request messages: its
+	// message at the limit as read and as decoded (or a second message,
+	// which a call that takes one may still send before the listener
+	// refuses it), with their 5-byte prefixes, and its window.
+	grpcBufferedCallCost = 2*(grpcMaxMessageBytes+5) + grpcStreamWindow
+	// grpcBudgetWait is how long a call waits for room in the budget of
+	// request messages before it is refused RESOURCE_EXHAUSTED.
+	grpcBudgetWait = time.Second
+)
+
+// GRPCBufferedCallBytes is what one call is charged in the gRPC
+// listener's budget of request messages while its message is read (see
+// WithGRPCMaxBufferedBytes): a budget or a share holds at least one call.
+const GRPCBufferedCallBytes = grpcBufferedCallCost
+
+// DefaultGRPCMaxBufferedBytes is the default budget of request message
+// bytes the gRPC listener holds at once (WithGRPCMaxBufferedBytes): 16
+// calls with a message at the 4 MiB limit, about 129 MiB.
+const DefaultGRPCMaxBufferedBytes = 16 * grpcBufferedCallCost
+
+// WithGRPCMaxBufferedBytes bounds the request message bytes the gRPC
+// listener holds at once, all calls of the API together (default, or 0:
+// DefaultGRPCMaxBufferedBytes). Each call is charged what a message at
+// the 4 MiB limit costs while the listener reads it, about 8 MiB, and
+// gives it back once its message is read: a call that does not fit waits
+// up to a second for room, then is refused RESOURCE_EXHAUSTED before its
+// message is read. It must be at least one call's charge. See
+// WithGRPCMaxBufferedBytesPerClient.
+func WithGRPCMaxBufferedBytes(n int64) Option { return func(o *options) { o.grpcMaxBuffered = n } }
+
+// WithGRPCMaxBufferedBytesPerClient bounds the share of the gRPC
+// listener's budget of request messages (WithGRPCMaxBufferedBytes) that
+// one client holds at once: one tenant while auth is on, whatever
+// connections and addresses its calls come from; one remote IP address
+// (IPv6 /64) while it is off. Default, or 0: an eighth of the budget, but
+// at least one call's charge. Past its share, a client's calls wait and
+// are refused as past the budget, while other clients are served.
+func WithGRPCMaxBufferedBytesPerClient(n int64) Option {
+	return func(o *options) { o.grpcClientBuffered = n }
+}
+
+// GRPCMaxBufferedBytes is the most request message bytes the gRPC
+// listener holds at once: the budget of the API's calls, and the calls of
+// health and reflection that may be open at once while auth is on.
+func (s *Server) GRPCMaxBufferedBytes() int64 {
+	return s.opts.grpcMaxBuffered + openCallsAtOnce*grpcBufferedCallCost
+}
+
+// checkGRPCBudget checks the options of the budget of request messages and
+// sets its default.
+func (o *options) checkGRPCBudget() error {
+	if o.grpcMaxBuffered == 0 {
+		o.grpcMaxBuffered = DefaultGRPCMaxBufferedBytes
+	}
+	if o.grpcMaxBuffered < grpcBufferedCallCost {
+		return fmt.Errorf("server: gRPC buffered message budget %d: want at least one call's charge, %d bytes", o.grpcMaxBuffered, grpcBufferedCallCost)
+	}
+	if o.grpcClientBuffered < 0 || (o.grpcClientBuffered > 0 && o.grpcClientBuffered < grpcBufferedCallCost) {
+		return fmt.Errorf("server: gRPC buffered message share per client %d: want at least one call's charge, %d bytes, or 0 for the default",
+			o.grpcClientBuffered, grpcBufferedCallCost)
+	}
+	return nil
+}
+
 // listenerOptions are the grpc.Server options that bound what a
 // connection can hold: the tap that authenticates a call and arms its read
-// timeout before its message is read, the idle timeout and the keepalive
-// policy.
+// timeout before its message is read, the message limit and static
+// flow-control windows, the idle timeout and the keepalive policy.
 func (s *Server) listenerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.InTapHandle(s.admitCall),
+		grpc.MaxRecvMsgSize(grpcMaxMessageBytes),
+		grpc.InitialWindowSize(grpcStreamWindow),
+		grpc.InitialConnWindowSize(grpcConnWindow),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: grpcIdleTimeout}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: grpcPingMinTime, PermitWithoutStream: true}),
 	}
@@ -55,6 +141,10 @@ func (s *Server) listenerOptions() []grpc.ServerOption {
 
 // readTimerKey is the context key of a call's read timer.
 type readTimerKey struct{}
+
+// bufferedClientKey is the context key of the client whose share of the
+// budget of request messages a call is charged to (see admitCall).
+type bufferedClientKey struct{}
 
 // errReadTimeout is the cause of a call cancelled because its request
 // message did not arrive within the read timeout.
@@ -69,13 +159,21 @@ var errReadTimeout = status.Error(codes.DeadlineExceeded, "the request message d
 // reflection) takes one of openCallsAtOnce slots until it ends, or is
 // refused RESOURCE_EXHAUSTED. Either way, a caller without credentials has
 // no request message read. Every admitted call must then send its message
-// within the read timeout.
+// within the read timeout. An admitted call names the client whose share
+// of the budget of request messages it is charged to: its tenant while
+// auth is on, else its remote address (see budgetedRegistrar).
 func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context, error) {
+	client := ""
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		client = "address " + clientOf(p.Addr.String())
+	}
 	if s.policies.Load().AuthEnabled() {
 		if unauthenticatedService(ctx, interceptors.NewServerCallMeta(info.FullMethodName, nil, nil)) {
-			if err := s.authenticateUnread(ctx, info.FullMethodName); err != nil {
+			tctx, err := s.authenticateUnread(ctx, info.FullMethodName)
+			if err != nil {
 				return nil, err
 			}
+			client = "tenant " + tenantFrom(tctx)
 		} else {
 			if !s.openCalls.TryAcquire(1) {
 				return nil, status.Error(codes.ResourceExhausted, "too many health or reflection calls at once: retry later")
@@ -86,7 +184,7 @@ func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context
 	ctx, cancel := context.WithCancelCause(ctx)
 	timer := time.AfterFunc(s.opts.grpcReadTimeout, func() { cancel(errReadTimeout) })
 	context.AfterFunc(ctx, func() { timer.Stop() })
-	return context.WithValue(ctx, readTimerKey{}, timer), nil
+	return context.WithValue(context.WithValue(ctx, readTimerKey{}, timer), bufferedClientKey{}, client), nil
 }
 
 // messageRead stops the read timeout of the call whose context is ctx:
@@ -111,17 +209,90 @@ func readStream(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler
 
 // authenticateUnread authenticates a call of method from ctx's metadata
 // and peer alone, before its request is read, with the chain's rule
-// (authenticate). A refused call of an API method is counted and logged as
-// the chain counts and logs its refusals (grpc_server_handled_total with
-// code Unauthenticated, a "finished call" line); a method the API does not
-// have is neither (it would make a metric label of any string).
-func (s *Server) authenticateUnread(ctx context.Context, method string) error {
-	_, err := s.authenticate(ctx)
-	if err != nil && s.apiMethods[method] {
+// (authenticate), and returns ctx with the tenant. A refused call of an
+// API method is counted and logged as the chain counts and logs its
+// refusals (see refuseUnread).
+func (s *Server) authenticateUnread(ctx context.Context, method string) (context.Context, error) {
+	tctx, err := s.authenticate(ctx)
+	if err != nil {
+		s.refuseUnread(ctx, method, err)
+		return nil, err
+	}
+	return tctx, nil
+}
+
+// refuseUnread counts and logs err, the refusal of a call of method before
+// its request is read, as the chain counts and logs its refusals
+// (grpc_server_handled_total with err's code, a "finished call" line),
+// when method is one of the API; a method the API does not have is
+// neither (it would make a metric label of any string).
+func (s *Server) refuseUnread(ctx context.Context, method string, err error) {
+	if s.apiMethods[method] {
 		_, _ = s.refusedUnread(ctx, nil, &grpc.UnaryServerInfo{FullMethod: method},
 			func(context.Context, any) (any, error) { return nil, err })
 	}
-	return err
+}
+
+// budgetedRegistrar registers services on the gRPC server with their
+// unary methods' request messages held within the listener's budget
+// (WithGRPCMaxBufferedBytes): before a call of the gRPC listener reads
+// its message, it takes grpcBufferedCallCost bytes of its client's share
+// (admitCall names the client), waiting up to grpcBudgetWait for room,
+// else it is refused RESOURCE_EXHAUSTED, counted and logged as the chain's
+// refusals; once the message is read (or the call fails to read it) it
+// gives them back. gRPC reads a unary call's message when the method's
+// handler decodes it, which is what this wraps; a call that did not come
+// through the listener's tap (the HTTP listener's, whose body its own
+// budget holds) is not charged. Streaming methods are registered as they
+// are.
+type budgetedRegistrar struct{ s *Server }
+
+// RegisterService registers sd's service, its unary methods budgeted.
+func (r budgetedRegistrar) RegisterService(sd *grpc.ServiceDesc, impl any) {
+	d := *sd
+	d.Methods = slices.Clone(sd.Methods)
+	for i := range d.Methods {
+		d.Methods[i].Handler = r.s.budgetedMethod("/"+sd.ServiceName+"/"+d.Methods[i].MethodName, d.Methods[i].Handler)
+	}
+	r.s.grpc.RegisterService(&d, impl)
+}
+
+// budgetedMethod is handler with its call's message read within the budget
+// of request messages; see budgetedRegistrar.
+func (s *Server) budgetedMethod(method string, handler grpc.MethodHandler) grpc.MethodHandler {
+	return func(srv any, ctx context.Context, dec func(any) error, chain grpc.UnaryServerInterceptor) (any, error) {
+		client, ok := ctx.Value(bufferedClientKey{}).(string)
+		if !ok {
+			return handler(srv, ctx, dec, chain)
+		}
+		if err := s.grpcBudget.takeWithin(ctx, client, grpcBufferedCallCost, grpcBudgetWait); err != nil {
+			err = overBudget(err)
+			s.refuseUnread(ctx, method, err)
+			return nil, err
+		}
+		charged := true
+		giveBack := func() {
+			if charged {
+				charged = false
+				s.grpcBudget.give(client, grpcBufferedCallCost)
+			}
+		}
+		defer giveBack()
+		return handler(srv, ctx, func(m any) error {
+			defer giveBack()
+			return dec(m)
+		}, chain)
+	}
+}
+
+// overBudget is the status of a call refused because the budget of
+// request messages, or its client's share, cannot take it (takeWithin's
+// error).
+func overBudget(err error) error {
+	if errors.Is(err, errClientShare) {
+		return status.Error(codes.ResourceExhausted, "too many request messages being received at once for this caller: retry later")
+	}
+	return status.Error(codes.ResourceExhausted, "too many request messages being received at once: retry later")
 }
 
 // newOpenCalls is the slots of the calls that need no credentials.

@@ -596,7 +596,8 @@ func (s *Server) authenticateHTTP(r *http.Request) error {
 	if r.TLS != nil {
 		p.AuthInfo = credentials.TLSInfo{State: *r.TLS}
 	}
-	return s.authenticateUnread(peer.NewContext(ctx, p), r.URL.Path)
+	_, err := s.authenticateUnread(peer.NewContext(ctx, p), r.URL.Path)
+	return err
 }
 
 // httpPeerAddr is the remote address of an HTTP request, as a peer's.

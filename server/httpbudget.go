@@ -1,10 +1,12 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"net"
 	"net/netip"
 	"sync"
+	"time"
 )
 
 // DefaultHTTPOtherMaxBodyBytes is the default cap on the body of a request
@@ -40,9 +42,10 @@ var errClientShare = errors.New("the client's share of the budget of buffered re
 type bodyBudget struct {
 	total, share int64
 
-	mu   sync.Mutex
-	used int64
-	held map[string]int64 // by client, only clients holding bytes
+	mu    sync.Mutex
+	used  int64
+	held  map[string]int64 // by client, only clients holding bytes
+	freed chan struct{}    // closed by the next give, while a takeWithin waits
 }
 
 // newBodyBudget returns a budget of total bytes of which one client holds
@@ -66,6 +69,41 @@ func bodyCost(maxBody int64) int64 { return maxBody + 1 + gzipStateBytes }
 func (b *bodyBudget) take(client string, n int64) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	return b.takeLocked(client, n)
+}
+
+// takeWithin charges n bytes to client as take does, waiting until they
+// fit, ctx ends or wait passes (then it fails with take's error).
+func (b *bodyBudget) takeWithin(ctx context.Context, client string, n int64, wait time.Duration) error {
+	var timeout <-chan time.Time
+	for {
+		b.mu.Lock()
+		err := b.takeLocked(client, n)
+		if err != nil && b.freed == nil {
+			b.freed = make(chan struct{})
+		}
+		freed := b.freed
+		b.mu.Unlock()
+		if err == nil {
+			return nil
+		}
+		if timeout == nil {
+			t := time.NewTimer(wait)
+			defer t.Stop()
+			timeout = t.C
+		}
+		select {
+		case <-freed:
+		case <-ctx.Done():
+			return err
+		case <-timeout:
+			return err
+		}
+	}
+}
+
+// takeLocked is take, with b.mu held.
+func (b *bodyBudget) takeLocked(client string, n int64) error {
 	switch {
 	case b.used+n > b.total:
 		return errBodyBudget
@@ -87,6 +125,10 @@ func (b *bodyBudget) give(client string, n int64) {
 	b.used -= n
 	if b.held[client] -= n; b.held[client] <= 0 {
 		delete(b.held, client)
+	}
+	if b.freed != nil {
+		close(b.freed)
+		b.freed = nil
 	}
 }
 

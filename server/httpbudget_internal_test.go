@@ -1,8 +1,10 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"testing"
+	"time"
 )
 
 // TestClientOf: a client is the remote IP address, an IPv6 /64 network
@@ -57,5 +59,40 @@ func TestBodyBudgetShares(t *testing.T) {
 	}
 	if got := newBodyBudget(800, 0, 900).share; got != 800 {
 		t.Fatalf("default share of 800 with a body cost of 900 = %d, want 800", got)
+	}
+}
+
+// TestBodyBudgetTakeWithin: a take that does not fit waits until bytes
+// are given back, and fails with take's error once its wait passes or its
+// context ends.
+func TestBodyBudgetTakeWithin(t *testing.T) {
+	b := newBodyBudget(100, 60, 10)
+	if err := b.take("a", 60); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.takeWithin(context.Background(), "a", 1, 10*time.Millisecond); !errors.Is(err, errClientShare) {
+		t.Fatalf("a past its share, waiting 10 ms: %v, want %v", err, errClientShare)
+	}
+	if err := b.takeWithin(context.Background(), "b", 40, time.Minute); err != nil {
+		t.Fatalf("b within the budget: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := b.takeWithin(ctx, "c", 1, time.Minute); !errors.Is(err, errBodyBudget) {
+		t.Fatalf("c past the budget, its context ended: %v, want %v", err, errBodyBudget)
+	}
+	done := make(chan error, 1)
+	go func() { done <- b.takeWithin(context.Background(), "c", 30, time.Minute) }()
+	select {
+	case err := <-done:
+		t.Fatalf("c took 30 bytes past the budget: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	b.give("a", 60)
+	if err := <-done; err != nil {
+		t.Fatalf("c once a gave back: %v", err)
+	}
+	if b.used != 70 || b.held["c"] != 30 {
+		t.Fatalf("used %d, held %v; want 70, c 30", b.used, b.held)
 	}
 }

@@ -65,6 +65,9 @@ type Server struct {
 	// openCalls are the slots of calls that need no credentials while
 	// auth is on (see admitCall).
 	openCalls *semaphore.Weighted
+	// grpcBudget holds the request messages the gRPC listener reads (see
+	// budgetedRegistrar).
+	grpcBudget *bodyBudget
 	// callWorkers run the calls of Batch RPCs.
 	callWorkers *callWorkers
 }
@@ -82,7 +85,9 @@ type options struct {
 	metricsToken   string
 	slowCall       time.Duration
 
-	grpcReadTimeout time.Duration
+	grpcReadTimeout    time.Duration
+	grpcMaxBuffered    int64
+	grpcClientBuffered int64
 
 	httpMaxBody      int64
 	httpReadTimeout  time.Duration
@@ -205,6 +210,9 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		return nil, fmt.Errorf("server: HTTP body cap of requests that are not API calls %d: want 1 to the body cap, %d bytes",
 			o.httpOtherMaxBody, o.httpMaxBody)
 	}
+	if err := o.checkGRPCBudget(); err != nil {
+		return nil, err
+	}
 	if o.grpcReadTimeout <= 0 {
 		return nil, fmt.Errorf("server: gRPC read timeout %v: want more than 0", o.grpcReadTimeout)
 	}
@@ -216,7 +224,8 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		return nil, fmt.Errorf("server: build validator: %w", err)
 	}
 	s := &Server{store: store, validator: pv, logger: o.logger, opts: o, callWorkers: newCallWorkers(), openCalls: newOpenCalls(),
-		metrics: newMetrics(store, o.maxScopeLabels, o.logger)}
+		grpcBudget: newBodyBudget(o.grpcMaxBuffered, o.grpcClientBuffered, grpcBufferedCallCost),
+		metrics:    newMetrics(store, o.maxScopeLabels, o.logger)}
 	s.policies.Store(o.policies)
 	s.metrics.scopes.named = func(scope string) string { return s.policies.Load().scopeLabel(scope) }
 
@@ -264,8 +273,8 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 		))
 	gopts = append(gopts, o.grpcOptions...)
 	s.grpc = grpc.NewServer(gopts...)
-	idempotencyv1.RegisterCoordinatorServer(s.grpc, s)
-	idempotencyv1.RegisterAdminServer(s.grpc, &adminService{s: s})
+	idempotencyv1.RegisterCoordinatorServer(budgetedRegistrar{s}, s)
+	idempotencyv1.RegisterAdminServer(budgetedRegistrar{s}, &adminService{s: s})
 	s.health = health.NewServer()
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)

@@ -215,14 +215,15 @@ func largeBegin() *idempotencyv1.BeginRequest {
 	return &idempotencyv1.BeginRequest{Scope: "build", Key: "k", Fingerprint: bytes.Repeat([]byte("a"), 4<<20-1024)}
 }
 
-// startWithTenants runs the binary with auth on (one tenant, token
-// "pay-secret") on loopback ports, with args added, and returns it with
-// its HTTP address.
+// startWithTenants runs the binary with auth on (tenants payments, token
+// "pay-secret", and shipping, token "ship-secret") on loopback ports, with
+// args added, and returns it with its HTTP address.
 func startWithTenants(t *testing.T, args ...string) (*proc, string) {
 	t.Helper()
 	cfg := filepath.Join(t.TempDir(), "idemcoord.yaml")
-	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("tenants:\n  - { name: payments, token_sha256: %s, scopes: [\"*\"] }\n",
-		tokenHash("pay-secret"))), 0o644); err != nil {
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("tenants:\n  - { name: payments, token_sha256: %s, scopes: [\"*\"] }\n"+
+		"  - { name: shipping, token_sha256: %s, scopes: [\"*\"] }\n",
+		tokenHash("pay-secret"), tokenHash("ship-secret"))), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	httpAddr := coordtest.FreeAddr(t)
@@ -278,6 +279,67 @@ func TestGRPCUnauthenticatedFloodBoundsMemory(t *testing.T) {
 		if got := c.c.waitEnded(c.id, time.Now().Add(5*time.Second)); got != strconv.Itoa(16) {
 			t.Fatalf("an unauthenticated Begin's call ended %q, want grpc-status 16 (UNAUTHENTICATED)", got)
 		}
+	}
+	p.stop()
+}
+
+// TestGRPCAuthenticatedFloodBoundsMemory: 2 connections × 200 calls of
+// one tenant that each send all but the last byte of a 4 MiB Begin hold
+// at most the tenant's share of the listener's budget of request messages
+// (unbounded, they held 1.6 GB): the calls the share cannot take are
+// refused RESOURCE_EXHAUSTED, and another tenant is served meanwhile.
+func TestGRPCAuthenticatedFloodBoundsMemory(t *testing.T) {
+	p, _ := startWithTenants(t)
+	msg := grpcMessage(t, largeBegin())
+	before := processMemory(t, p.cmd.Process.Pid)
+	const conns, calls = 2, 200
+	deadline := time.Now().Add(30 * time.Second)
+	var wg sync.WaitGroup
+	type call struct {
+		c  *rawGRPCConn
+		id uint32
+	}
+	var all []call
+	for range conns {
+		c := dialRawGRPC(t, p.grpcAddr)
+		for range calls {
+			id, err := c.open(beginMethod, "authorization", "Bearer pay-secret")
+			if err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, call{c, id})
+			wg.Go(func() { c.send(id, msg[:len(msg)-1], deadline) })
+		}
+	}
+	wg.Wait()
+	time.Sleep(time.Second)
+	// Each body held would be 4 MiB (1.6 GB in all): bounded, the tenant
+	// holds its share of the budget (2 calls of 8 MiB by default), and
+	// the calls waiting for it at most their 64 KiB windows, plus
+	// garbage the collector has not yet reclaimed.
+	wantMemoryBounded(t, p, fmt.Sprintf("%d×%d authenticated 4 MiB Begins, all but their last byte", conns, calls), before, 256<<20)
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer ship-secret")
+	if r, err := idempotencyv1.NewCoordinatorClient(conn).Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		t.Fatalf("another tenant's Begin during the flood: %v %v", r, err)
+	}
+	refused := 0
+	for _, c := range all {
+		if got := c.c.waitEnded(c.id, time.Now()); got == strconv.Itoa(int(codes.ResourceExhausted)) {
+			refused++
+		}
+	}
+	// The share takes 2 calls at once: every other call is refused (a few
+	// more may be taken as the refused ones end).
+	if refused < conns*calls*3/4 {
+		t.Fatalf("%d of %d flooding calls refused RESOURCE_EXHAUSTED, want most of them", refused, conns*calls)
+	}
+	for _, c := range all {
+		_ = c.c.conn.Close() // the calls still holding their share
 	}
 	p.stop()
 }
@@ -366,6 +428,32 @@ func TestGRPCListenerFlags(t *testing.T) {
 		t.Fatalf("environment: %+v %v", c, err)
 	}
 	for _, args := range [][]string{{"--grpc-read-timeout", "0s"}, {"--grpc-read-timeout", "soon"}, {"--grpc-max-connections", "-1"}} {
+		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...)); err == nil {
+			t.Fatalf("%q accepted", args)
+		}
+	}
+}
+
+// TestGRPCBudgetFlags reads --grpc-max-buffered-bytes and its per-client
+// share from the flags or the environment (0, the default, leaves the
+// server's), and refuses values under one call's charge.
+func TestGRPCBudgetFlags(t *testing.T) {
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.grpcMaxBuffered != 0 || c.grpcClientBuf != 0 {
+		t.Fatalf("defaults: %+v %v", c, err)
+	}
+	call := strconv.Itoa(server.GRPCBufferedCallBytes)
+	if c, err = parseFlags([]string{"--database-url", "postgres://x", "--grpc-max-buffered-bytes", "1073741824",
+		"--grpc-max-buffered-bytes-per-client", call}); err != nil || c.grpcMaxBuffered != 1<<30 || c.grpcClientBuf != server.GRPCBufferedCallBytes {
+		t.Fatalf("flags: %+v %v", c, err)
+	}
+	t.Setenv("IDEMCOORD_GRPC_MAX_BUFFERED_BYTES", "536870912")
+	t.Setenv("IDEMCOORD_GRPC_MAX_BUFFERED_BYTES_PER_CLIENT", "67108864")
+	if c, err = parseFlags([]string{"--database-url", "postgres://x"}); err != nil || c.grpcMaxBuffered != 512<<20 || c.grpcClientBuf != 64<<20 {
+		t.Fatalf("environment: %+v %v", c, err)
+	}
+	for _, args := range [][]string{{"--grpc-max-buffered-bytes", "-1"}, {"--grpc-max-buffered-bytes", "1MiB"}, {"--grpc-max-buffered-bytes", "4194304"},
+		{"--grpc-max-buffered-bytes-per-client", "1024"}} {
 		if _, err := parseFlags(append([]string{"--database-url", "postgres://x"}, args...)); err == nil {
 			t.Fatalf("%q accepted", args)
 		}

@@ -595,3 +595,55 @@ func TestHTTPTrickleFloodLeavesAPIServed(t *testing.T) {
 	}
 	p.stop()
 }
+
+// TestHTTPListenerLimitsConnections: with --http-max-connections 2 (here
+// from the environment), two open connections that send nothing keep a
+// third from being served until one closes. The flag defaults to
+// defaultHTTPMaxConns; 0 is no limit.
+func TestHTTPListenerLimitsConnections(t *testing.T) {
+	c, err := parseFlags([]string{"--database-url", "postgres://x"})
+	if err != nil || c.httpMaxConns != defaultHTTPMaxConns {
+		t.Fatalf("defaults: %+v %v", c, err)
+	}
+	if c, err = parseFlags([]string{"--database-url", "postgres://x", "--http-max-connections", "0"}); err != nil || c.httpMaxConns != 0 {
+		t.Fatalf("--http-max-connections 0: %+v %v", c, err)
+	}
+	if _, err = parseFlags([]string{"--database-url", "postgres://x", "--http-max-connections", "-1"}); err == nil {
+		t.Fatal("--http-max-connections -1 accepted")
+	}
+
+	p, addr := startListener(t, "IDEMCOORD_HTTP_MAX_CONNECTIONS=2")
+	get := func(timeout time.Duration) error {
+		client := &http.Client{Timeout: timeout, Transport: &http.Transport{DisableKeepAlives: true}}
+		resp, err := client.Get("http://" + addr + "/healthz")
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		return nil
+	}
+	if err := get(10 * time.Second); err != nil {
+		t.Fatalf("/healthz with no other connection: %v", err)
+	}
+	var held []net.Conn
+	for range 2 {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		held = append(held, conn)
+	}
+	if err := get(time.Second); err == nil {
+		t.Fatal("/healthz answered while 2 connections held both slots")
+	}
+	_ = held[0].Close()
+	if err := get(10 * time.Second); err != nil {
+		t.Fatalf("/healthz once a connection closed: %v", err)
+	}
+	_ = held[1].Close()
+	p.stop()
+}

@@ -48,6 +48,13 @@ const defaultGCPercent = 400
 // coordinator.
 const defaultGRPCMaxConns = 1024
 
+// defaultHTTPMaxConns is the default of --http-max-connections: a
+// connection costs the HTTP listener about 25 KiB before any body, so
+// this many cost about 25 MiB, while its clients (scrapers, probes, a
+// proxy in front of the HTTP API) keep a few connections each, and idle
+// ones are closed after 2 minutes.
+const defaultHTTPMaxConns = 1024
+
 // version and commit name the build; `make image` sets them with
 // -ldflags "-X main.version=… -X main.commit=…", and --version prints them.
 var version, commit = "dev", "unknown"
@@ -85,6 +92,9 @@ type config struct {
 	maxStreams      uint
 	grpcMaxConns    uint
 	grpcReadTimeout time.Duration
+	grpcMaxBuffered int64
+	grpcClientBuf   int64
+	httpMaxConns    uint
 	console         bool
 	httpMaxBody     int64
 	httpReadTimeout time.Duration
@@ -127,6 +137,14 @@ func parseFlags(args []string) (*config, error) {
 		"most client connections --listen holds at once; more wait to be accepted; 0: no limit (IDEMCOORD_GRPC_MAX_CONNECTIONS)")
 	grpcReadTimeout := fs.String("grpc-read-timeout", env("IDEMCOORD_GRPC_READ_TIMEOUT", server.DefaultGRPCReadTimeout.String()),
 		"how long a call on --listen may take to send its request message after its headers (IDEMCOORD_GRPC_READ_TIMEOUT)")
+	grpcMaxBuffered := fs.String("grpc-max-buffered-bytes", env("IDEMCOORD_GRPC_MAX_BUFFERED_BYTES", "0"),
+		"most request message bytes --listen holds at once, all calls together, each call charged 8 MiB (a 4 MiB message as read and decoded) until its message is read; "+
+			"a call past it waits up to 1s, then fails RESOURCE_EXHAUSTED; 0: 16 calls, 129 MiB (IDEMCOORD_GRPC_MAX_BUFFERED_BYTES)")
+	grpcPerClient := fs.String("grpc-max-buffered-bytes-per-client", env("IDEMCOORD_GRPC_MAX_BUFFERED_BYTES_PER_CLIENT", "0"),
+		"most of --grpc-max-buffered-bytes that one client (a tenant while auth is on, else a remote IP address, IPv6 /64) holds at once; "+
+			"0: an eighth of the budget, at least one call (IDEMCOORD_GRPC_MAX_BUFFERED_BYTES_PER_CLIENT)")
+	fs.UintVar(&c.httpMaxConns, "http-max-connections", envs.uint("IDEMCOORD_HTTP_MAX_CONNECTIONS", defaultHTTPMaxConns),
+		"most client connections --http-listen holds at once; more wait to be accepted; 0: no limit (IDEMCOORD_HTTP_MAX_CONNECTIONS)")
 	fs.BoolVar(&c.console, "console", envs.bool("IDEMCOORD_CONSOLE"), "serve the operator web console under /console/ on --http-listen (IDEMCOORD_CONSOLE)")
 	fs.DurationVar(&c.shutdownTimeout, "shutdown-timeout", 30*time.Second, "how long SIGTERM waits for calls in flight")
 	maxBody := fs.String("http-max-body-bytes", env("IDEMCOORD_HTTP_MAX_BODY_BYTES", strconv.Itoa(server.DefaultHTTPMaxBodyBytes)),
@@ -162,6 +180,14 @@ func parseFlags(args []string) (*config, error) {
 	if c.httpClientBuf, err = strconv.ParseInt(*perClient, 10, 64); err != nil || c.httpClientBuf < 0 ||
 		(c.httpClientBuf > 0 && c.httpClientBuf < c.httpMaxBody) {
 		return nil, fmt.Errorf("--http-max-buffered-bytes-per-client %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *perClient, c.httpMaxBody)
+	}
+	if c.grpcMaxBuffered, err = strconv.ParseInt(*grpcMaxBuffered, 10, 64); err != nil || c.grpcMaxBuffered < 0 ||
+		(c.grpcMaxBuffered > 0 && c.grpcMaxBuffered < server.GRPCBufferedCallBytes) {
+		return nil, fmt.Errorf("--grpc-max-buffered-bytes %q: want a number of bytes, at least one call's charge (%d), or 0 for the default", *grpcMaxBuffered, server.GRPCBufferedCallBytes)
+	}
+	if c.grpcClientBuf, err = strconv.ParseInt(*grpcPerClient, 10, 64); err != nil || c.grpcClientBuf < 0 ||
+		(c.grpcClientBuf > 0 && c.grpcClientBuf < server.GRPCBufferedCallBytes) {
+		return nil, fmt.Errorf("--grpc-max-buffered-bytes-per-client %q: want a number of bytes, at least one call's charge (%d), or 0 for the default", *grpcPerClient, server.GRPCBufferedCallBytes)
 	}
 	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
@@ -403,6 +429,7 @@ func run(args []string, logOut *os.File) error {
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
 		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))), server.WithGRPCReadTimeout(c.grpcReadTimeout),
+		server.WithGRPCMaxBufferedBytes(c.grpcMaxBuffered), server.WithGRPCMaxBufferedBytesPerClient(c.grpcClientBuf),
 		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPMaxBufferedBytes(c.httpMaxBuffered), server.WithHTTPMaxBufferedBytesPerClient(c.httpClientBuf), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
 		server.WithSlowCallThreshold(c.slowCall)}
 	if metricsToken != "" {
@@ -446,6 +473,9 @@ func run(args []string, logOut *os.File) error {
 	hlis, err := net.Listen("tcp", c.httpListen)
 	if err != nil {
 		return err
+	}
+	if c.httpMaxConns > 0 {
+		hlis = netutil.LimitListener(hlis, int(c.httpMaxConns))
 	}
 	httpHandler := srv.HTTPHandler()
 	if c.console {
