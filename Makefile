@@ -158,7 +158,7 @@ lint: tools check-generated
 # FileDescriptorSet of proto/ and third_party/ (no protoc, no generated code).
 DESCRIPTOR_SETS := clients/node/idempotency.binpb clients/python/idemcoord/idempotency.binpb
 # Copies of clients/testdata/shared_tables.json (the tables the libraries share) inside packages.
-SHARED_TABLES := clients/node/shared_tables.json
+SHARED_TABLES := clients/node/shared_tables.json clients/python/idemcoord/shared_tables.json
 
 ## generate: regenerate gen/ and the client libraries' descriptor sets from proto/
 generate: tools

@@ -14,11 +14,12 @@ State, Outcome and FailureKind are its enums.
 from ._api import FailureKind, Outcome, Record, State, StoredResponse
 from .client import Attempt, Client, Lease, Result, current_lease, mark_side_effect
 from .dedup import dedup_key, normalize_name
-from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, REASONS, SCHEMA_VERSION_STATUS, FailureError, LeaseLost,
+from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, REASONS, SCHEMA_VERSION_STATUS, FailureError, GuardsNothingWarning,
+                     LeaseLost,
                      LeaseUnconfirmed, StoredFailure, UndecidedPrincipalWarning, UnknownHeld)
 
 __all__ = [
-    "Attempt", "Client", "CONTENT_TYPE_PROTO", "FailureError", "FailureKind", "Lease", "LeaseLost", "LeaseUnconfirmed",
+    "Attempt", "Client", "CONTENT_TYPE_PROTO", "FailureError", "FailureKind", "GuardsNothingWarning", "Lease", "LeaseLost", "LeaseUnconfirmed",
     "Outcome", "REASON_UNKNOWN_HELD", "REASONS", "Record", "Result", "SCHEMA_VERSION_STATUS", "State", "StoredFailure",
     "StoredResponse", "UndecidedPrincipalWarning", "UnknownHeld", "current_lease", "dedup_key", "mark_side_effect", "normalize_name",
 ]

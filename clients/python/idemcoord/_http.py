@@ -19,8 +19,10 @@ from typing import List
 import grpc
 
 from . import _api
-from .client import _C, _code, _new_attempt_id
-from .errors import UndecidedPrincipalWarning
+from ._tables import PROBLEM_TYPES
+from ._core import _C, fold_principal, warn_undecided_principal
+from ._core import code_of_error as _code
+from ._core import new_attempt_id as _new_attempt_id
 
 KEY_HEADER = "Idempotency-Key"
 RESULT_HEADER = "Idempotency-Result"
@@ -29,17 +31,17 @@ HTTP_SCHEMA_VERSION = "idemcoord.http/1"
 DEFAULT_HTTP_SCOPE = "http"
 MAX_CAPTURED_BODY = 4 << 20
 
-PROBLEM_KEY_MISSING = "urn:idemcoord:problem:idempotency-key-missing"
-PROBLEM_KEY_INVALID = "urn:idemcoord:problem:idempotency-key-invalid"
-PROBLEM_KEY_REUSED = "urn:idemcoord:problem:idempotency-key-reused"
-PROBLEM_KEY_EXPIRED = "urn:idemcoord:problem:idempotency-key-expired"
-PROBLEM_ATTEMPTS_EXHAUSTED = "urn:idemcoord:problem:idempotency-attempts-exhausted"
-PROBLEM_IN_PROGRESS = "urn:idemcoord:problem:idempotency-request-in-progress"
-PROBLEM_OUTCOME_UNKNOWN = "urn:idemcoord:problem:idempotency-outcome-unknown"
-PROBLEM_BODY_TOO_LARGE = "urn:idemcoord:problem:request-body-too-large"
-PROBLEM_UNAVAILABLE = "urn:idemcoord:problem:idempotency-coordinator-unavailable"
-PROBLEM_LEASE_LOST = "urn:idemcoord:problem:idempotency/lease-lost"
-PROBLEM_INTERNAL = "urn:idemcoord:problem:idempotency-coordinator-refused"
+PROBLEM_KEY_MISSING = PROBLEM_TYPES["key_missing"]
+PROBLEM_KEY_INVALID = PROBLEM_TYPES["key_invalid"]
+PROBLEM_KEY_REUSED = PROBLEM_TYPES["key_reused"]
+PROBLEM_KEY_EXPIRED = PROBLEM_TYPES["key_expired"]
+PROBLEM_ATTEMPTS_EXHAUSTED = PROBLEM_TYPES["attempts_exhausted"]
+PROBLEM_IN_PROGRESS = PROBLEM_TYPES["in_progress"]
+PROBLEM_OUTCOME_UNKNOWN = PROBLEM_TYPES["outcome_unknown"]
+PROBLEM_BODY_TOO_LARGE = PROBLEM_TYPES["body_too_large"]
+PROBLEM_UNAVAILABLE = PROBLEM_TYPES["unavailable"]
+PROBLEM_LEASE_LOST = PROBLEM_TYPES["lease_lost"]
+PROBLEM_INTERNAL = PROBLEM_TYPES["internal"]
 
 
 class Problem(Exception):
@@ -100,12 +102,6 @@ def parse_idempotency_key(value):
     return key
 
 
-def fold_principal(principal, key):
-    """The key stored for an end user's key: base64url(SHA-256(principal)) ":" key, as Go's FoldPrincipal."""
-    digest = hashlib.sha256(str(principal).encode("utf-8")).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() + ":" + key
-
-
 def http_fingerprint(method, target, body):
     """The default fingerprint: SHA-256 of method, "\\n", path with query as sent, "\\n", body (Go's HTTPFingerprint)."""
     h = hashlib.sha256()
@@ -136,54 +132,18 @@ def error_reason(err):
                 st.ParseFromString(v)
             except Exception:
                 return ""
+            info = _api.message_class("google.rpc.ErrorInfo")()
             for d in st.details:
-                if d.type_url.endswith("/google.rpc.ErrorInfo"):
-                    return _field1(d.value)
-    return ""
-
-
-def _field1(buf):
-    """Field 1 (a string) of an encoded message."""
-    i = 0
-
-    def varint():
-        nonlocal i
-        v = shift = 0
-        while i < len(buf):
-            b = buf[i]
-            i += 1
-            v |= (b & 0x7F) << shift
-            if b < 0x80:
-                break
-            shift += 7
-        return v
-    while i < len(buf):
-        tag = varint()
-        wire = tag & 7
-        if wire == 2:
-            n = varint()
-            if tag >> 3 == 1:
-                return bytes(buf[i:i + n]).decode("utf-8", "replace")
-            i += n
-        elif wire == 0:
-            varint()
-        elif wire == 5:
-            i += 4
-        elif wire == 1:
-            i += 8
-        else:
-            return ""
+                if d.Is(info.DESCRIPTOR):
+                    try:
+                        d.Unpack(info)
+                    except Exception:
+                        return ""
+                    return str(info.reason)
     return ""
 
 
 MISMATCH_STATUSES = (409, 422)
-
-
-def warn_undecided_principal(guard: str) -> None:
-    """Warns that guard was built with neither principal= nor without_principal=True (as Go logs it)."""
-    warnings.warn("idemcoord: %s built without principal= or without_principal=True: two end users who send the "
-                  "same idempotency key and request share one record; fold the end user in with principal=, or "
-                  "say without_principal=True" % guard, UndecidedPrincipalWarning, stacklevel=3)
 
 
 class Options:

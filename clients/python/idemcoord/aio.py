@@ -24,14 +24,15 @@ import grpc.aio
 
 import idemcoord.client
 
-from . import _api
-from .client import (MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_TIMEOUT, Attempt, _C, _HolderBase, _begin_fields,
-                     _begin_outcome, _channel_options, _configure, _code, _credentials, _current, _duration, _fail_reason, _lease_gone,
-                     _lease_length, _new_attempt_id, _once_ending, _once_request, _once_result, _release_fail,
-                     _seconds, _status_response, _unreachable, _without_wait)
+from . import _api, _core
+from ._core import (LEASE_LOST_ANSWER, NOT_STARTED_REASON, PASS_THROUGH, RESULT_HEADER, UNAVAILABLE_ANSWER, Answer,
+                    Guard, Method, Replayed, Request, StoredBytes)
+from ._tables import FINISH_TIMEOUT, RELEASE_TIMEOUT
+from .client import (Attempt, _C, _HolderBase, _begin_fields, _begin_outcome, _channel_options, _configure, _code,
+                     _credentials, _current, _duration, _lease_gone, _lease_length, _once_ending, _once_request,
+                     _once_result, _release_fail, _seconds, _unreachable, _without_wait)
 from .errors import LeaseLost, LeaseUnconfirmed
-
-FINISH_TIMEOUT = 5.0
+from .grpc import new_key, with_key
 
 
 def _answer_lost(err):
@@ -139,17 +140,18 @@ class Client:
 
     async def _begin_waiting(self, req, wait_until=None):
         """Begin, then Begin's long poll while another attempt holds the key, until wait_until (None: no limit)."""
-        sent = time.monotonic()
-        res = await self.begin(**req)
-        while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
-            left = MAX_BEGIN_WAIT if wait_until is None else min(MAX_BEGIN_WAIT, wait_until - time.monotonic())
-            if left <= 0:
-                return res, sent
-            start = sent = time.monotonic()
-            res = await self.begin(**dict(req, wait=left))
-            if res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and time.monotonic() - start < left / 2:
-                await asyncio.sleep(min(_seconds(res.retry_after) or 0.1, left))
-        return res, sent
+        steps = _core.begin_waiting(req, None, wait_until, time.monotonic, lambda: False)
+        step = next(steps)
+        while True:
+            if isinstance(step, _core.Pause):
+                await asyncio.sleep(step.seconds)
+                answer = None
+            else:
+                answer = await self.begin(**step.fields)
+            try:
+                step = steps.send(answer)
+            except StopIteration as done:
+                return done.value
 
     async def _release(self, req, token=None):
         """As idemcoord.Client._release: ends with Fail ABANDONED what a Begin nobody will act on acquired; never raises."""
@@ -211,22 +213,19 @@ class _AsyncHolder(_HolderBase):
         reason says which) and calls on_cancel. The ASGI middleware runs its
         app between start and stop; run runs fn so.
         """
-        confirmed = self.sent
-        if time.monotonic() - confirmed > self.length / 3:
+        timer = self.timer
+        if timer.needs_confirmation(time.monotonic()):
             sent = time.monotonic()
             try:
-                length = await self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
-                confirmed = sent
-                if length > 0:
-                    self.length = length
+                timer.confirmed_before_start(sent, await self.heartbeat(timeout=timer.beat_timeout))
             except grpc.aio.AioRpcError as err:
                 if _lease_gone(err):
                     self.lost = True
                     return None
-        if time.monotonic() >= confirmed + self.length - self.margin:
+        if not timer.start(time.monotonic()):
             return None
         self.started = True
-        beats = asyncio.ensure_future(self._keep_alive(attempt, on_cancel, confirmed))
+        beats = asyncio.ensure_future(self._keep_alive(attempt, on_cancel))
 
         async def stop() -> None:
             beats.cancel()
@@ -265,31 +264,29 @@ class _AsyncHolder(_HolderBase):
             await stop()
         return value, error, attempt._marked, True
 
-    async def _keep_alive(self, attempt: Attempt, on_cancel: Callable[[], None], confirmed: float) -> None:
-        until = confirmed + self.length - self.margin
-        next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
+    async def _keep_alive(self, attempt: Attempt, on_cancel: Callable[[], None]) -> None:
+        timer = self.timer
         while True:
             now = time.monotonic()
-            if now >= until:
+            if timer.expired(now):
+                self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
+                                         "cancelling the attempt", self.scope, self.key)
                 attempt.cancel(LeaseUnconfirmed())
                 on_cancel()
                 return
-            await asyncio.sleep(max(0.0, min(next_beat, until) - now))
-            if time.monotonic() < next_beat:
+            await asyncio.sleep(max(0.0, min(timer.next_beat, timer.until) - now))
+            if time.monotonic() < timer.next_beat:
                 continue
             sent = time.monotonic()
             try:
-                length = await self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
-                granted = length if length > 0 else self.length
-                until = sent + granted - self.margin
-                next_beat = sent + max(granted / 3, MIN_HEARTBEAT)
+                timer.beat_confirmed(sent, await self.heartbeat(timeout=timer.beat_timeout))
             except grpc.aio.AioRpcError as err:
                 if _lease_gone(err):
                     self.lost = True
                     attempt.cancel(LeaseLost())
                     on_cancel()
                     return
-                next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
+                timer.beat_unanswered(time.monotonic())
 
     async def _send(self, ending, timeout):
         method, fields = self._ending_call(ending)
@@ -319,6 +316,7 @@ class _AsyncHolder(_HolderBase):
                 return
             except grpc.aio.AioRpcError as err:
                 if not _unreachable(err):
+                    self.client._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
                     return
             try:
                 await self.heartbeat(timeout=FINISH_TIMEOUT)
@@ -329,60 +327,45 @@ class _AsyncHolder(_HolderBase):
                                "its lease runs out", self.scope, self.key)
 
 
-class ServerInterceptor(grpc.aio.ServerInterceptor):
+async def _abort(context: Any, answer: Answer) -> None:
+    # grpc.aio's abort replaces the trailing metadata with its own argument
+    await context.abort(answer.code, answer.details, answer.trailing)
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """The asyncio twin of idemcoord.grpc.ServerInterceptor, for grpc.aio servers; client is an idemcoord.aio.Client.
 
-    Options are idemcoord.grpc.ServerInterceptor's. A call cancelled while
-    Begin is in flight or waiting releases what that Begin acquired.
+    Options are idemcoord.grpc.ServerInterceptor's, with the same decisions
+    (one core drives both). A call cancelled while Begin is in flight or
+    waiting releases what that Begin acquired.
     """
 
-    def __init__(self, client, **options):
-        from . import grpc as _sync  # idemcoord.grpc: options and method resolution, shared
+    def __init__(self, client: Client, **options: Any):
         self.client = client
-        self._sync = _sync
-        if options.get("principal") is None and not options.get("without_principal"):
-            from ._http import warn_undecided_principal
-            warn_undecided_principal("idemcoord.aio.ServerInterceptor")
-            options["without_principal"] = True  # warned once, here
-        self._r = _sync.ServerInterceptor(client, **options)
+        self.guard = Guard("idemcoord.aio.ServerInterceptor", log=client._log, **options)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.response_streaming:
-            return handler
-        m = self._r._method(handler_call_details.method)
+        m = self.guard.method(handler_call_details.method, handler)
         if m is None:
             return handler
-        full_method = handler_call_details.method
         behavior = handler.unary_unary
 
-        async def guarded(request, context):
-            return await self._guard(full_method, m, behavior, request, context)
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        async def guarded(request: Request, context: Any) -> Any:
+            return await self._guard(m, behavior, request, context)
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=Guard.request_deserializer(handler),
+                                                   response_serializer=Guard.response_serializer(handler))
 
-    async def _guard(self, full_method, m, behavior, request, context):
-        r, c, s = self._r, self.client, self._sync
-        keys = {v for k, v in context.invocation_metadata() if k == s.KEY_METADATA}
-        if len(keys) > 1:
-            await context.abort(_C.INVALID_ARGUMENT, "two different idempotency-key values")
-        key = r.key(request, context) if r.key else (next(iter(keys)) if keys else "")
+    async def _guard(self, m: Method, behavior: Callable[[Any, Any], Awaitable[Any]], request: Request,
+                     context: Any) -> Any:
+        g, c = self.guard, self.client
+        key = g.key_of(request, context, context.invocation_metadata())
+        if isinstance(key, Answer):
+            await _abort(context, key)
         if not key:
-            if r.require_key:
-                await context.abort(_C.INVALID_ARGUMENT, "this method requires an idempotency-key")
-            return await behavior(request, context)
-        if r.principal is not None:
-            key = s.fold_principal(r.principal(context), key)
-        if r.fingerprint is not None:
-            fp = r.fingerprint(request, context)
-        else:
-            fp = s.hashlib.sha256(full_method.encode() + b"\n" + request.SerializeToString(deterministic=True)).digest()
-        breq = dict(scope=r.scope(full_method), key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
-                    accept_schema_versions=[m.schema, s.SCHEMA_VERSION_STATUS])
-        if c._lease is not None:
-            breq["lease"] = c._lease
-        remaining = context.time_remaining()
-        wait = r.wait if remaining is None else max(min(r.wait, remaining - 0.05), 0.0)
+            return await behavior(request.message, context)
+        breq = g.begin_request(m, str(key), request, context, c._lease)
+        wait = g.wait_for(context.time_remaining())
         try:
             res, sent = await c._begin_waiting(breq, time.monotonic() + wait)
         except asyncio.CancelledError:
@@ -391,36 +374,20 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         except grpc.aio.AioRpcError as err:
             if _answer_lost(err):
                 c._run_in_background(c._release(breq))
-            code = err.code()
-            if code in (_C.FAILED_PRECONDITION, _C.INVALID_ARGUMENT):
-                # grpc.aio's abort replaces the trailing metadata with its own argument
-                await context.abort(code, err.details(), tuple((k, v) for k, v in (err.trailing_metadata() or ())
-                                                               if k == "grpc-status-details-bin"))
-            if code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
-                if r.fail_open:
-                    return await behavior(request, context)
-                await context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
-            if code == _C.RESOURCE_EXHAUSTED:
-                await context.abort(_C.RESOURCE_EXHAUSTED, "idempotency coordinator rate limit reached; retry later")
-            await context.abort(_C.INTERNAL, "idempotency coordinator refused the call")
-        rec = res.record
-        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
-            return await self._replay(m, rec, context)
-        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
-            if rec.state == _api.State.STATE_UNKNOWN:
-                st = _api.Status(code=_C.FAILED_PRECONDITION.value[0],
-                                 message="the outcome of an earlier attempt with this idempotency key is unknown "
-                                         "and held for an operator")
-                st.details.add(type_url="type.googleapis.com/google.rpc.ErrorInfo",
-                               value=s._error_info(s.REASON_UNKNOWN_HELD))
-                await context.abort(_C.FAILED_PRECONDITION, st.message,
-                                    (("grpc-status-details-bin", st.SerializeToString()),))
-            retry_ms = max(int(_seconds(res.retry_after) * 1000), 1)
-            await context.abort(_C.ABORTED, "another attempt with this idempotency key is in progress; retry after %d ms"
-                                % retry_ms, ((s.PUSHBACK_TRAILER, str(retry_ms)),))
+            answer = g.begin_failed(err)
+            if answer is PASS_THROUGH:
+                return await behavior(request.message, context)
+            assert isinstance(answer, Answer)
+            await _abort(context, answer)
+        decided = g.begun(m, res)
+        if isinstance(decided, Answer):
+            await _abort(context, decided)
+        if isinstance(decided, Replayed):
+            await context.send_initial_metadata([(RESULT_HEADER, "replayed")])
+            return StoredBytes(decided.body)
         holder = _AsyncHolder(c, breq, res, sent)
         hctx = _HandlerContext(context)
-        running = asyncio.ensure_future(holder.run(lambda attempt: behavior(request, hctx)))
+        running = asyncio.ensure_future(holder.run(lambda attempt: behavior(request.message, hctx)))
         try:
             # The call's cancellation (its deadline passed, its caller left)
             # does not reach the handler: like a Go handler that ignores its
@@ -435,8 +402,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             raise
         return await self._record(m, holder, hctx, context, response, error, marked, started)
 
-    async def _record_later(self, m, holder: "_AsyncHolder", hctx: "_HandlerContext", running: "asyncio.Future[Any]",
-                            context: Any) -> None:
+    async def _record_later(self, m: Method, holder: "_AsyncHolder", hctx: "_HandlerContext",
+                            running: "asyncio.Future[Any]", context: Any) -> None:
         """Records the outcome of a handler that runs on after its call was cancelled; answers nobody."""
         try:
             response, error, marked, started = await running
@@ -444,65 +411,55 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         except Exception:  # the call is gone: what _record would answer reaches no one
             pass
 
-    async def _record(self, m, holder: "_AsyncHolder", hctx: "_HandlerContext", context: Any, response: Any,
+    async def _record(self, m: Method, holder: "_AsyncHolder", hctx: "_HandlerContext", context: Any, response: Any,
                       error: Optional[BaseException], marked: bool, started: bool) -> Any:
         """Records the handler's outcome, then answers it (returns the response, or aborts)."""
-        r, s = self._r, self._sync
+        g = self.guard
         if holder.lost:
             if error is not None:
-                await context.abort(_C.ABORTED, "the idempotency key was taken over by another attempt; retry")
+                await _abort(context, LEASE_LOST_ANSWER)
             return response
         if not started:
-            await holder.finish(kind="FAILURE_KIND_ABANDONED", reason="the lease could not be confirmed before the handler started")
-            await context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
-        code = s._code_of(hctx)
+            await holder.finish(kind="FAILURE_KIND_ABANDONED", reason=NOT_STARTED_REASON)
+            await _abort(context, UNAVAILABLE_ANSWER)
+        code = _core.code_of(hctx)
         if error is None and code in (None, _C.OK):
-            try:
-                body = response.SerializeToString(deterministic=True)
-            except Exception:
-                await holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the handler's response could not be encoded for storage")
-                return response
-            err = await holder.finish(complete=_api.StoredResponse(schema_version=m.schema,
-                                                                   content_type=s.CONTENT_TYPE_PROTO, body=body))
-            if err is None:
-                await context.send_initial_metadata([(s.RESULT_HEADER, "created")])
+            ending = g.stored_success(m, response)
+            if await holder.finish(**ending) is None and "complete" in ending:
+                await context.send_initial_metadata([(RESULT_HEADER, "created")])
+            if "complete" in ending:  # the bytes stored are the bytes sent: a replay is byte for byte the same
+                return StoredBytes(bytes(ending["complete"].body))
             return response
-        if code in (None, _C.OK):
-            code = _C.UNKNOWN
-        details = s._details_of(hctx) or str(error or "")
-        kind = "FAILURE_KIND_UNKNOWN" if marked else r.kinds.get(code, "FAILURE_KIND_UNKNOWN")
-        ending = dict(kind=kind, reason=_fail_reason(details))
-        if kind == "FAILURE_KIND_REPLAYABLE":
-            ending["response"] = _status_response(s._StatusCarrier(code, details))
+        details = _core.details_of(hctx) or str(error or "")
+        code, ending = g.failure(code, details, marked)
         err = await holder.finish(**ending)
-        trailing = hctx.aborted[2] if hctx.aborted else tuple(s._trailing(context))
-        if err is None and kind == "FAILURE_KIND_REPLAYABLE":
-            trailing += ((s.RESULT_HEADER, "created"),)
+        trailing = hctx.aborted[2] if hctx.aborted else _core.trailing_of(context)
+        if err is None and ending["kind"] == "FAILURE_KIND_REPLAYABLE":
+            trailing += ((RESULT_HEADER, "created"),)
         if error is not None and hctx.aborted is None:
             raise error  # an exception, answered UNKNOWN by the server
         # grpc.aio takes one abort per call, with its trailers: the
         # handler's abort was held (_HandlerContext) and is made here.
         await context.abort(code, details, trailing)
 
-    async def _replay(self, m, rec, context):
-        s = self._sync
-        stored = rec.response
-        if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
-            code, message = _C.FAILED_PRECONDITION, rec.failure_reason or "replayed failure"
-            trailing = [(s.RESULT_HEADER, "replayed")]
-            if stored.schema_version == s.SCHEMA_VERSION_STATUS:
-                st = _api.Status()
-                st.ParseFromString(stored.body)
-                if st.code != 0:
-                    code, message = s._CODES.get(st.code, _C.UNKNOWN), st.message
-                    trailing.append(("grpc-status-details-bin", bytes(stored.body)))
-            await context.abort(code, message, tuple(trailing))
-        if stored.schema_version != m.schema:
-            await context.abort(_C.INTERNAL, "the stored response for this idempotency key has schema version "
-                                + stored.schema_version)
-        out = m.output_class.FromString(stored.body)
-        await context.send_initial_metadata([(s.RESULT_HEADER, "replayed")])
-        return out
+
+class ClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """idemcoord.grpc.ClientInterceptor for grpc.aio channels: one idempotency-key per call, the same on every retry.
+
+        channel = grpc.aio.insecure_channel(address, interceptors=[idemcoord.aio.ClientInterceptor()])
+    """
+
+    def __init__(self, key: Callable[[], str] = new_key):
+        self._key = key
+
+    async def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
+                                    request: Any) -> Any:
+        md = with_key(client_call_details.metadata, self._key)
+        if md is not None:
+            d = client_call_details
+            client_call_details = grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*md),
+                                                             d.credentials, d.wait_for_ready)
+        return await continuation(client_call_details, request)
 
 
 class _HandlerAbort(Exception):

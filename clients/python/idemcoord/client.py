@@ -17,30 +17,16 @@ from . import _api
 from .errors import (CONTENT_TYPE_PROTO, SCHEMA_VERSION_STATUS, FailureError, LeaseLost, LeaseUnconfirmed,
                      StoredFailure, UnknownHeld)
 
-# Timings, as in the Go client (clients/lease.go), in seconds.
-DEFAULT_LEASE = 30.0  # when a Begin answer does not tell the lease
-MIN_HEARTBEAT = 0.05
-FINISH_TIMEOUT = 5.0  # the Complete/Fail made before once returns
-MAX_BEGIN_WAIT = 30.0  # the longest wait one Begin asks for
-RELEASE_TIMEOUT = 5.0  # the release of an acquisition nobody will act on, all its calls together
-RELEASE_REASON = "caller gave up before the handler ran"
+from . import _core, _tables
+from ._core import _C, CODES as _CODES, duration as _duration, fail_reason as _fail_reason, seconds as _seconds
+from ._core import code_of_error as _code, lease_length as _lease_length, new_attempt_id as _new_attempt_id
+from ._tables import (DEFAULT_LEASE, FINISH_TIMEOUT, MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_REASON,  # noqa: F401
+                      RELEASE_TIMEOUT)
+
 CANCEL_POLL = 0.05  # how often a call made for once looks at the caller's cancel_event
-MAX_REASON_BYTES = 1024
 
-_C = grpc.StatusCode
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-# How fn's errors are recorded by gRPC code (the Go client's table).
-DEFAULT_FAILURE_KINDS = {
-    _C.INVALID_ARGUMENT: "FAILURE_KIND_ABANDONED", _C.UNAUTHENTICATED: "FAILURE_KIND_ABANDONED",
-    _C.PERMISSION_DENIED: "FAILURE_KIND_ABANDONED", _C.RESOURCE_EXHAUSTED: "FAILURE_KIND_ABANDONED",
-    _C.UNIMPLEMENTED: "FAILURE_KIND_ABANDONED",
-    _C.UNAVAILABLE: "FAILURE_KIND_RETRYABLE", _C.ABORTED: "FAILURE_KIND_RETRYABLE",
-    _C.DEADLINE_EXCEEDED: "FAILURE_KIND_UNKNOWN", _C.CANCELLED: "FAILURE_KIND_UNKNOWN",
-    _C.INTERNAL: "FAILURE_KIND_UNKNOWN", _C.UNKNOWN: "FAILURE_KIND_UNKNOWN", _C.DATA_LOSS: "FAILURE_KIND_UNKNOWN",
-    _C.FAILED_PRECONDITION: "FAILURE_KIND_REPLAYABLE", _C.NOT_FOUND: "FAILURE_KIND_REPLAYABLE",
-    _C.ALREADY_EXISTS: "FAILURE_KIND_REPLAYABLE", _C.OUT_OF_RANGE: "FAILURE_KIND_REPLAYABLE",
-}
+# How fn's errors are recorded by gRPC code (shared_tables.json, as every library records them).
+DEFAULT_FAILURE_KINDS = _tables.FAILURE_KINDS
 
 _current = contextvars.ContextVar("idemcoord_attempt", default=None)
 
@@ -119,38 +105,6 @@ def current_lease():
     return attempt.lease if attempt is not None else None
 
 
-def _duration(v):
-    if v is None or isinstance(v, _api.Duration):
-        return v
-    d = _api.Duration()
-    d.FromTimedelta(v if isinstance(v, datetime.timedelta) else datetime.timedelta(seconds=v))
-    return d
-
-
-def _seconds(d):
-    return d.seconds + d.nanos / 1e9 if d is not None else 0.0
-
-
-def _code(err):
-    """The grpc.StatusCode an exception carries, or None."""
-    code = getattr(err, "code", None)
-    if callable(code):
-        try:
-            code = code()
-        except TypeError:
-            return None
-    if isinstance(code, int) and not isinstance(code, bool):
-        code = _CODES.get(code)
-    return code if isinstance(code, grpc.StatusCode) else None
-
-
-def _lease_length(rec):
-    """The lease a Begin or Heartbeat answer granted: updated_at to lease_expires_at (0 when not told)."""
-    if not (rec.HasField("lease_expires_at") and rec.HasField("updated_at")):
-        return 0.0
-    return (rec.lease_expires_at.ToNanoseconds() - rec.updated_at.ToNanoseconds()) / 1e9
-
-
 def _unreachable(err):
     return _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.RESOURCE_EXHAUSTED, _C.CANCELLED)
 
@@ -167,11 +121,6 @@ def _cancelled():
 
 def _lease_gone(err):
     return _code(err) in (_C.FAILED_PRECONDITION, _C.NOT_FOUND)
-
-
-def _fail_reason(msg):
-    raw = str(msg).replace("\0", "").encode("utf-8", "replace")[:MAX_REASON_BYTES]
-    return raw.decode("utf-8", "ignore")
 
 
 def _credentials(tls):
@@ -216,10 +165,6 @@ def _failure_kind(err, marked):
     if marked:
         return "FAILURE_KIND_UNKNOWN"
     return DEFAULT_FAILURE_KINDS.get(_code(err), "FAILURE_KIND_UNKNOWN")
-
-
-def _new_attempt_id():
-    return os.urandom(16).hex()
 
 
 # The I/O-free parts of once, shared by Client and idemcoord.aio.Client.
@@ -556,24 +501,23 @@ class Client:
         _release). With wait_until (a time.monotonic() value) it waits no
         longer than that, without bounding the calls by it (the middlewares).
         """
-        sent = time.monotonic()
-        res = self._call("Begin", None, req, None, deadline=give_up, cancel_event=cancel_event)
-        while res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and res.record.state != _api.State.STATE_UNKNOWN:
-            left = MAX_BEGIN_WAIT if give_up is None else min(MAX_BEGIN_WAIT, give_up - time.monotonic())
-            if wait_until is not None:
-                left = min(left, wait_until - time.monotonic())
-            if left <= 0 or (cancel_event is not None and cancel_event.is_set()):
-                return res, sent
-            start = sent = time.monotonic()
-            res = self._call("Begin", None, dict(req, wait=_duration(left)), None, left, deadline=give_up,
-                             cancel_event=cancel_event)
-            if res.outcome == _api.Outcome.OUTCOME_IN_PROGRESS and time.monotonic() - start < left / 2:
-                pause = min(_seconds(res.retry_after) or 0.1, left)
+        steps = _core.begin_waiting(req, give_up, wait_until, time.monotonic,
+                                    lambda: cancel_event is not None and cancel_event.is_set())
+        step = next(steps)
+        while True:
+            if isinstance(step, _core.Pause):
                 if cancel_event is not None:
-                    cancel_event.wait(pause)
+                    cancel_event.wait(step.seconds)
                 else:
-                    time.sleep(pause)
-        return res, sent
+                    time.sleep(step.seconds)
+                answer = None
+            else:
+                answer = self._call("Begin", None, step.fields, None, step.wait, deadline=give_up,
+                                    cancel_event=cancel_event)
+            try:
+                step = steps.send(answer)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
     def _release(self, req, token=None):
         """Releases the acquisition a Begin of req may have made when nobody will act on it.
@@ -652,21 +596,15 @@ class _HolderBase:
         self.token = res.lease_token
         self.request = req.get("lease")
         rec = res.record
-        if self.request is not None:
-            self.length = _seconds(self.request)
-        else:
-            self.length = _lease_length(rec)
-        if self.length <= 0:
-            self.length = DEFAULT_LEASE
+        self.timer = _core.LeaseTimer(_seconds(self.request) if self.request is not None else _lease_length(rec), sent)
         self.info = Lease(self.scope, self.key, self.token, rec.generation, rec.attempt, res.previous_state,
                           bool(getattr(rec, "uncertain", False)))
-        self.sent = sent
         self.lost = False
 
     @property
-    def margin(self):
-        """How long before the lease would run out, by the local clock, fn is cancelled unless confirmed."""
-        return max(self.length / 10, MIN_HEARTBEAT)
+    def length(self) -> float:
+        """The lease in seconds."""
+        return self.timer.length
 
     def _heartbeat_fields(self):
         return dict(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request)
@@ -726,24 +664,19 @@ class _Holder(_HolderBase):
         """
         if self._caller_gone(attempt):
             return None
-        confirmed = self.sent
-        if time.monotonic() - confirmed > self.length / 3:
+        timer = self.timer
+        if timer.needs_confirmation(time.monotonic()):
             sent = time.monotonic()
             try:
-                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
-                confirmed = sent
-                if length > 0:
-                    self.length = length
+                timer.confirmed_before_start(sent, self.heartbeat(timeout=timer.beat_timeout))
             except grpc.RpcError as err:
                 if _lease_gone(err):
                     self.lost = True
                     return None
         if self._caller_gone(attempt):
             return None
-        if time.monotonic() >= confirmed + self.length - self.margin:
+        if not timer.start(time.monotonic()):
             return None
-        self.until = confirmed + self.length - self.margin
-        self.next_beat = confirmed + max(self.length / 3, MIN_HEARTBEAT)
         stop = threading.Event()
         beats = threading.Thread(target=self._keep_alive, args=(attempt, stop), daemon=True)
         beats.start()
@@ -764,32 +697,30 @@ class _Holder(_HolderBase):
         with LeaseUnconfirmed when no heartbeat confirmed the lease before it
         would run out by the local clock (less the margin).
         """
+        timer = self.timer
         while True:
             now = time.monotonic()
-            if now >= self.until and not attempt.cancelled.is_set():
+            if timer.expired(now) and not attempt.cancelled.is_set():
                 self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
                                          "cancelling the attempt", self.scope, self.key)
                 attempt.cancel(LeaseUnconfirmed())
             outer = attempt._outer
             if outer is not None and outer.is_set():
                 attempt.cancel(attempt.reason or RuntimeError("idemcoord: cancelled by the caller"))
-            wake = self.next_beat if attempt.cancelled.is_set() else min(self.next_beat, self.until)
+            wake = timer.next_beat if attempt.cancelled.is_set() else min(timer.next_beat, timer.until)
             if stop.wait(max(0.0, wake - now)):
                 return
-            if time.monotonic() < self.next_beat:
+            if time.monotonic() < timer.next_beat:
                 continue
             sent = time.monotonic()
             try:
-                length = self.heartbeat(timeout=max(self.length / 3, MIN_HEARTBEAT))
-                granted = length if length > 0 else self.length
-                self.until = sent + granted - self.margin
-                self.next_beat = sent + max(granted / 3, MIN_HEARTBEAT)
+                timer.beat_confirmed(sent, self.heartbeat(timeout=timer.beat_timeout))
             except grpc.RpcError as err:
                 if _lease_gone(err):
                     self.lost = True
                     attempt.cancel(LeaseLost())
                     return
-                self.next_beat = time.monotonic() + max(self.length / 12, MIN_HEARTBEAT)
+                timer.beat_unanswered(time.monotonic())
 
     def heartbeat(self, timeout=None):
         """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""

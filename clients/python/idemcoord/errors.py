@@ -80,3 +80,7 @@ class UndecidedPrincipalWarning(UserWarning):
     user already). Two end users who send the same key and request would
     share one record.
     """
+
+
+class GuardsNothingWarning(UserWarning):
+    """A server interceptor was built with options under which it guards no method: every call passes through."""

@@ -1,42 +1,49 @@
-"""gRPC server interceptor (grpc.server) with the semantics of Go's clients.UnaryServerInterceptor.
+"""gRPC interceptors for grpc.server and grpc channels, with the semantics of Go's clients interceptors.
 
     server = grpc.server(executor, interceptors=[idemcoord.grpc.ServerInterceptor(client)])
+    channel = grpc.intercept_channel(grpc.insecure_channel(address), idemcoord.grpc.ClientInterceptor())
 
-Every unary method whose proto does not say idempotency_level =
-NO_SIDE_EFFECTS (or the methods named) runs at most once per
-idempotency-key metadata value: the response is stored and replayed with
+ServerInterceptor: every unary method whose descriptor does not say
+idempotency_level = NO_SIDE_EFFECTS (or the methods named) runs at most once
+per idempotency-key metadata value, described or not: the response is
+stored and replayed, byte for byte, with the method's own serializers and
 "idempotency-result: replayed"; handler errors are recorded by code as the
 Go interceptor records them; a running attempt answers ABORTED with the
 grpc-retry-pushback-ms trailer (or waits, wait=seconds); a key held UNKNOWN
 answers FAILED_PRECONDITION with reason UNKNOWN_HELD. The handler reads
 idemcoord.current_lease() and calls idemcoord.mark_side_effect().
 clients/testdata/grpc_conformance.json is the suite it runs.
+
+ClientInterceptor gives every outgoing unary call without idempotency-key
+metadata one new key, the same on every retry attempt grpc makes of that
+call (a service config's retryPolicy included).
 """
 
-import hashlib
 import threading
 import time
+import uuid
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool
 
-from . import _api
-from .client import (DEFAULT_FAILURE_KINDS, Attempt, _answer_lost, _C, _current, _fail_reason, _Holder,
-                     _new_attempt_id, _status_response)
-from .errors import CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, SCHEMA_VERSION_STATUS
-from ._http import fold_principal, warn_undecided_principal
+from . import _core
+from ._core import (CANCELLED_ANSWER, KEY_METADATA, LEASE_LOST_ANSWER, NOT_STARTED_REASON, PASS_THROUGH,
+                    PUSHBACK_TRAILER, RESULT_HEADER, UNAVAILABLE_ANSWER, Answer, Guard, Method, Replayed, Request,
+                    StoredBytes)
+from .client import Attempt, Client, _answer_lost, _current, _Holder
 
-RESULT_HEADER = "idempotency-result"
-PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
-KEY_METADATA = "idempotency-key"
+__all__ = ["ClientInterceptor", "KEY_METADATA", "PUSHBACK_TRAILER", "RESULT_HEADER", "ServerInterceptor"]
 
-
-class _Method:
-    def __init__(self, output_class, schema):
-        self.output_class, self.schema = output_class, schema
+_C = grpc.StatusCode
 
 
-class ServerInterceptor(grpc.ServerInterceptor):
+def _abort(context: Any, answer: Answer) -> None:
+    if answer.trailing:
+        context.set_trailing_metadata(answer.trailing)
+    context.abort(answer.code, answer.details)
+
+
+class ServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     """Makes a grpc.server's unary methods idempotent through client (an idemcoord.Client).
 
     Options, each as Go's InterceptorOption: wait (seconds to wait for a
@@ -45,135 +52,65 @@ class ServerInterceptor(grpc.ServerInterceptor):
     fingerprint (of request and context), methods (full method names),
     scope (a function of the full method name), schema_versions,
     failure_kinds ({grpc.StatusCode: FailureKind name}), pool (the
-    descriptor pool the services' messages are in; default the default pool).
-    Methods without a descriptor in pool pass through. without_principal=True
-    says that keys are shared by every caller on purpose (Go's
-    WithoutPrincipal); with neither it nor principal, building the
-    interceptor warns (idemcoord.UndecidedPrincipalWarning).
+    descriptor pool the services' messages are in; default the default
+    pool). A method without a descriptor in pool is guarded too: its
+    fingerprint hashes the request's bytes as received and its responses are
+    stored as its serializer writes them (schema version "<method> response").
+    methods that leave nothing to guard warn (idemcoord.GuardsNothingWarning).
+    without_principal=True says that keys are shared by every caller on
+    purpose (Go's WithoutPrincipal); with neither it nor principal, building
+    the interceptor warns (idemcoord.UndecidedPrincipalWarning).
     """
 
-    def __init__(self, client, *, wait=0.0, require_key=False, fail_open=False, principal=None, key=None,
-                 fingerprint=None, methods=None, scope=None, schema_versions=None, failure_kinds=None, pool=None,
-                 without_principal: bool = False):
-        if principal is not None and without_principal:
-            raise ValueError("idemcoord: principal= and without_principal=True contradict each other")
-        if principal is None and not without_principal:
-            warn_undecided_principal(type(self).__module__ + "." + type(self).__qualname__)
+    def __init__(self, client: Client, **options: Any):
         self.client = client
-        self.wait = max(float(wait), 0.0)
-        self.require_key, self.fail_open = require_key, fail_open
-        self.principal, self.key, self.fingerprint = principal, key, fingerprint
-        self.methods = set(methods) if methods is not None else None
-        self.scope = scope or (lambda full_method: full_method)
-        self.schema_versions = dict(schema_versions or {})
-        self.kinds = dict(DEFAULT_FAILURE_KINDS, **(failure_kinds or {}))
-        self.pool = pool or descriptor_pool.Default()
-        self._resolved = {}
-        self._lock = threading.Lock()
+        self.guard = Guard("idemcoord.grpc.ServerInterceptor", log=client._log, **options)
 
-    def _method(self, full_method):
-        with self._lock:
-            if full_method in self._resolved:
-                return self._resolved[full_method]
-        m = None
-        if self.methods is None or full_method in self.methods:
-            name = full_method.lstrip("/").replace("/", ".", 1)
-            try:
-                md = self.pool.FindMethodByName(name)
-            except KeyError:
-                md = None
-            if md is not None:
-                opts = md.GetOptions()
-                no_side_effects = opts.idempotency_level == descriptor_pb2.MethodOptions.NO_SIDE_EFFECTS
-                if self.methods is not None or not no_side_effects:
-                    m = _Method(_api.message_class(md.output_type.full_name) if self.pool is _api.POOL
-                                else _message_class(md.output_type),
-                                self.schema_versions.get(full_method, md.output_type.full_name))
-        with self._lock:
-            self._resolved[full_method] = m
-        return m
-
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.response_streaming:
-            return handler
-        m = self._method(handler_call_details.method)
+        m = self.guard.method(handler_call_details.method, handler)
         if m is None:
             return handler
-        full_method = handler_call_details.method
         behavior = handler.unary_unary
 
-        def guarded(request, context):
-            return self._guard(full_method, m, behavior, request, context)
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        def guarded(request: Request, context: Any) -> Any:
+            return self._guard(m, behavior, request, context)
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=Guard.request_deserializer(handler),
+                                                   response_serializer=Guard.response_serializer(handler))
 
-    def _guard(self, full_method, m, behavior, request, context):
-        c = self.client
-        md = context.invocation_metadata()
-        keys = {v for k, v in md if k == KEY_METADATA}
-        if len(keys) > 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "two different idempotency-key values")
-        key = self.key(request, context) if self.key else (next(iter(keys)) if keys else "")
+    def _guard(self, m: Method, behavior: Callable[[Any, Any], Any], request: Request, context: Any) -> Any:
+        g, c = self.guard, self.client
+        key = g.key_of(request, context, context.invocation_metadata())
+        if isinstance(key, Answer):
+            _abort(context, key)
         if not key:
-            if self.require_key:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this method requires an idempotency-key")
-            return behavior(request, context)
-        if self.principal is not None:
-            key = fold_principal(self.principal(context), key)
-        if self.fingerprint is not None:
-            fp = self.fingerprint(request, context)
-        else:
-            fp = hashlib.sha256(full_method.encode() + b"\n" + request.SerializeToString(deterministic=True)).digest()
-        breq = dict(scope=self.scope(full_method), key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
-                    accept_schema_versions=[m.schema, SCHEMA_VERSION_STATUS])
-        if c._lease is not None:
-            breq["lease"] = c._lease
+            return behavior(request.message, context)
+        breq = g.begin_request(m, str(key), request, context, c._lease)
         cancel_event = threading.Event()
         context.add_callback(cancel_event.set)
-        remaining = context.time_remaining()
-        wait = self.wait if remaining is None else max(min(self.wait, remaining - 0.05), 0.0)
+        wait = g.wait_for(context.time_remaining())
         try:
             res, sent = c._begin_waiting(breq, None, cancel_event, time.monotonic() + wait)
         except Exception as err:
             if cancel_event.is_set():
                 c._release(breq)
-                context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+                _abort(context, CANCELLED_ANSWER)
             if _answer_lost(err):
                 threading.Thread(target=c._release, args=(breq,), daemon=True).start()
-            code = err.code() if isinstance(err, grpc.RpcError) else None
-            if code in (_C.FAILED_PRECONDITION, _C.INVALID_ARGUMENT):
-                context.set_trailing_metadata([(k, v) for k, v in (err.trailing_metadata() or ())
-                                               if k == "grpc-status-details-bin"])
-                context.abort(code, err.details())
-            if code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
-                if self.fail_open:
-                    c._log.warning("idemcoord: coordinator unreachable; running the handler unprotected (fail open)")
-                    return behavior(request, context)
-                context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
-            if code == _C.RESOURCE_EXHAUSTED:
-                context.abort(_C.RESOURCE_EXHAUSTED, "idempotency coordinator rate limit reached; retry later")
-            c._log.error("idemcoord: coordinator refused Begin: %s", err)
-            context.abort(_C.INTERNAL, "idempotency coordinator refused the call")
-        rec = res.record
-        if res.outcome == _api.Outcome.OUTCOME_REPLAY:
-            return self._replay(m, rec, context)
-        if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
-            if rec.state == _api.State.STATE_UNKNOWN:
-                st = _api.Status(code=_C.FAILED_PRECONDITION.value[0],
-                                 message="the outcome of an earlier attempt with this idempotency key is unknown "
-                                         "and held for an operator")
-                st.details.add(type_url="type.googleapis.com/google.rpc.ErrorInfo",
-                               value=_error_info(REASON_UNKNOWN_HELD))
-                context.set_trailing_metadata([("grpc-status-details-bin", st.SerializeToString())])
-                context.abort(_C.FAILED_PRECONDITION, st.message)
-            retry_ms = max(int((res.retry_after.seconds + res.retry_after.nanos / 1e9) * 1000), 1)
-            context.set_trailing_metadata([(PUSHBACK_TRAILER, str(retry_ms))])
-            context.abort(_C.ABORTED, "another attempt with this idempotency key is in progress; retry after %d ms"
-                          % retry_ms)
+            answer = g.begin_failed(err)
+            if answer is PASS_THROUGH:
+                return behavior(request.message, context)
+            assert isinstance(answer, Answer)
+            _abort(context, answer)
+        decided = g.begun(m, res)
+        if isinstance(decided, Answer):
+            _abort(context, decided)
+        if isinstance(decided, Replayed):
+            context.send_initial_metadata([(RESULT_HEADER, "replayed")])
+            return StoredBytes(decided.body)
         if cancel_event.is_set():
             c._release(breq, res.lease_token)
-            context.abort(_C.CANCELLED, "the call was cancelled")
+            _abort(context, CANCELLED_ANSWER)
 
         holder = _Holder(c, breq, res, sent)
         attempt = Attempt(holder.info, cancel_event)
@@ -181,122 +118,90 @@ class ServerInterceptor(grpc.ServerInterceptor):
         if stop is None:
             if holder.gave_up:
                 c._release(breq, holder.token)
-                context.abort(_C.CANCELLED, "the call was cancelled")
+                _abort(context, CANCELLED_ANSWER)
             if holder.lost:
-                context.abort(_C.ABORTED, "the idempotency key was taken over by another attempt; retry")
-            holder.finish(kind="FAILURE_KIND_ABANDONED", reason="the lease could not be confirmed before the handler started")
-            context.abort(_C.UNAVAILABLE, "idempotency coordinator unavailable; retry later")
+                _abort(context, LEASE_LOST_ANSWER)
+            holder.finish(kind="FAILURE_KIND_ABANDONED", reason=NOT_STARTED_REASON)
+            _abort(context, UNAVAILABLE_ANSWER)
         token = _current.set(attempt)
-        error = None
+        error: Optional[Exception] = None
+        response = None
         try:
-            response = behavior(request, context)
+            response = behavior(request.message, context)
         except Exception as err:  # recorded, then raised again
             error = err
         finally:
             _current.reset(token)
-            stop()
-        code = _code_of(context)
+            if stop is not None:
+                stop()
+        code = _core.code_of(context)
         if error is None and code in (None, _C.OK):
             if holder.lost:
                 return response
-            try:
-                body = response.SerializeToString(deterministic=True)
-            except Exception:
-                holder.finish(kind="FAILURE_KIND_UNKNOWN", reason="the handler's response could not be encoded for storage")
-                return response
-            err = holder.finish(complete=_api.StoredResponse(schema_version=m.schema, content_type=CONTENT_TYPE_PROTO,
-                                                             body=body))
-            if err is None:
+            ending = g.stored_success(m, response)
+            if holder.finish(**ending) is None and "complete" in ending:
                 context.send_initial_metadata([(RESULT_HEADER, "created")])
+            if "complete" in ending:  # the bytes stored are the bytes sent: a replay is byte for byte the same
+                return StoredBytes(bytes(ending["complete"].body))
             return response
         if holder.lost:
-            context.abort(_C.ABORTED, "the idempotency key was taken over by another attempt; retry")
-        if code in (None, _C.OK):
-            code = _C.UNKNOWN  # an exception the server answers UNKNOWN
-        details = _details_of(context) or str(error or "")
-        # After mark_side_effect every error is UNKNOWN (as Go's endingKind).
-        kind = "FAILURE_KIND_UNKNOWN" if attempt._marked else self.kinds.get(code, "FAILURE_KIND_UNKNOWN")
-        ending = dict(kind=kind, reason=_fail_reason(details))
-        if kind == "FAILURE_KIND_REPLAYABLE":
-            fake = _StatusCarrier(code, details)
-            ending["response"] = _status_response(fake)
-        err = holder.finish(**ending)
-        if err is None and kind == "FAILURE_KIND_REPLAYABLE":
-            context.set_trailing_metadata(tuple(_trailing(context)) + ((RESULT_HEADER, "created"),))
-        if error is not None and _code_of(context) in (None, _C.OK):
+            _abort(context, LEASE_LOST_ANSWER)
+        details = _core.details_of(context) or str(error or "")
+        code, ending = g.failure(code, details, attempt._marked)
+        if holder.finish(**ending) is None and ending["kind"] == "FAILURE_KIND_REPLAYABLE":
+            context.set_trailing_metadata(_core.trailing_of(context) + ((RESULT_HEADER, "created"),))
+        if error is not None and _core.code_of(context) in (None, _C.OK):
             raise error
         context.abort(code, details)
 
-    def _replay(self, m, rec, context):
-        stored = rec.response
-        if rec.state == _api.State.STATE_FAILED_REPLAYABLE:
-            code, message = _C.FAILED_PRECONDITION, rec.failure_reason or "replayed failure"
-            trailing = [(RESULT_HEADER, "replayed")]
-            if stored.schema_version == SCHEMA_VERSION_STATUS:
-                st = _api.Status()
-                st.ParseFromString(stored.body)
-                if st.code != 0:
-                    code, message = _CODES.get(st.code, _C.UNKNOWN), st.message
-                    trailing.append(("grpc-status-details-bin", bytes(stored.body)))
-            context.set_trailing_metadata(trailing)
-            context.abort(code, message)
-        if stored.schema_version != m.schema:
-            context.abort(_C.INTERNAL, "the stored response for this idempotency key has schema version "
-                          + stored.schema_version)
-        try:
-            out = m.output_class.FromString(stored.body)
-        except Exception:
-            context.abort(_C.INTERNAL, "the stored response for this idempotency key cannot be decoded")
-        context.send_initial_metadata([(RESULT_HEADER, "replayed")])
-        return out
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: Optional[float]
+    metadata: Optional[Sequence[Tuple[str, Any]]]
+    credentials: Any
+    wait_for_ready: Optional[bool]
+    compression: Any
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+class _ClientCallDetails(_CallDetails, grpc.ClientCallDetails):  # type: ignore[misc]
+    pass
 
 
-class _StatusCarrier(Exception):
-    def __init__(self, code, details):
-        super().__init__(details)
-        self.code = code
+def new_key() -> str:
+    """A new idempotency key: a random UUID (version 4)."""
+    return str(uuid.uuid4())
 
 
-def _code_of(context):
-    """The status code the handler set on context, as a grpc.StatusCode (grpc.aio gives an int)."""
-    code = getattr(context, "code", None)
-    try:
-        code = code() if callable(code) else None
-    except Exception:
+def with_key(metadata: Optional[Sequence[Tuple[str, Any]]], make_key: Callable[[], str]
+             ) -> Optional[Sequence[Tuple[str, Any]]]:
+    """metadata with an idempotency-key of make_key() added when it has none; None when it has one."""
+    md = list(metadata or ())
+    if any(k == KEY_METADATA for k, _ in md):
         return None
-    if isinstance(code, int) and not isinstance(code, bool):
-        return _CODES.get(code, _C.UNKNOWN)
-    return code
+    md.append((KEY_METADATA, make_key()))
+    return md
 
 
-def _details_of(context):
-    details = getattr(context, "details", None)
-    try:
-        d = details() if callable(details) else None
-    except Exception:
-        return ""
-    return d.decode() if isinstance(d, bytes) else (d or "")
+class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Gives every outgoing unary call without idempotency-key metadata a new key (new_key: a UUIDv4).
 
+    It runs once per call, above grpc's retries: every attempt of a call
+    that grpc's retry policy (a service config's retryPolicy) makes carries
+    the same key, so the service runs the call at most once. A key the
+    caller sends in the call's metadata is kept.
 
-def _trailing(context):
-    tm = getattr(context, "trailing_metadata", None)
-    try:
-        return tuple(tm() or ()) if callable(tm) else ()
-    except Exception:
-        return ()
+        channel = grpc.intercept_channel(grpc.insecure_channel(address), idemcoord.grpc.ClientInterceptor())
+    """
 
+    def __init__(self, key: Callable[[], str] = new_key):
+        self._key = key
 
-def _error_info(reason):
-    r = reason.encode()
-    d = b"idemcoord"
-    return bytes([0x0A, len(r)]) + r + bytes([0x12, len(d)]) + d
-
-
-def _message_class(desc):
-    from google.protobuf import message_factory
-    if hasattr(message_factory, "GetMessageClass"):
-        return message_factory.GetMessageClass(desc)
-    return message_factory.MessageFactory(desc.file.pool).GetPrototype(desc)
+    def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
+                              request: Any) -> Any:
+        md = with_key(client_call_details.metadata, self._key)
+        if md is not None:
+            d = client_call_details
+            client_call_details = _ClientCallDetails(d.method, d.timeout, md, d.credentials,
+                                                     getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+        return continuation(client_call_details, request)
