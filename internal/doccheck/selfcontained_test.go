@@ -51,7 +51,8 @@ func TestRepositoryStandsAlone(t *testing.T) {
 	}
 }
 
-// looksLikeColour tells a CSS or SVG colour (#333, #1f77b4) from an issue
+// looksLikeColour tells a CSS or SVG colour (a hash sign and three to
+// eight hex digits, on a line that names a colour property) from an issue
 // reference.
 func looksLikeColour(line, m string) bool {
 	return strings.HasPrefix(m, "#") && regexp.MustCompile(`#[0-9a-fA-F]{3,8}\b`).MatchString(line) &&
