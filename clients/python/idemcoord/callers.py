@@ -43,7 +43,7 @@ def stamp_idempotency_key(headers: MutableMapping[str, Any]) -> str:
     return key
 
 
-class IdempotencyKeyAdapter(requests.adapters.HTTPAdapter):  # type: ignore[misc]
+class IdempotencyKeyAdapter(requests.adapters.HTTPAdapter):
     """A requests HTTPAdapter that stamps one Idempotency-Key per request, the same on each of urllib3's retries.
 
     methods: the request methods it stamps (default POST and PATCH, the

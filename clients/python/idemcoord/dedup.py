@@ -7,6 +7,7 @@ holds the vectors all three implementations pass.
 import hashlib
 import re
 import unicodedata
+from typing import Optional
 
 # Unicode's White_Space property (PropList.txt; unchanged since Unicode 6.3).
 # str.split() and re's \s use str.isspace(), a different set: it includes
@@ -17,7 +18,7 @@ _WHITE_SPACE_RUNS = re.compile("[%s]+" % re.escape(WHITE_SPACE))
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def normalize_name(name):
+def normalize_name(name: str) -> str:
     """The normalization dedup_key applies to a project name.
 
     NFC, every U+FEFF removed, White_Space trimmed, Unicode's full lower-case
@@ -29,7 +30,7 @@ def normalize_name(name):
     return " ".join(w for w in _WHITE_SPACE_RUNS.split(s) if w)
 
 
-def dedup_key(intent, user_id, project_id, project_name):
+def dedup_key(intent: str, user_id: str, project_id: Optional[str], project_name: str) -> str:
     """The deterministic idempotency key for callers that send none.
 
     "intent:user_id:p:project_id" when project_id is non-empty, else

@@ -1,10 +1,13 @@
 """The errors of the idemcoord client."""
 
+from typing import Any, Optional
+
 import grpc
 
 from ._api import REASONS, reason_name
 
-REASON_UNKNOWN_HELD = reason_name("ERROR_REASON_UNKNOWN_HELD")
+REASON_UNKNOWN_HELD: str = reason_name(  # type: ignore[no-untyped-call]
+    "ERROR_REASON_UNKNOWN_HELD")
 """The ErrorInfo reason of a key held UNKNOWN for an operator."""
 SCHEMA_VERSION_STATUS = "google.rpc.Status"
 """The schema version of a stored failure whose body is a google.rpc.Status."""
@@ -19,14 +22,14 @@ class LeaseLost(Exception):
     nothing is recorded (the new holder will).
     """
 
-    def __init__(self, message="idemcoord: the lease on the idempotency key was lost"):
+    def __init__(self, message: str = "idemcoord: the lease on the idempotency key was lost"):
         super().__init__(message)
 
 
 class LeaseUnconfirmed(Exception):
     """No heartbeat reached the coordinator before the lease would run out by the local clock."""
 
-    def __init__(self, message="idemcoord: the lease could not be confirmed before it ran out"):
+    def __init__(self, message: str = "idemcoord: the lease could not be confirmed before it ran out"):
         super().__init__(message)
 
 
@@ -36,7 +39,7 @@ class UnknownHeld(Exception):
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = REASON_UNKNOWN_HELD
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__("idemcoord: the outcome of an earlier attempt with this idempotency key is unknown "
                          "and held for an operator")
 
@@ -50,7 +53,7 @@ class FailureError(Exception):
     grpc.StatusCode) and the message.
     """
 
-    def __init__(self, kind, message="", response=None, code=None):
+    def __init__(self, kind: Any, message: str = "", response: Any = None, code: Optional[grpc.StatusCode] = None):
         super().__init__(message or "failed (%s)" % kind)
         self.kind = kind
         self.response = response
@@ -65,7 +68,7 @@ class StoredFailure(Exception):
     when this call ran fn.
     """
 
-    def __init__(self, code, details, result):
+    def __init__(self, code: grpc.StatusCode, details: str, result: Any):
         super().__init__(details or "replayed failure")
         self.code = code
         self.details = details
