@@ -34,6 +34,7 @@ type answerLosingProxy struct {
 	seen    map[net.Conn]int // markers each connection has sent so far
 	victim  []net.Conn       // the marked connection's two sides
 	sent    chan struct{}    // closed once the marked message is forwarded
+	gate    chan struct{}    // when not nil, the marked message waits for it to close
 }
 
 // newAnswerLosingProxy starts a proxy to the database of dbURL and returns
@@ -73,8 +74,35 @@ func (p *answerLosingProxy) arm(markers ...string) <-chan struct{} {
 	for _, m := range markers {
 		p.markers = append(p.markers, []byte(m))
 	}
-	p.sent = make(chan struct{})
+	p.sent, p.gate = make(chan struct{}), nil
 	return p.sent
+}
+
+// armHeld is arm, except that the marked message is not forwarded before
+// release is called: a statement the caller sends meanwhile runs only
+// after what the test does before release.
+func (p *answerLosingProxy) armHeld(markers ...string) (sent <-chan struct{}, release func()) {
+	sent = p.arm(markers...)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	gate := make(chan struct{})
+	p.gate = gate
+	return sent, sync.OnceFunc(func() { close(gate) })
+}
+
+// waitSent waits for the marked message to be forwarded (sent), for at
+// most a minute, and fails the test if it is not: when answered closes or
+// yields first, the call whose statement was to be marked ended without
+// sending it.
+func waitSent[T any](t *testing.T, sent <-chan struct{}, answered <-chan T, what string) {
+	t.Helper()
+	select {
+	case <-sent:
+	case a := <-answered:
+		t.Fatalf("%s ended (%+v) before it sent the statement whose answer the test loses", what, a)
+	case <-time.After(time.Minute):
+		t.Fatalf("%s sent no statement with the marked text within a minute", what)
+	}
 }
 
 // cut closes the connection whose answer is held back.
@@ -121,16 +149,19 @@ func (p *answerLosingProxy) serve(client net.Conn) {
 			return
 		}
 		p.mu.Lock()
-		var sent chan struct{}
+		var sent, gate chan struct{}
 		if i := p.seen[client]; i < len(p.markers) && bytes.Contains(buf[:n], p.markers[i]) {
 			p.seen[client] = i + 1
 			if i+1 == len(p.markers) {
-				p.markers, sent = nil, p.sent
+				p.markers, sent, gate = nil, p.sent, p.gate
 				p.victim = []net.Conn{client, server}
 				held.Do(func() { close(hold) })
 			}
 		}
 		p.mu.Unlock()
+		if gate != nil {
+			<-gate
+		}
 		if _, err := server.Write(buf[:n]); err != nil {
 			_ = client.Close()
 			return
@@ -171,7 +202,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		sent := p.arm("lost-answer-")
 		done := make(chan struct{})
 		go func() { s.runBeginBatch(ctx, batch); close(done) }()
-		<-sent
+		waitSent(t, sent, done, "the batch of Begins")
 		waitForRecord(t, direct, batch[0].p.ID, "the batch's record", anyRecord)
 		// An operator forgets a while the batch's answer is on its way.
 		if _, err := direct.Forget(ctx, &ForgetParams{ID: batch[0].p.ID}); err != nil {
@@ -213,7 +244,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 		sent := p.arm("lost-completion-")
 		done := make(chan struct{})
 		go func() { s.runCompleteBatch(ctx, batch); close(done) }()
-		<-sent
+		waitSent(t, sent, done, "the batch of Completes")
 		waitForRecord(t, direct, batch[1].id, "the batch's completion", completed)
 		p.cut()
 		<-done
@@ -298,17 +329,23 @@ func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 	}
 	waiter := make(chan answer, 1)
 	go func() {
-		res, err := s.BeginWait(ctx, &BeginParams{ID: id, Event: ev}, 30*time.Second)
+		// A wait far longer than the test's steps under any load: it
+		// must not run out before the holder is forgotten.
+		res, err := s.BeginWait(ctx, &BeginParams{ID: id, Event: ev}, 5*time.Minute)
 		waiter <- answer{res, err}
 	}()
 	waitWatched(t, conn, id)
-	sent := p.arm(id.Key)
-	// The holder's record is forgotten: the waiter wakes and creates the
-	// key; that statement's answer is held back.
+	// The waiter's next statement waits in the proxy until the holder's
+	// record is forgotten, so it creates the key, whatever woke the
+	// waiter (the Forget's notification, or a poll while the listener
+	// lags under load); that statement's answer is held back.
+	sent, release := p.armHeld(id.Key)
+	defer release()
 	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
 		t.Fatal(err)
 	}
-	<-sent
+	release()
+	waitSent(t, sent, waiter, "the waiting Begin")
 	created := waitForRecord(t, direct, id, "the waiter's record", anyRecord)
 	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
 		t.Fatal(err)
@@ -358,7 +395,7 @@ func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 	var runs atomic.Int32
 	ran := make(chan answer, 1)
 	go func() {
-		_, replayed, err := s.RunTx(ctx, id, TxOptions{Wait: 30 * time.Second}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
+		_, replayed, err := s.RunTx(ctx, id, TxOptions{Wait: 5 * time.Minute}, func(ctx context.Context, tx pgx.Tx) (*statemachine.Response, error) {
 			runs.Add(1)
 			_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ($1)`, id.Key)
 			return &statemachine.Response{StatusCode: 200}, err
@@ -373,7 +410,7 @@ func TestWaitingRunTxLostCommitThenForgotten(t *testing.T) {
 		Token: holder.Record.LeaseToken, FailureKind: statemachine.FailureRetryable}}); err != nil {
 		t.Fatal(err)
 	}
-	<-sent
+	waitSent(t, sent, ran, "the waiting RunTx")
 	waitForRecord(t, direct, id, "the RunTx's commit", completed)
 	if _, err := direct.Forget(ctx, &ForgetParams{ID: id}); err != nil {
 		t.Fatal(err)
