@@ -3,32 +3,12 @@ package ledger
 import (
 	"context"
 	"errors"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemcoord/idemcoord/statemachine"
 )
-
-// effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
-// over a record row and clock.now: an IN_PROGRESS record at or past its
-// lease reads UNKNOWN, a COMPLETED or FAILED_* record at or past expires_at
-// reads EXPIRED. TestEffectiveStateSQL holds the two together.
-var effectiveStateSQL = stateSQL(`CASE
-	WHEN state = {IN_PROGRESS} AND lease_expires_at <= clock.now THEN {UNKNOWN}
-	WHEN state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= clock.now THEN {EXPIRED}
-	ELSE state END`)
-
-// needsDecisionSQL keeps the records that need an operator's decision:
-// UNKNOWN in effect now, or an uncertain FAILED_RETRYABLE.
-var needsDecisionSQL = stateSQL(`(` + effectiveStateSQL + ` = {UNKNOWN} OR (` + effectiveStateSQL + ` = {FAILED_RETRYABLE} AND uncertain))`)
-
-// listColumns are recordColumns with the stored response left out
-// (has_response false, no body or metadata), so listing never reads bodies.
-var listColumns = strings.NewReplacer("has_response", "false",
-	"body", "NULL::bytea", "metadata", "NULL::bytea").Replace(recordColumns)
 
 // RecordKey names a record within a tenant. ArchivedAt tells archived
 // records of one key apart (zero for live records).
@@ -86,45 +66,8 @@ type ListResult struct {
 // shift the ones that follow.
 func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, error) {
 	limit := max(p.Limit, 1)
-	args := []any{s.now(), p.Tenant}
-	arg := func(v any) string {
-		args = append(args, v)
-		return "$" + strconv.Itoa(len(args))
-	}
-	var where strings.Builder
-	where.WriteString("tenant = $2")
-	table, extra, order := "idempotency_records", "", "tenant, scope, key"
-	if p.Archived {
-		table, extra, order = "idempotency_archive", ", archived_at", "tenant, scope, key, archived_at"
-	}
-	if p.After != nil {
-		// A row comparison the primary key index serves directly.
-		if p.Archived {
-			where.WriteString(" AND (tenant, scope, key, archived_at) > ($2, " + arg(p.After.Scope) + ", " +
-				arg(p.After.Key) + ", " + arg(p.After.ArchivedAt) + ")")
-		} else {
-			where.WriteString(" AND (tenant, scope, key) > ($2, " + arg(p.After.Scope) + ", " + arg(p.After.Key) + ")")
-		}
-	}
-	if p.State != statemachine.StateNone {
-		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
-	}
-	if p.NeedsDecision {
-		where.WriteString(" AND " + needsDecisionSQL)
-	}
-	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
-		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))
-	}
-	if p.KeyPrefix != "" {
-		where.WriteString(" AND starts_with(key, " + arg(p.KeyPrefix) + ")")
-	}
-	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
-		SELECT scope, key, ` + listColumns + `, clock.now` + extra + `
-		FROM ` + table + `, clock
-		WHERE ` + where.String() + `
-		ORDER BY ` + order + `
-		LIMIT ` + arg(limit+1)
-	rows, err := s.pool.Query(ctx, sql, args...)
+	q := s.sql.list(p, s.now(), limit+1)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err != nil {
 		return nil, classify(err)
 	}
@@ -190,13 +133,8 @@ type CountResult struct {
 // now, as ListRecords reads them. It reads every record of the tenant.
 func (s *Store) CountRecords(ctx context.Context, p *CountParams) (*CountResult, error) {
 	limit := max(p.MaxGroups, 1)
-	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
-		SELECT scope, `+effectiveStateSQL+` AS effective, count(*)
-		FROM idempotency_records, clock
-		WHERE tenant = $2
-		GROUP BY scope, effective
-		ORDER BY scope, effective
-		LIMIT $3`, s.now(), p.Tenant, limit+1)
+	q := s.sql.count(p.Tenant, limit+1, s.now())
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err != nil {
 		return nil, classify(err)
 	}
@@ -219,24 +157,6 @@ func (s *Store) CountRecords(ctx context.Context, p *CountParams) (*CountResult,
 		return nil, classify(err)
 	}
 	return res, nil
-}
-
-// globToLike turns a glob in which `*` matches any run of bytes into a LIKE
-// pattern (with LIKE's default escape character, the backslash).
-func globToLike(glob string) string {
-	var b strings.Builder
-	for _, r := range glob {
-		switch r {
-		case '\\', '%', '_':
-			b.WriteByte('\\')
-			b.WriteRune(r)
-		case '*':
-			b.WriteByte('%')
-		default:
-			b.WriteRune(r)
-		}
-	}
-	return b.String()
 }
 
 // ResolveParams are the inputs of Resolve.
@@ -281,12 +201,9 @@ func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Recor
 	}
 	// The DELETE commits by itself: never cancelled by ctx (see
 	// commitTimeout).
+	q := s.sql.forget(p.ID, s.now())
 	d, err := detached(ctx, func(cctx context.Context) (deleted, error) {
-		row := s.pool.QueryRow(cctx, `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
-		DELETE FROM idempotency_records USING clock
-		WHERE tenant = $1 AND scope = $2 AND key = $3
-		RETURNING `+recordColumns+`, clock.now`,
-			p.ID.Tenant, p.ID.Scope, p.ID.Key, s.now())
+		row := s.pool.QueryRow(cctx, q.sql, q.args...)
 		// Leniently: a record that does not open is forgotten too, and
 		// returned without its sealed columns.
 		var d deleted

@@ -235,11 +235,11 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 			}
 			fin := statemachine.Event{Kind: statemachine.EventComplete, Token: r.ev.NewToken,
 				Response: &statemachine.Response{StatusCode: 200, Body: []byte("done")}}
-			args, err := s.responseArgs(r.p.ID, fin.Response, nil)
+			stored, err := s.responseArgs(r.p.ID, fin.Response, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			batch = append(batch, &completeReq{ctx: ctx, id: r.p.ID, ev: fin, args: args, out: make(chan completeRes, 1)})
+			batch = append(batch, &completeReq{ctx: ctx, id: r.p.ID, ev: fin, response: stored, out: make(chan completeRes, 1)})
 		}
 		sent := p.arm("lost-completion-")
 		done := make(chan struct{})

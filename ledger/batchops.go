@@ -9,7 +9,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
@@ -67,37 +66,6 @@ type beginRes struct {
 	found    bool
 	err      error
 }
-
-// beginBatchSQL creates every key of the batch that does not exist yet and
-// reads every one that does, in one statement: beginSQL for many records.
-// $1 now or NULL; $2.. arrays: tenant, scope, key, fingerprint, token,
-// attempt_id, ttl µs, failure ttl µs, lease µs, one element per distinct
-// record; $11 enc_key_id, $12 seal_version, $13 the statement's
-// lock_timeout (see lockWaitSQL). The first column says whether the row
-// was created; created rows carry the creator's token. The INSERT takes its
-// rows in the global lock order (see compareIdentity), whatever order the
-// arrays come in.
-var beginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-` + lockWaitSQL("$13") + `,
-input AS (
-	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
-		$8::int8[], $9::int8[], $10::int8[])
-		AS i(tenant, scope, key, fp, token, attempt_id, ttl, fttl, lease)),
-ins AS (
-	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
-		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
-		enc_key_id, seal_version)
-	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
-		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond', $11, $12
-	FROM input i, clock, lock_wait
-	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
-	ON CONFLICT DO NOTHING
-	RETURNING tenant, scope, key, ` + recordColumns + `)
-SELECT true, ins.*, clock.now FROM ins, clock
-UNION ALL
-SELECT false, r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now
-FROM idempotency_records r JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key, clock
-WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = i.tenant AND ins.scope = i.scope AND ins.key = i.key)`
 
 // liveBatch drops the requests whose caller has gone (answering them with
 // their context's error) and sorts the rest into the global lock order.
@@ -188,24 +156,12 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 	// One row per record: a later request of the same record is answered
 	// from the same row (or, if the row is not its own creation, decides
 	// on the single-record path).
-	n := 0
-	tenants, scopes, keys := make([]string, 0, len(live)), make([]string, 0, len(live)), make([]string, 0, len(live))
-	fps, tokens, attemptIDs := make([][]byte, 0, len(live)), make([]string, 0, len(live)), make([]string, 0, len(live))
-	ttls, fttls, leases := make([]int64, 0, len(live)), make([]int64, 0, len(live)), make([]int64, 0, len(live))
+	recs := make([]newRecord, 0, len(live))
 	for i, r := range live {
 		if i > 0 && live[i-1].p.ID == r.p.ID {
 			continue
 		}
-		n++
-		fp := r.ev.Fingerprint
-		if fp == nil {
-			fp = []byte{}
-		}
-		tenants, scopes, keys = append(tenants, r.p.ID.Tenant), append(scopes, r.p.ID.Scope), append(keys, r.p.ID.Key)
-		fps, tokens, attemptIDs = append(fps, fp), append(tokens, r.ev.NewToken), append(attemptIDs, r.ev.AttemptID)
-		ttls = append(ttls, r.ev.TTL.Microseconds())
-		fttls = append(fttls, min(r.ev.FailureTTL, r.ev.TTL).Microseconds())
-		leases = append(leases, r.ev.Lease.Microseconds())
+		recs = append(recs, newRecordOf(r.p.ID, r.ev))
 	}
 	type row struct {
 		rec      statemachine.Record
@@ -213,9 +169,9 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		inserted bool
 		err      error // the row could not be read
 	}
-	found := make(map[Identity]row, n)
-	rows, err := s.pool.Query(ctx, beginBatchSQL, s.now(), tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
-		s.newRowKeyID(), int16(keyring.SealVersion), lockTimeoutArg(batchLockWait))
+	found := make(map[Identity]row, len(recs))
+	q := s.sql.beginBatch(recs, s.newRowKeyID(), s.now(), batchLockWait)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err == nil {
 		for rows.Next() {
 			var id Identity
@@ -259,45 +215,17 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 
 // completeReq is a Complete by the holder of the lease, tried in a batch.
 type completeReq struct {
-	ctx  context.Context
-	id   Identity
-	ev   statemachine.Event
-	args []any // responseArgs
-	out  chan completeRes
+	ctx      context.Context
+	id       Identity
+	ev       statemachine.Event
+	response storedResponse
+	out      chan completeRes
 }
 
 type completeRes struct {
 	res *Result // nil: not held by that token; take the locked path
 	err error
 }
-
-// completeBatchSQL ends every held record of the batch (IN_PROGRESS or
-// UNKNOWN with the request's token) as COMPLETED, in one statement; see
-// completeHeldSQL for the single form. $1 now or NULL; $2.. arrays: tenant,
-// scope, key, token, then the responseArgs columns. The rows are locked
-// first, in the global lock order (see compareIdentity), and only then
-// updated.
-var completeBatchSQL = stateSQL(`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-input AS (
-	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bool[], $7::text[],
-		$8::text[], $9::int4[], $10::bytea[], $11::bytea[], $12::text[])
-		AS i(tenant, scope, key, token, has_response, schema_version, content_type, status_code,
-			body, metadata, enc_key_id)),
-locked AS MATERIALIZED (
-	SELECT i.* FROM idempotency_records r
-	JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key
-	WHERE r.lease_token = i.token AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-	ORDER BY r.tenant COLLATE "C", r.scope COLLATE "C", r.key COLLATE "C"
-	FOR UPDATE OF r)
-UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = l.has_response,
-	schema_version = l.schema_version, content_type = l.content_type, status_code = l.status_code,
-	body = l.body, metadata = l.metadata, enc_key_id = l.enc_key_id, failure_reason = '',
-	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
-	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
-FROM locked l, clock
-WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
-	AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`)
 
 // runCompleteBatch runs one batch of Completes and answers each request. A
 // batch holds at most one request per record; the others decide on the
@@ -321,7 +249,7 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 		return
 	case 1:
 		r := live[0]
-		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.args)
+		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.response)
 		if err != nil && s.completes.Closing() {
 			err = errStoreClosed
 		}
@@ -329,23 +257,17 @@ func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
 		return
 	}
 	n := len(live)
-	tenants, scopes, keys, tokens := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	has := make([]bool, n)
-	svs, cts, keyIDs := make([]string, n), make([]string, n), make([]string, n)
-	codes := make([]int32, n)
-	bodies, metas := make([][]byte, n), make([][]byte, n)
+	cs := make([]heldCompletion, n)
 	for i, r := range live {
-		tenants[i], scopes[i], keys[i], tokens[i] = r.id.Tenant, r.id.Scope, r.id.Key, r.ev.Token
-		has[i] = r.args[0].(bool)
-		svs[i], cts[i], codes[i] = r.args[1].(string), r.args[2].(string), r.args[3].(int32)
-		bodies[i], metas[i], keyIDs[i] = r.args[4].([]byte), r.args[5].([]byte), r.args[6].(string)
+		cs[i] = heldCompletion{id: r.id, token: r.ev.Token, response: r.response}
 	}
 	type row struct {
 		res *Result
 		err error // the row was written but cannot be read back
 	}
 	done := make(map[Identity]row, n)
-	rows, err := s.pool.Query(ctx, completeBatchSQL, s.now(), tenants, scopes, keys, tokens, has, svs, cts, codes, bodies, metas, keyIDs)
+	q := s.sql.completeBatch(cs, s.now())
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err == nil {
 		for rows.Next() {
 			var id Identity

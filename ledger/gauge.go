@@ -23,22 +23,6 @@ type StateCounts struct {
 	Estimated bool
 }
 
-// stateCountsSQL reads, without scanning the table: the IN_PROGRESS records
-// and those of them whose lease lapsed (the lease index, which holds only
-// IN_PROGRESS rows), the UNKNOWN records (the partial index of UNKNOWN
-// rows, where it exists), the table's estimated row count and the
-// frequency of each stored state in the planner's statistics, and the
-// table's size. $1 is now (NULL: the database clock).
-var stateCountsSQL = stateSQL(`SELECT
-	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS}),
-	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
-	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
-	(SELECT reltuples::float8 FROM pg_class WHERE oid = 'idempotency_records'::regclass),
-	(SELECT most_common_vals::text::int2[] FROM pg_stats
-		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state'),
-	(SELECT most_common_freqs FROM pg_stats
-		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state')`)
-
 // StateCounts counts records per state in effect now at a cost that does
 // not grow with the table: it is what the idempotency_records gauge
 // reports. IN_PROGRESS and UNKNOWN (a lapsed lease counts as UNKNOWN) are
@@ -51,7 +35,8 @@ var stateCountsSQL = stateSQL(`SELECT
 // for every state and scans the table.
 func (s *Store) StateCounts(ctx context.Context) (*StateCounts, error) {
 	var size int64
-	if err := s.pool.QueryRow(ctx, `SELECT pg_relation_size('idempotency_records')`).Scan(&size); err != nil {
+	q := s.sql.tableSize()
+	if err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(&size); err != nil {
 		return nil, classify(err)
 	}
 	if size < s.exactCountBytes {
@@ -70,7 +55,8 @@ func (s *Store) StateCounts(ctx context.Context) (*StateCounts, error) {
 		vals                        []int16
 		freqs                       []float32
 	)
-	if err := s.pool.QueryRow(ctx, stateCountsSQL, s.now()).Scan(&inProgress, &lapsed, &unknown, &reltuples, &vals, &freqs); err != nil {
+	q = s.sql.stateCounts(s.now())
+	if err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(&inProgress, &lapsed, &unknown, &reltuples, &vals, &freqs); err != nil {
 		return nil, classify(err)
 	}
 	out := &StateCounts{Estimated: true, Counts: map[statemachine.State]int64{

@@ -74,7 +74,8 @@ func TestStateCountsWithoutScanning(t *testing.T) {
 
 	// The estimated path reads no row of the table: its plan has no
 	// sequential scan of idempotency_records.
-	rows, err := conn.Query(ctx, "EXPLAIN "+stateCountsSQL, now)
+	q := s.sql.stateCounts(&now)
+	rows, err := conn.Query(ctx, "EXPLAIN "+q.sql, q.args...)
 	if err != nil {
 		t.Fatal(err)
 	}

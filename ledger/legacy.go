@@ -10,16 +10,14 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// legacyRowSQL selects the rows not in the current sealed form.
-const legacyRowSQL = `(enc_key_id = '' OR seal_version < 2)`
-
 // CountLegacyRows counts the records not in the current sealed form: in
 // clear (written while encryption was off) or sealed by a version before
 // seal_version 2. With a keyring that does not accept legacy rows, each of
 // them reads ErrUnreadable. It scans the whole table.
 func (s *Store) CountLegacyRows(ctx context.Context) (int64, error) {
 	var n int64
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_records WHERE `+legacyRowSQL).Scan(&n)
+	q := s.sql.countLegacy()
+	err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(&n)
 	return n, classify(err)
 }
 
@@ -43,14 +41,8 @@ func (s *Store) ConvertLegacyRows(ctx context.Context, batchSize int) (converted
 		var n, sk int
 		var last *Identity
 		err := withTx(ctx, s.pool, func(tx pgx.Tx) error {
-			args := []any{batchSize}
-			where := legacyRowSQL
-			if after != nil {
-				where += ` AND (tenant, scope, key) > ($2, $3, $4)`
-				args = append(args, after.Tenant, after.Scope, after.Key)
-			}
-			rows, err := tx.Query(ctx, `SELECT tenant, scope, key, `+recordColumns+` FROM idempotency_records
-				WHERE `+where+` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args...)
+			q := s.sql.legacyBatch(after, batchSize)
+			rows, err := tx.Query(ctx, q.sql, q.args...)
 			if err != nil {
 				return err
 			}
@@ -82,11 +74,12 @@ func (s *Store) ConvertLegacyRows(ctx context.Context, batchSize int) (converted
 					sk++
 					continue
 				}
-				args, err := s.identityArgs(id, r.rec)
+				cols, err := s.recordArgs(id, r.rec)
 				if err != nil {
 					return err
 				}
-				if _, err := tx.Exec(ctx, updateSQL, args...); err != nil {
+				q := s.sql.update(id, cols)
+				if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
 					return err
 				}
 				n++

@@ -2,8 +2,6 @@ package ledger
 
 import (
 	"context"
-	"strconv"
-	"strings"
 	"time"
 )
 
@@ -63,49 +61,6 @@ type ReapResult struct {
 	More bool
 }
 
-// The reaper's statements. Each takes $1 now (NULL: the database clock) and
-// $2 the batch size, locks its rows with SKIP LOCKED so replicas reaping at
-// the same time never touch the same row, and returns one row per record.
-// "now" is written inline (not in a CTE) so the planner can use it as an
-// index condition.
-var (
-	reapStaleSQL = stateSQL(`WITH batch AS (
-	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())
-	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = {UNKNOWN}, uncertain = true, lease_expires_at = NULL,
-	updated_at = coalesce($1::timestamptz, now())
-FROM batch
-WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING r.scope`)
-
-	reapExpiredSQL = stateSQL(`WITH batch AS (
-	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= coalesce($1::timestamptz, now())
-	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-UPDATE idempotency_records r SET state = {EXPIRED}, has_response = false, body = NULL, metadata = NULL,
-	updated_at = coalesce($1::timestamptz, now())
-FROM batch
-WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING 1`)
-
-	reapDeleteSQL = stateSQL(`WITH batch AS (
-	SELECT tenant, scope, key FROM idempotency_records
-	WHERE state = {EXPIRED} AND expires_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
-	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-DELETE FROM idempotency_records r USING batch
-WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-RETURNING 1`)
-
-	reapArchivePruneSQL = `WITH batch AS (
-	SELECT tenant, scope, key, archived_at FROM idempotency_archive
-	WHERE archived_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
-	ORDER BY archived_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-DELETE FROM idempotency_archive a USING batch
-WHERE a.tenant = batch.tenant AND a.scope = batch.scope AND a.key = batch.key AND a.archived_at = batch.archived_at
-RETURNING a.scope`
-)
-
 // Reap runs one reaper pass: stale leases become UNKNOWN, terminal records
 // past expires_at become EXPIRED without their response, EXPIRED records
 // older than the retention are deleted, and UNKNOWN records older than
@@ -123,39 +78,30 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 		maxBatches = 20
 	}
 	var res ReapResult
-	steps := []struct {
-		sql    string
-		args   []any
+	type step struct {
+		query  func(now *time.Time) query
 		count  *int
 		scopes *[]string
-	}{
-		{reapStaleSQL, nil, &res.Unknown, &res.UnknownScopes},
-		{reapExpiredSQL, nil, &res.Expired, nil},
-		{reapDeleteSQL, []any{p.Retention.Microseconds()}, &res.Deleted, nil},
 	}
+	var steps []step
 	if p.UnknownRetention > 0 {
 		// First, so a lease that lapsed long ago is archived by its lease's
 		// end, before marking it UNKNOWN would stamp it with the present.
-		sql, args := archiveStatement(p)
-		steps = append([]struct {
-			sql    string
-			args   []any
-			count  *int
-			scopes *[]string
-		}{{sql, args, &res.Archived, &res.ArchivedScopes}}, steps...)
+		steps = append(steps, step{func(now *time.Time) query { return s.sql.reapArchive(p, now, batch) },
+			&res.Archived, &res.ArchivedScopes})
 	}
+	steps = append(steps,
+		step{func(now *time.Time) query { return s.sql.reapStale(now, batch) }, &res.Unknown, &res.UnknownScopes},
+		step{func(now *time.Time) query { return s.sql.reapExpired(now, batch) }, &res.Expired, nil},
+		step{func(now *time.Time) query { return s.sql.reapDelete(now, batch, p.Retention) }, &res.Deleted, nil})
 	if p.ArchiveRetention > 0 {
-		steps = append(steps, struct {
-			sql    string
-			args   []any
-			count  *int
-			scopes *[]string
-		}{reapArchivePruneSQL, []any{p.ArchiveRetention.Microseconds()}, &res.ArchivePruned, &res.ArchivePrunedScopes})
+		steps = append(steps, step{func(now *time.Time) query { return s.sql.reapArchivePrune(now, batch, p.ArchiveRetention) },
+			&res.ArchivePruned, &res.ArchivePrunedScopes})
 	}
 	for _, st := range steps {
 		full := 0
 		for range maxBatches {
-			n, err := s.reapBatch(ctx, st.sql, append([]any{s.now(), batch}, st.args...), st.scopes)
+			n, err := s.reapBatch(ctx, st.query(s.now()), st.scopes)
 			*st.count += n
 			if err != nil {
 				return res, classify(err)
@@ -170,59 +116,18 @@ func (s *Store) Reap(ctx context.Context, p *ReapParams) (ReapResult, error) {
 	return res, nil
 }
 
-// archiveStatement returns the reaper's archiving statement for p and its
-// arguments after $1 now and $2 the batch size: $3 the least retention
-// (µs, which lets the indexes narrow the scan), then the retention of
-// each scope rule and the default, in a CASE that picks the first match.
-func archiveStatement(p *ReapParams) (string, []any) {
-	least := p.UnknownRetention
-	args := []any{int64(0)}
-	var retention strings.Builder
-	retention.WriteString("CASE")
-	for _, r := range p.ScopeRetention {
-		least = min(least, r.Retention)
-		args = append(args, globToLike(r.Glob), r.Retention.Microseconds())
-		retention.WriteString(" WHEN scope LIKE $" + strconv.Itoa(len(args)+1) + " THEN $" + strconv.Itoa(len(args)+2) + "::int8")
-	}
-	args = append(args, p.UnknownRetention.Microseconds())
-	def := "$" + strconv.Itoa(len(args)+2) + "::int8"
-	if len(p.ScopeRetention) == 0 {
-		retention.Reset()
-		retention.WriteString(def)
-	} else {
-		retention.WriteString(" ELSE " + def + " END")
-	}
-	args[0] = least.Microseconds()
-	cutoff := func(us string) string {
-		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
-	}
-	return stateSQL(`WITH batch AS (
-	SELECT tenant, scope, key FROM idempotency_records
-	WHERE ((state = {UNKNOWN} AND updated_at <= ` + cutoff("$3") + `)
-		OR (state = {IN_PROGRESS} AND lease_expires_at <= ` + cutoff("$3") + `))
-		AND CASE WHEN state = {UNKNOWN} THEN updated_at ELSE lease_expires_at END <= ` + cutoff("("+retention.String()+")") + `
-	ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED),
-moved AS (
-	DELETE FROM idempotency_records r USING batch
-	WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
-INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
-SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
-RETURNING scope`), args
-}
-
 // reapBatch runs one statement and counts its rows; with scopes set, it
 // also collects their first column.
 //
 // The statement commits by itself, so it runs to its end even when ctx
 // ends meanwhile (see commitTimeout); ctx is checked before it starts.
-func (s *Store) reapBatch(ctx context.Context, sql string, args []any, scopes *[]string) (int, error) {
+func (s *Store) reapBatch(ctx context.Context, q query, scopes *[]string) (int, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
 	ctx, cancel := commitContext(ctx)
 	defer cancel()
-	rows, err := s.pool.Query(ctx, sql, args...)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err != nil {
 		return 0, err
 	}

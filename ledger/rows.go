@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -19,89 +17,7 @@ import (
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
-// recordColumnNames are a record's columns beyond its identity, in the
-// order scanTargets scans and recordArgs writes them. Every column list and
-// placeholder list below is derived from it.
-var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
-	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
-	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
-	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain", "seal_version"}
-
-var (
-	// recordColumns lists recordColumnNames for SELECT and RETURNING.
-	recordColumns = strings.Join(recordColumnNames, ", ")
-	// recordColumnsR is recordColumns qualified by the alias r.
-	recordColumnsR = "r." + strings.Join(recordColumnNames, ", r.")
-	// insertSQL writes a whole record: $1-$3 its identity, then recordArgs.
-	insertSQL = wholeRecordSQL(true)
-	// updateSQL overwrites a whole record: $1-$3 its identity, then
-	// recordArgs.
-	updateSQL = wholeRecordSQL(false)
-)
-
-// wholeRecordSQL builds insertSQL or updateSQL from recordColumnNames.
-func wholeRecordSQL(insert bool) string {
-	if insert {
-		ph := make([]string, 3+len(recordColumnNames))
-		for i := range ph {
-			ph[i] = "$" + strconv.Itoa(i+1)
-		}
-		return "INSERT INTO idempotency_records (tenant, scope, key, " + recordColumns +
-			") VALUES (" + strings.Join(ph, ", ") + ") ON CONFLICT DO NOTHING"
-	}
-	set := make([]string, len(recordColumnNames))
-	for i, c := range recordColumnNames {
-		set[i] = c + " = $" + strconv.Itoa(i+4)
-	}
-	return "UPDATE idempotency_records SET " + strings.Join(set, ", ") +
-		" WHERE tenant = $1 AND scope = $2 AND key = $3"
-}
-
-// beginSQL inserts a new IN_PROGRESS record or, when the key exists, returns
-// the existing row, in one round trip. Its first column says which. When a
-// concurrent insert committed after this statement's snapshot, it returns no
-// row and the caller takes the locked path.
-//
-// Parameters: $1 tenant, $2 scope, $3 key, $4 fingerprint (in its stored
-// form), $5 lease token, $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9
-// lease µs, $10 now or NULL, $11 enc_key_id, $12 seal_version, $13 the
-// statement's lock_timeout (see lockWaitSQL).
-var beginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
-` + lockWaitSQL("$13") + `,
-ins AS (
-	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
-		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
-		enc_key_id, seal_version)
-	SELECT $1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, clock.now, clock.now,
-		clock.now + $9 * interval '1 microsecond', $11, $12
-	FROM clock, lock_wait
-	ON CONFLICT DO NOTHING
-	RETURNING ` + recordColumns + `
-)
-SELECT true, ins.*, clock.now FROM ins, clock
-UNION ALL
-SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
-	WHERE tenant = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)`
-
-// lockWaitSQL is a CTE, lock_wait, that bounds the lock waits of the
-// statement it is part of to the lock_timeout given in param (as
-// lockTimeoutArg formats it). A statement's INSERT reads lock_wait with its
-// rows, so the bound is set before the first row is inserted, and with it
-// before any wait on another transaction's insert or change of the same
-// key (such as a RunTx running fn); it ends with the statement's
-// transaction. A wait that reaches it fails the statement with
-// lock_not_available (isLockTimeout), having written nothing.
-func lockWaitSQL(param string) string {
-	return `lock_wait AS MATERIALIZED (SELECT set_config('lock_timeout', ` + param + `, true) AS lock_timeout)`
-}
-
-// lockTimeoutArg formats d for lockWaitSQL: whole milliseconds, at least
-// one (0 would mean no bound).
-func lockTimeoutArg(d time.Duration) string {
-	return strconv.FormatInt(max(d.Milliseconds(), 1), 10) + "ms"
-}
-
-// insertOrRead runs beginSQL; a lock wait longer than lockWait fails it
+// insertOrRead runs the begin statement; a lock wait longer than lockWait fails it
 // (isLockTimeout). found is false when no row came back. When ctx ends
 // while the statement runs and it then creates the key, createdLate (if
 // not nil) is called with the record it created.
@@ -133,13 +49,8 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 }
 
 func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
-	fp := ev.Fingerprint
-	if fp == nil {
-		fp = []byte{}
-	}
-	rows, err := s.pool.Query(ctx, beginSQL, id.Tenant, id.Scope, id.Key, fp, ev.NewToken, ev.AttemptID,
-		ev.TTL.Microseconds(), min(ev.FailureTTL, ev.TTL).Microseconds(), ev.Lease.Microseconds(), s.now(),
-		s.newRowKeyID(), int16(keyring.SealVersion), lockTimeoutArg(lockWait))
+	q := s.sql.begin(newRecordOf(id, *ev), s.newRowKeyID(), s.now(), lockWait)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err != nil {
 		return rec, false, now, false, err
 	}
@@ -360,15 +271,13 @@ func (s *Store) newRowKeyID() string {
 	return s.keyring.ActiveKeyID()
 }
 
-// responseArgs returns the stored form of a response of record id:
-// has_response, schema_version, content_type, status_code, body, metadata
-// and enc_key_id. With a keyring, body and metadata are sealed with the
+// responseArgs returns the stored form of a response of record id. With a keyring, body and metadata are sealed with the
 // active key and bound by b (whose response part responseArgs fills in);
 // b may be nil only without a keyring.
-func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *keyring.Binding) ([]any, error) {
+func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *keyring.Binding) (storedResponse, error) {
 	keyID := s.newRowKeyID()
 	if r == nil {
-		return []any{false, "", "", int32(0), []byte(nil), []byte(nil), keyID}, nil
+		return storedResponse{keyID: keyID}, nil
 	}
 	body := r.Body
 	if body == nil {
@@ -380,7 +289,7 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *keyring.B
 	}
 	if s.keyring != nil {
 		if b == nil {
-			return nil, errors.New("ledger: sealing a response without its record's binding")
+			return storedResponse{}, errors.New("ledger: sealing a response without its record's binding")
 		}
 		rb := *b
 		rb.Response, rb.StatusCode, rb.SchemaVersion, rb.ContentType = true, r.StatusCode, r.SchemaVersion, r.ContentType
@@ -390,7 +299,8 @@ func (s *Store) responseArgs(id Identity, r *statemachine.Response, b *keyring.B
 			metadata = s.keyring.Seal(keyring.ID(id), "metadata", rb, metadata)
 		}
 	}
-	return []any{true, r.SchemaVersion, r.ContentType, r.StatusCode, body, metadata, keyID}, nil
+	return storedResponse{has: true, schemaVersion: r.SchemaVersion, contentType: r.ContentType,
+		statusCode: r.StatusCode, body: body, metadata: metadata, keyID: keyID}, nil
 }
 
 // metadataFormat is the first byte of metadata in its stored form: the
@@ -461,27 +371,14 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	if err != nil {
 		return nil, err
 	}
-	fp := rec.Fingerprint
-	if fp == nil {
-		fp = []byte{}
-	}
 	reason := rec.FailureReason
 	if s.keyring != nil && reason != "" {
 		reason = base64.StdEncoding.EncodeToString(s.keyring.Seal(keyring.ID(id), "failure_reason", b, []byte(reason)))
 	}
-	return []any{int16(rec.State), fp, rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
-		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp[0], resp[1], resp[2], resp[3], resp[4], resp[5],
-		reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp[6], rec.Uncertain, int16(keyring.SealVersion)}, nil
-}
-
-// identityArgs returns the identity followed by recordArgs.
-func (s *Store) identityArgs(id Identity, rec statemachine.Record) ([]any, error) {
-	args, err := s.recordArgs(id, rec)
-	if err != nil {
-		return nil, err
-	}
-	return append([]any{id.Tenant, id.Scope, id.Key}, args...), nil
+	return []any{int16(rec.State), storedFingerprint(rec.Fingerprint), rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
+		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp.has, resp.schemaVersion, resp.contentType, resp.statusCode,
+		resp.body, resp.metadata, reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp.keyID, rec.Uncertain, int16(keyring.SealVersion)}, nil
 }
 
 func optTime(t time.Time) *time.Time {

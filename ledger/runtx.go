@@ -243,10 +243,8 @@ var txPolicy = statemachine.Policy{OnUnknown: statemachine.UnknownHold}
 // reports ok when that decides RunTx: a replay, or a refusal such as a
 // fingerprint mismatch.
 func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine.Event) (out runTxResult, ok bool, err error) {
-	row := s.pool.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
-		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
-		id.Tenant, id.Scope, id.Key, s.now())
-	cur, now, err := s.scanRecordNow(row, id)
+	q := s.sql.read(id, s.now())
+	cur, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return out, false, nil
 	}
@@ -344,8 +342,8 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	// transaction started, not at its start.
 	lockTimeout := max(time.Until(giveUp), time.Millisecond)
 	var now time.Time
-	if err := tx.QueryRow(ctx, `SELECT coalesce($2::timestamptz, clock_timestamp()) FROM set_config('lock_timeout', $1, true)`,
-		strconv.FormatInt(lockTimeout.Milliseconds()+1, 10)+"ms", s.now()).Scan(&now); err != nil {
+	q := s.sql.runTxStart(lockTimeout, s.now())
+	if err := tx.QueryRow(ctx, q.sql, q.args...).Scan(&now); err != nil {
 		return dbErr(err)
 	}
 	now = now.UTC()
@@ -353,20 +351,19 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	// A new key: insert it held. A concurrent inserter of the same key
 	// waits on the primary key until this transaction ends.
 	d := statemachine.Next(nil, s.txBeginEvent(id, nil, ev), statemachine.Policy{}, now)
-	args, err := s.identityArgs(id, d.Record)
+	cols, err := s.recordArgs(id, d.Record)
 	if err != nil {
 		return out, err
 	}
-	tag, err := tx.Exec(ctx, insertSQL, args...)
+	q = s.sql.insert(id, cols)
+	tag, err := tx.Exec(ctx, q.sql, q.args...)
 	if err != nil {
 		return dbErr(err)
 	}
 	if tag.RowsAffected() == 0 {
 		// The key exists: lock it and decide.
-		row := tx.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, clock_timestamp())
-			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
-			id.Tenant, id.Scope, id.Key, s.now())
-		cur, now, err := s.scanRecordNow(row, id)
+		q := s.sql.lockNow(id, s.now())
+		cur, now, err := s.scanRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return runTxResult{vanished: true}, nil
 		}
@@ -399,7 +396,8 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	held := d.Record
 
 	// Locks fn takes wait as long as the session says, not Wait.
-	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout TO DEFAULT`); err != nil {
+	q = s.sql.runTxLockDefault()
+	if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
 		return dbErr(err)
 	}
 	resp, fnErr := fn(ctx, ownedTx{tx})
@@ -425,17 +423,19 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		return runTxResult{done: true, err: fmt.Errorf("%w: the response of fn is %d bytes, at most %d", ErrInvalidArgument, n, MaxTxResponseBytes)}, nil
 	}
 
-	if err := tx.QueryRow(ctx, `SELECT coalesce($1::timestamptz, clock_timestamp())`, s.now()).Scan(&now); err != nil {
+	q = s.sql.runTxClock(s.now())
+	if err := tx.QueryRow(ctx, q.sql, q.args...).Scan(&now); err != nil {
 		return dbErr(err)
 	}
 	d = statemachine.Next(&held, end, statemachine.Policy{}, now.UTC())
 	if d.Err != nil || d.Write != statemachine.WriteUpdate {
 		return out, fmt.Errorf("ledger: RunTx: unexpected decision ending its own record: %v", d.Err)
 	}
-	if args, err = s.identityArgs(id, d.Record); err != nil {
+	if cols, err = s.recordArgs(id, d.Record); err != nil {
 		return out, err
 	}
-	if _, err := tx.Exec(ctx, updateSQL, args...); err != nil {
+	q = s.sql.update(id, cols)
+	if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
 		return dbErr(err)
 	}
 	// A COMMIT is never cancelled by the caller: a cancelled commit may have

@@ -76,21 +76,8 @@ func (ss *Sessions) Create(ctx context.Context, p *CreateSessionParams) (*Sessio
 	}
 	return detached(ctx, func(ctx context.Context) (*Session, error) {
 		sess := &Session{Tenant: p.Tenant, TokenSHA256: p.TokenSHA256, Credential: p.Credential}
-		err := s.pool.QueryRow(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
-swept AS (
-	DELETE FROM idempotency_console_sessions WHERE id_sha256 IN (
-		SELECT id_sha256 FROM idempotency_console_sessions
-		WHERE expires_at <= coalesce($1::timestamptz, now())
-		ORDER BY expires_at LIMIT $8 FOR UPDATE SKIP LOCKED))
-INSERT INTO idempotency_console_sessions (id_sha256, tenant, token_sha256, credential, created_at, last_seen_at,
-	idle_timeout, absolute_expires_at, expires_at)
-SELECT $2, $3, $4, $5, clock.now, clock.now, $6::bigint * interval '1 microsecond',
-	clock.now + $7::bigint * interval '1 microsecond',
-	least(clock.now + $6::bigint * interval '1 microsecond', clock.now + $7::bigint * interval '1 microsecond')
-FROM clock
-RETURNING created_at, last_seen_at, expires_at`,
-			s.now(), p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential, p.IdleTimeout.Microseconds(),
-			p.MaxLifetime.Microseconds(), sweepSessionsBatch).Scan(&sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
+		q := s.sql.sessionCreate(p, s.now(), sweepSessionsBatch)
+		err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(&sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
 		if err != nil {
 			return nil, classify(err)
 		}
@@ -107,15 +94,12 @@ func (ss *Sessions) Touch(ctx context.Context, idSHA256 []byte) (*Session, error
 	return detached(ctx, func(ctx context.Context) (*Session, error) {
 		now := s.now()
 		var sess Session
-		err := s.pool.QueryRow(ctx, `UPDATE idempotency_console_sessions s
-SET last_seen_at = clock.now, expires_at = least(clock.now + s.idle_timeout, s.absolute_expires_at)
-FROM (SELECT coalesce($1::timestamptz, now()) AS now) clock
-WHERE s.id_sha256 = $2 AND s.expires_at > clock.now
-RETURNING s.tenant, s.token_sha256, s.credential, s.created_at, s.last_seen_at, s.expires_at`, now, idSHA256).Scan(
+		q := s.sql.sessionTouch(idSHA256, now)
+		err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(
 			&sess.Tenant, &sess.TokenSHA256, &sess.Credential, &sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
 		if errors.Is(err, pgx.ErrNoRows) {
-			if _, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions
-WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, now, idSHA256); err != nil {
+			q := s.sql.sessionDeleteExpired(idSHA256, now)
+			if _, err := s.pool.Exec(ctx, q.sql, q.args...); err != nil {
 				return nil, classify(err)
 			}
 			return nil, ErrSessionNotFound
@@ -132,7 +116,8 @@ WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, now, i
 func (ss *Sessions) Delete(ctx context.Context, idSHA256 []byte) error {
 	s := ss.store
 	_, err := detached(ctx, func(ctx context.Context) (struct{}, error) {
-		_, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, idSHA256)
+		q := s.sql.sessionDelete(idSHA256)
+		_, err := s.pool.Exec(ctx, q.sql, q.args...)
 		return struct{}{}, classify(err)
 	})
 	return err
@@ -147,7 +132,8 @@ func (ss *Sessions) Revoke(ctx context.Context, tokenSHA256s [][]byte) (int64, e
 		return 0, nil
 	}
 	return detached(ctx, func(ctx context.Context) (int64, error) {
-		tag, err := s.pool.Exec(ctx, `DELETE FROM idempotency_console_sessions WHERE token_sha256 = ANY($1::bytea[])`, tokenSHA256s)
+		q := s.sql.sessionRevoke(tokenSHA256s)
+		tag, err := s.pool.Exec(ctx, q.sql, q.args...)
 		if err != nil {
 			return 0, classify(err)
 		}

@@ -25,7 +25,9 @@ import (
 // Store keeps idempotency records in PostgreSQL. It is safe for concurrent
 // use by many goroutines and by many replicas sharing one database.
 type Store struct {
-	pool     *pgxpool.Pool
+	pool *pgxpool.Pool
+	// sql are the statements it runs, in its database's dialect.
+	sql      *statements
 	clock    func() time.Time
 	logger   *slog.Logger
 	notifier *notifier.Notifier
@@ -179,7 +181,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
+	s := &Store{pool: pool, sql: statementsFor(postgreSQL), clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
 	listenCfg := cfg.ConnConfig.Copy()
 	if o.notifyURL != "" {
 		ncfg, err := pgx.ParseConfig(o.notifyURL)
@@ -195,7 +197,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
 		listenCfg = ncfg
 	}
-	ncfg := notifier.Config{ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
+	ncfg := notifier.Config{Statements: s.sql.notifier, ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
 	if o.noNotify {
 		// No listener: the notifier never trusts notifications, so
 		// subscribers poll, and there is no replay cache (it learns of
@@ -592,19 +594,6 @@ func (s *Store) Finish(ctx context.Context, p *FinishParams) (*Result, error) {
 	return s.locked(ctx, p.ID, ev, p.Policy)
 }
 
-// completeHeldSQL ends a held record (IN_PROGRESS or UNKNOWN, as
-// statemachine.Next does for a Complete with the latest token) in one
-// statement; a COMPLETED generation is no longer uncertain. Parameters: $1-$3 identity, $4 now or NULL, $5 token, then the
-// response columns $6-$12 as responseArgs returns them.
-var completeHeldSQL = stateSQL(`WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
-UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = $6, schema_version = $7,
-	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
-	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
-	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
-FROM clock
-WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-RETURNING ` + recordColumns + `, clock.now`)
-
 // completeHeld applies a Complete to a record its token holds, or returns
 // (nil, nil) when the record is not held by that token.
 func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.Event) (*Result, error) {
@@ -612,12 +601,12 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	if resp == nil {
 		resp = &statemachine.Response{}
 	}
-	rargs, err := s.responseArgs(id, resp, nil)
+	stored, err := s.responseArgs(id, resp, nil)
 	if err != nil {
 		return nil, err
 	}
 	if s.completes != nil {
-		r := &completeReq{ctx: ctx, id: id, ev: ev, args: rargs, out: make(chan completeRes, 1)}
+		r := &completeReq{ctx: ctx, id: id, ev: ev, response: stored, out: make(chan completeRes, 1)}
 		if !s.completes.Submit(ctx, r) {
 			return nil, submitErr(ctx)
 		}
@@ -628,18 +617,18 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 			return nil, ctx.Err()
 		}
 	}
-	res, err := s.completeHeldOne(ctx, id, ev.Token, rargs)
+	res, err := s.completeHeldOne(ctx, id, ev.Token, stored)
 	return res, classify(err)
 }
 
-// completeHeldOne runs completeHeldSQL for one record; rargs are its
-// responseArgs. It returns (nil, nil) when the token does not hold it.
-// The statement commits by itself and is never cancelled by ctx (see
-// commitTimeout).
-func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, rargs []any) (*Result, error) {
-	args := append([]any{id.Tenant, id.Scope, id.Key, s.now(), token}, rargs...)
+// completeHeldOne runs the completeHeld statement for one record, with
+// its response in stored form. It returns (nil, nil) when the token does
+// not hold it. The statement commits by itself and is never cancelled by
+// ctx (see commitTimeout).
+func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, stored storedResponse) (*Result, error) {
+	q := s.sql.completeHeld(id, token, stored, s.now())
 	return detached(ctx, func(cctx context.Context) (*Result, error) {
-		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, completeHeldSQL, args...), id)
+		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, q.sql, q.args...), id)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, nil
 		}
@@ -652,10 +641,8 @@ func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, 
 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
 func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, time.Time, error) {
-	row := s.pool.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
-		FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
-		id.Tenant, id.Scope, id.Key, s.now())
-	rec, now, err := s.scanRecordNow(row, id)
+	q := s.sql.read(id, s.now())
+	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
@@ -717,10 +704,8 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		}
 	}
 	err = withTxThen(ctx, s.pool, func(tx pgx.Tx) error {
-		row := tx.QueryRow(ctx, `SELECT `+recordColumns+`, coalesce($4::timestamptz, now())
-			FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`,
-			id.Tenant, id.Scope, id.Key, s.now())
-		cur, now, err := s.scanRecordNow(row, id)
+		q := s.sql.lock(id, s.now())
+		cur, now, err := s.scanRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
 		var curp *statemachine.Record
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
@@ -742,11 +727,12 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		}
 		switch d.Write {
 		case statemachine.WriteInsert:
-			args, err := s.identityArgs(id, d.Record)
+			cols, err := s.recordArgs(id, d.Record)
 			if err != nil {
 				return err
 			}
-			tag, err := tx.Exec(ctx, insertSQL, args...)
+			q := s.sql.insert(id, cols)
+			tag, err := tx.Exec(ctx, q.sql, q.args...)
 			if err != nil {
 				return err
 			}
@@ -754,16 +740,17 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 				retry = true // another Begin created it meanwhile
 			}
 		case statemachine.WriteUpdate:
-			args, err := s.identityArgs(id, d.Record)
+			cols, err := s.recordArgs(id, d.Record)
 			if err != nil {
 				return err
 			}
-			if _, err := tx.Exec(ctx, updateSQL, args...); err != nil {
+			q := s.sql.update(id, cols)
+			if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
 				return err
 			}
 		case statemachine.WriteDelete:
-			if _, err := tx.Exec(ctx, `DELETE FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`,
-				id.Tenant, id.Scope, id.Key); err != nil {
+			q := s.sql.remove(id)
+			if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
 				return err
 			}
 		}
@@ -784,7 +771,8 @@ func (s *Store) txNow(ctx context.Context, tx pgx.Tx) (time.Time, error) {
 		return *n, nil
 	}
 	var now time.Time
-	err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now)
+	q := s.sql.clock()
+	err := tx.QueryRow(ctx, q.sql, q.args...).Scan(&now)
 	return now, err
 }
 
@@ -836,9 +824,8 @@ func hasParam(databaseURL, name string) bool {
 // expires_at as EXPIRED. It scans the whole table; call it sparingly (see
 // StateCounts, which does not).
 func (s *Store) CountByState(ctx context.Context) (map[statemachine.State]int64, error) {
-	rows, err := s.pool.Query(ctx, `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
-		SELECT `+effectiveStateSQL+` AS effective, count(*)
-		FROM idempotency_records, clock GROUP BY effective`, s.now())
+	q := s.sql.countByState(s.now())
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
 	if err != nil {
 		return nil, classify(err)
 	}

@@ -33,8 +33,25 @@ type Querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
+// Statements are the statements a Notifier runs, which its user writes
+// for its database.
+type Statements struct {
+	// Listen starts listening on Channel.
+	Listen string
+	// Dropped reads the database's count of changes not notified: one
+	// int8.
+	Dropped string
+	// Ping sends $2 followed by that count as a notification on channel
+	// $1, and reads the notification queue's usage: (any, float8).
+	Ping string
+	// QueueUsage reads the notification queue's usage: one float8.
+	QueueUsage string
+}
+
 // Config is what a Notifier listens with and whom it tells.
 type Config struct {
+	// Statements are what it runs.
+	Statements Statements
 	// ConnConfig is the listening connection's configuration.
 	ConnConfig *pgx.ConnConfig
 	// Pings runs the pings; nil with NoListen.
@@ -331,12 +348,12 @@ func (n *Notifier) listen(ctx context.Context) error {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
+	if _, err := conn.Exec(ctx, n.cfg.Statements.Listen); err != nil {
 		return err
 	}
 	// Changes not notified from here on raise the count past this.
 	var dropped int64
-	if err := conn.QueryRow(ctx, `SELECT dropped FROM idemcoord_notify_drops`).Scan(&dropped); err != nil {
+	if err := conn.QueryRow(ctx, n.cfg.Statements.Dropped).Scan(&dropped); err != nil {
 		return err
 	}
 	n.dropped.Store(dropped)
@@ -404,10 +421,6 @@ func (n *Notifier) pinged(rest string) {
 	}
 }
 
-// pingSQL sends a ping whose payload ends with the database's count of
-// un-notified changes, and returns the queue usage.
-const pingSQL = `SELECT pg_notify($1, $2 || d.dropped), pg_notification_queue_usage() FROM idemcoord_notify_drops d`
-
 // pingLoop sends a ping every pingEvery until ctx ends, watches the
 // notification queue's usage, and reconnects a listener that fell behind.
 func (n *Notifier) pingLoop(ctx context.Context) {
@@ -424,11 +437,11 @@ func (n *Notifier) pingLoop(ctx context.Context) {
 		pctx, cancel := context.WithTimeout(ctx, pingStaleAfter)
 		var ignored string
 		var usage float64
-		err := n.cfg.Pings.QueryRow(pctx, pingSQL, Channel, n.pingPayload(sent)).Scan(&ignored, &usage)
+		err := n.cfg.Pings.QueryRow(pctx, n.cfg.Statements.Ping, Channel, n.pingPayload(sent)).Scan(&ignored, &usage)
 		if err != nil {
 			// A full queue refuses the ping's notification; read the usage
 			// on its own.
-			err = n.cfg.Pings.QueryRow(pctx, `SELECT pg_notification_queue_usage()`).Scan(&usage)
+			err = n.cfg.Pings.QueryRow(pctx, n.cfg.Statements.QueueUsage).Scan(&usage)
 		}
 		cancel()
 		if err != nil {

@@ -12,6 +12,15 @@ import (
 	"github.com/idemcoord/idemcoord/internal/pgtest"
 )
 
+// testStatements are PostgreSQL's statements of the notifier, as the
+// ledger's statement layer writes them.
+var testStatements = Statements{
+	Listen:     `LISTEN ` + Channel,
+	Dropped:    `SELECT dropped FROM idemcoord_notify_drops`,
+	Ping:       `SELECT pg_notify($1, $2 || d.dropped), pg_notification_queue_usage() FROM idemcoord_notify_drops d`,
+	QueueUsage: `SELECT pg_notification_queue_usage()`,
+}
+
 // TestMain gives each test a database with the one table the notifier
 // reads (the ledger's migrations create it with the records trigger).
 func TestMain(m *testing.M) {
@@ -42,7 +51,7 @@ func start(t *testing.T) *Notifier {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := New(Config{ConnConfig: cfg, Pings: pool})
+	n := New(Config{Statements: testStatements, ConnConfig: cfg, Pings: pool})
 	n.Start()
 	t.Cleanup(n.Close)
 	return n

@@ -1,0 +1,709 @@
+package ledger
+
+import (
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/idemcoord/idemcoord/ledger/internal/keyring"
+	"github.com/idemcoord/idemcoord/ledger/internal/notifier"
+	"github.com/idemcoord/idemcoord/statemachine"
+)
+
+// This file is the ledger's statement layer: the SQL text of every
+// statement the ledger runs, with the arguments each one takes, and
+// nothing else of the ledger holds SQL (TestStatementsInOnePlace keeps it
+// so). What a statement returns (its columns, in order) is part of its
+// contract, written on its field, since the Go code that scans it is the
+// same for every dialect.
+//
+// A dialect is a set of statements: Open builds the one of its database
+// (statementsFor) and every call runs s.sql's. A dialect that needs
+// another statement, or another shape of one (other arguments, a
+// statement split in two, a clock passed from Go where PostgreSQL reads
+// its own), replaces that field in statementsFor and nothing else.
+
+// query is a statement ready to run: its text and its arguments.
+type query struct {
+	sql  string
+	args []any
+}
+
+// dialect names a database the ledger runs on.
+type dialect int
+
+const (
+	// postgreSQL is a single PostgreSQL server (a primary and its
+	// standbys).
+	postgreSQL dialect = iota
+)
+
+// newRecord is what creating a key stores beyond its constant columns.
+type newRecord struct {
+	id Identity
+	// fingerprint is in its stored form (see Store.beginEvent).
+	fingerprint            []byte
+	token, attemptID       string
+	ttl, failureTTL, lease time.Duration
+}
+
+// newRecordOf is what a Begin with ev (its fingerprint in its stored
+// form) creates of the key id: a failure TTL is never longer than the TTL.
+func newRecordOf(id Identity, ev statemachine.Event) newRecord {
+	return newRecord{id: id, fingerprint: ev.Fingerprint, token: ev.NewToken, attemptID: ev.AttemptID,
+		ttl: ev.TTL, failureTTL: min(ev.FailureTTL, ev.TTL), lease: ev.Lease}
+}
+
+// storedResponse is a response in its stored form (see
+// Store.responseArgs): the columns has_response, schema_version,
+// content_type, status_code, body, metadata and enc_key_id.
+type storedResponse struct {
+	has                        bool
+	schemaVersion, contentType string
+	statusCode                 int32
+	body, metadata             []byte
+	keyID                      string
+}
+
+// heldCompletion is one Complete of a batch: the record id, ended by the
+// holder of token with response.
+type heldCompletion struct {
+	id       Identity
+	token    string
+	response storedResponse
+}
+
+// statements are the statements of one dialect. Every field is set
+// (TestStatementsComplete). now is the injected clock or nil, which makes
+// a statement read the database's clock; "the clock" below is the time a
+// statement took as now, returned as its last column where it says so.
+type statements struct {
+	// One record, named by its identity: each statement's WHERE holds
+	// tenant, scope and key with equality.
+
+	// begin creates n's key IN_PROGRESS, or reads the existing record,
+	// in one statement; a lock wait longer than lockWait fails it
+	// (isLockTimeout) having written nothing. Its row: created (bool),
+	// recordColumns, the clock; no row when a concurrent creation
+	// committed after the statement's snapshot.
+	begin func(n newRecord, keyID string, now *time.Time, lockWait time.Duration) query
+	// completeHeld ends the record id as COMPLETED when token holds it
+	// (IN_PROGRESS or UNKNOWN with that lease token), as statemachine.Next
+	// does for a Complete with the latest token; a COMPLETED generation is
+	// no longer uncertain. Its row: recordColumns, the clock; none when
+	// token does not hold the record.
+	completeHeld func(id Identity, token string, r storedResponse, now *time.Time) query
+	// read reads the record id: recordColumns, the clock.
+	read func(id Identity, now *time.Time) query
+	// lock is read under the row lock (FOR UPDATE), inside a
+	// transaction.
+	lock func(id Identity, now *time.Time) query
+	// lockNow is lock whose clock is the time the statement runs
+	// (clock_timestamp), not the transaction's start: for RunTx, whose
+	// transaction may have waited on the key's lock.
+	lockNow func(id Identity, now *time.Time) query
+	// insert creates the record id with cols (recordArgs) unless it
+	// exists: one row affected when it did.
+	insert func(id Identity, cols []any) query
+	// update overwrites the record id with cols (recordArgs).
+	update func(id Identity, cols []any) query
+	// remove deletes the record id.
+	remove func(id Identity) query
+	// forget deletes the record id and returns it: recordColumns, the
+	// clock.
+	forget func(id Identity, now *time.Time) query
+	// watch marks the record id, if IN_PROGRESS, as waited for (one row
+	// affected when it was).
+	watch func(id Identity) query
+
+	// Many records named by their identities, in one statement.
+
+	// beginBatch is begin for many distinct keys. Its rows: created,
+	// tenant, scope, key, recordColumns, the clock; one per key created
+	// or found. It takes its row locks in the global lock order (see
+	// compareIdentity), whatever order recs come in.
+	beginBatch func(recs []newRecord, keyID string, now *time.Time, lockWait time.Duration) query
+	// completeBatch is completeHeld for many distinct records, locking
+	// them first in the global lock order. Its rows: tenant, scope, key,
+	// recordColumns, the clock; one per record completed.
+	completeBatch func(cs []heldCompletion, now *time.Time) query
+
+	// Transactions.
+
+	// clock reads the clock inside a transaction (when there is no row
+	// to read it with): one timestamptz.
+	clock func() query
+	// runTxStart bounds the lock waits of the rest of RunTx's
+	// transaction by lockWait and reads the clock at the time it runs:
+	// one timestamptz.
+	runTxStart func(lockWait time.Duration, now *time.Time) query
+	// runTxLockDefault lifts runTxStart's bound for what fn does.
+	runTxLockDefault func() query
+	// runTxClock reads the clock at the time it runs: one timestamptz.
+	runTxClock func(now *time.Time) query
+
+	// Many records found by a condition (listing, counting, the reaper's
+	// passes, converting legacy rows).
+
+	// list is a page of ListRecords: scope, key, listColumns, the clock,
+	// and archived_at when listing the archive; at most limit rows.
+	list func(p *ListParams, now *time.Time, limit int) query
+	// count counts a tenant's records by scope and state in effect now:
+	// scope, state, count, in that order; at most limit rows.
+	count func(tenant string, limit int, now *time.Time) query
+	// countByState counts every record by its state in effect now:
+	// state, count.
+	countByState func(now *time.Time) query
+	// tableSize is the records table's size in bytes: one int8.
+	tableSize func() query
+	// stateCounts reads without scanning the table: IN_PROGRESS records,
+	// those of them whose lease lapsed, UNKNOWN records, the table's
+	// estimated row count (float8, NULL when unknown), and the most
+	// common stored states with their frequencies (int2[], float4[]).
+	stateCounts func(now *time.Time) query
+	// countLegacy counts the rows not in the current sealed form: one
+	// int8.
+	countLegacy func() query
+	// legacyBatch locks (SKIP LOCKED) and returns the next limit rows not
+	// in the current sealed form after the record after (nil: from the
+	// start), in identity order: tenant, scope, key, recordColumns.
+	legacyBatch func(after *Identity, limit int) query
+	// The reaper's passes (see Reap). Each locks its rows with SKIP
+	// LOCKED, so replicas reaping at once never touch the same row, and
+	// returns one row per record, at most batch: reapStale,
+	// reapArchive and reapArchivePrune return its scope, the others a
+	// constant.
+	reapStale        func(now *time.Time, batch int) query
+	reapExpired      func(now *time.Time, batch int) query
+	reapDelete       func(now *time.Time, batch int, retention time.Duration) query
+	reapArchive      func(p *ReapParams, now *time.Time, batch int) query
+	reapArchivePrune func(now *time.Time, batch int, retention time.Duration) query
+
+	// Console sessions, each named by its id's hash (except revoke).
+
+	// sessionCreate stores a session, after deleting at most sweep
+	// expired ones: created_at, last_seen_at, expires_at.
+	sessionCreate func(p *CreateSessionParams, now *time.Time, sweep int) query
+	// sessionTouch records the use of a live session: tenant,
+	// token_sha256, credential, created_at, last_seen_at, expires_at; no
+	// row when it is not live.
+	sessionTouch func(idSHA256 []byte, now *time.Time) query
+	// sessionDeleteExpired deletes the session if it has expired.
+	sessionDeleteExpired func(idSHA256 []byte, now *time.Time) query
+	// sessionDelete deletes the session.
+	sessionDelete func(idSHA256 []byte) query
+	// sessionRevoke deletes the sessions of these token hashes.
+	sessionRevoke func(tokenSHA256s [][]byte) query
+
+	// notifier are the change listener's statements.
+	notifier notifier.Statements
+}
+
+// statementsFor returns the statements of dialect d.
+func statementsFor(d dialect) *statements {
+	switch d {
+	case postgreSQL:
+		return postgreSQLStatements()
+	}
+	panic("ledger: no statements for dialect " + strconv.Itoa(int(d)))
+}
+
+// recordColumnNames are a record's columns beyond its identity, in the
+// order scanTargets scans and recordArgs writes them. Every column list and
+// placeholder list below is derived from it.
+var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation", "lease_token",
+	"attempt_id", "acquired_from", "ended_by", "has_response", "schema_version", "content_type",
+	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
+	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain", "seal_version"}
+
+var (
+	// recordColumns lists recordColumnNames for SELECT and RETURNING.
+	recordColumns = strings.Join(recordColumnNames, ", ")
+	// recordColumnsR is recordColumns qualified by the alias r.
+	recordColumnsR = "r." + strings.Join(recordColumnNames, ", r.")
+	// listColumns are recordColumns with the stored response left out
+	// (has_response false, no body or metadata), so listing never reads
+	// bodies.
+	listColumns = strings.NewReplacer("has_response", "false",
+		"body", "NULL::bytea", "metadata", "NULL::bytea").Replace(recordColumns)
+)
+
+// effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
+// over a record row and clock.now: an IN_PROGRESS record at or past its
+// lease reads UNKNOWN, a COMPLETED or FAILED_* record at or past expires_at
+// reads EXPIRED. TestEffectiveStateSQL holds the two together.
+var effectiveStateSQL = stateSQL(`CASE
+	WHEN state = {IN_PROGRESS} AND lease_expires_at <= clock.now THEN {UNKNOWN}
+	WHEN state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= clock.now THEN {EXPIRED}
+	ELSE state END`)
+
+// needsDecisionSQL keeps the records that need an operator's decision:
+// UNKNOWN in effect now, or an uncertain FAILED_RETRYABLE.
+var needsDecisionSQL = stateSQL(`(` + effectiveStateSQL + ` = {UNKNOWN} OR (` + effectiveStateSQL + ` = {FAILED_RETRYABLE} AND uncertain))`)
+
+// legacyRowSQL selects the rows not in the current sealed form.
+const legacyRowSQL = `(enc_key_id = '' OR seal_version < 2)`
+
+// lockWaitSQL is a CTE, lock_wait, that bounds the lock waits of the
+// statement it is part of to the lock_timeout given in param (as
+// lockTimeoutArg formats it). A statement's INSERT reads lock_wait with its
+// rows, so the bound is set before the first row is inserted, and with it
+// before any wait on another transaction's insert or change of the same
+// key (such as a RunTx running fn); it ends with the statement's
+// transaction. A wait that reaches it fails the statement with
+// lock_not_available (isLockTimeout), having written nothing.
+func lockWaitSQL(param string) string {
+	return `lock_wait AS MATERIALIZED (SELECT set_config('lock_timeout', ` + param + `, true) AS lock_timeout)`
+}
+
+// lockTimeoutArg formats d for lockWaitSQL: whole milliseconds, at least
+// one (0 would mean no bound).
+func lockTimeoutArg(d time.Duration) string {
+	return strconv.FormatInt(max(d.Milliseconds(), 1), 10) + "ms"
+}
+
+// storedFingerprint is a fingerprint as a bytea column holds it: never
+// NULL.
+func storedFingerprint(fp []byte) []byte {
+	if fp == nil {
+		return []byte{}
+	}
+	return fp
+}
+
+// globToLike turns a glob in which `*` matches any run of bytes into a LIKE
+// pattern (with LIKE's default escape character, the backslash).
+func globToLike(glob string) string {
+	var b strings.Builder
+	for _, r := range glob {
+		switch r {
+		case '\\', '%', '_':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case '*':
+			b.WriteByte('%')
+		default:
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
+}
+
+// The PostgreSQL dialect's fixed texts.
+var (
+	// pgBeginSQL: $1 tenant, $2 scope, $3 key, $4 fingerprint, $5 lease
+	// token, $6 attempt_id, $7 ttl µs, $8 failure ttl µs, $9 lease µs, $10
+	// now or NULL, $11 enc_key_id, $12 seal_version, $13 lock_timeout.
+	pgBeginSQL = `WITH clock AS (SELECT coalesce($10::timestamptz, now()) AS now),
+` + lockWaitSQL("$13") + `,
+ins AS (
+	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
+	SELECT $1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, clock.now, clock.now,
+		clock.now + $9 * interval '1 microsecond', $11, $12
+	FROM clock, lock_wait
+	ON CONFLICT DO NOTHING
+	RETURNING ` + recordColumns + `
+)
+SELECT true, ins.*, clock.now FROM ins, clock
+UNION ALL
+SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
+	WHERE tenant = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)`
+
+	// pgBeginBatchSQL: $1 now or NULL; $2.. arrays, one element per
+	// record: tenant, scope, key, fingerprint, token, attempt_id, ttl µs,
+	// failure ttl µs, lease µs; $11 enc_key_id, $12 seal_version, $13
+	// lock_timeout.
+	pgBeginBatchSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+` + lockWaitSQL("$13") + `,
+input AS (
+	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], $7::text[],
+		$8::int8[], $9::int8[], $10::int8[])
+		AS i(tenant, scope, key, fp, token, attempt_id, ttl, fttl, lease)),
+ins AS (
+	INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
+	SELECT i.tenant, i.scope, i.key, 1, i.fp, 1, 1, i.token, i.attempt_id, i.ttl, i.fttl,
+		clock.now, clock.now, clock.now + i.lease * interval '1 microsecond', $11, $12
+	FROM input i, clock, lock_wait
+	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
+	ON CONFLICT DO NOTHING
+	RETURNING tenant, scope, key, ` + recordColumns + `)
+SELECT true, ins.*, clock.now FROM ins, clock
+UNION ALL
+SELECT false, r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now
+FROM idempotency_records r JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key, clock
+WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = i.tenant AND ins.scope = i.scope AND ins.key = i.key)`
+
+	// pgCompleteHeldSQL: $1-$3 identity, $4 now or NULL, $5 token, then
+	// the stored response $6-$12.
+	pgCompleteHeldSQL = stateSQL(`WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = $6, schema_version = $7,
+	content_type = $8, status_code = $9, body = $10, metadata = $11, enc_key_id = $12,
+	failure_reason = '', lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
+	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
+FROM clock
+WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING ` + recordColumns + `, clock.now`)
+
+	// pgCompleteBatchSQL: $1 now or NULL; $2.. arrays, one element per
+	// record: tenant, scope, key, token, then the stored response's
+	// columns.
+	pgCompleteBatchSQL = stateSQL(`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+input AS (
+	SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::bool[], $7::text[],
+		$8::text[], $9::int4[], $10::bytea[], $11::bytea[], $12::text[])
+		AS i(tenant, scope, key, token, has_response, schema_version, content_type, status_code,
+			body, metadata, enc_key_id)),
+locked AS MATERIALIZED (
+	SELECT i.* FROM idempotency_records r
+	JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key
+	WHERE r.lease_token = i.token AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+	ORDER BY r.tenant COLLATE "C", r.scope COLLATE "C", r.key COLLATE "C"
+	FOR UPDATE OF r)
+UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED}, has_response = l.has_response,
+	schema_version = l.schema_version, content_type = l.content_type, status_code = l.status_code,
+	body = l.body, metadata = l.metadata, enc_key_id = l.enc_key_id, failure_reason = '',
+	lease_expires_at = NULL, updated_at = clock.now, uncertain = false,
+	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
+FROM locked l, clock
+WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
+	AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`)
+
+	// pgReadSQL, pgLockSQL, pgLockNowSQL: $1-$3 identity, $4 now or NULL.
+	pgReadSQL = `SELECT ` + recordColumns + `, coalesce($4::timestamptz, now())
+	FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`
+	pgLockSQL    = pgReadSQL + ` FOR UPDATE`
+	pgLockNowSQL = `SELECT ` + recordColumns + `, coalesce($4::timestamptz, clock_timestamp())
+	FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`
+
+	// pgInsertSQL, pgUpdateSQL: $1-$3 identity, then recordArgs.
+	pgInsertSQL = wholeRecordSQL(true)
+	pgUpdateSQL = wholeRecordSQL(false)
+
+	// pgForgetSQL: $1-$3 identity, $4 now or NULL.
+	pgForgetSQL = `WITH clock AS (SELECT coalesce($4::timestamptz, now()) AS now)
+	DELETE FROM idempotency_records USING clock
+	WHERE tenant = $1 AND scope = $2 AND key = $3
+	RETURNING ` + recordColumns + `, clock.now`
+
+	// pgWatchSQL: $1-$3 identity.
+	pgWatchSQL = stateSQL(`UPDATE idempotency_records SET watched = true
+	WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = {IN_PROGRESS}`)
+
+	// pgStateCountsSQL: $1 now or NULL. It reads the lease index (which
+	// holds only IN_PROGRESS rows), the partial index of UNKNOWN rows
+	// where it exists, and the planner's statistics.
+	pgStateCountsSQL = stateSQL(`SELECT
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS}),
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
+	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
+	(SELECT reltuples::float8 FROM pg_class WHERE oid = 'idempotency_records'::regclass),
+	(SELECT most_common_vals::text::int2[] FROM pg_stats
+		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state'),
+	(SELECT most_common_freqs FROM pg_stats
+		WHERE schemaname = current_schema() AND tablename = 'idempotency_records' AND attname = 'state')`)
+
+	// The reaper's fixed passes: $1 now or NULL, $2 the batch size, $3
+	// (where used) a retention in µs. "now" is written inline (not in a
+	// CTE) so the planner can use it as an index condition.
+	pgReapStaleSQL = stateSQL(`WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())
+	ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+UPDATE idempotency_records r SET state = {UNKNOWN}, uncertain = true, lease_expires_at = NULL,
+	updated_at = coalesce($1::timestamptz, now())
+FROM batch
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING r.scope`)
+
+	pgReapExpiredSQL = stateSQL(`WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= coalesce($1::timestamptz, now())
+	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+UPDATE idempotency_records r SET state = {EXPIRED}, has_response = false, body = NULL, metadata = NULL,
+	updated_at = coalesce($1::timestamptz, now())
+FROM batch
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING 1`)
+
+	pgReapDeleteSQL = stateSQL(`WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE state = {EXPIRED} AND expires_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
+	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_records r USING batch
+WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+RETURNING 1`)
+
+	pgReapArchivePruneSQL = `WITH batch AS (
+	SELECT tenant, scope, key, archived_at FROM idempotency_archive
+	WHERE archived_at <= coalesce($1::timestamptz, now()) - $3 * interval '1 microsecond'
+	ORDER BY archived_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+DELETE FROM idempotency_archive a USING batch
+WHERE a.tenant = batch.tenant AND a.scope = batch.scope AND a.key = batch.key AND a.archived_at = batch.archived_at
+RETURNING a.scope`
+
+	// pgSessionCreateSQL: $1 now or NULL, $2 id hash, $3 tenant, $4 token
+	// hash, $5 credential, $6 idle timeout µs, $7 lifetime µs, $8 how
+	// many expired sessions to delete at most.
+	pgSessionCreateSQL = `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now),
+swept AS (
+	DELETE FROM idempotency_console_sessions WHERE id_sha256 IN (
+		SELECT id_sha256 FROM idempotency_console_sessions
+		WHERE expires_at <= coalesce($1::timestamptz, now())
+		ORDER BY expires_at LIMIT $8 FOR UPDATE SKIP LOCKED))
+INSERT INTO idempotency_console_sessions (id_sha256, tenant, token_sha256, credential, created_at, last_seen_at,
+	idle_timeout, absolute_expires_at, expires_at)
+SELECT $2, $3, $4, $5, clock.now, clock.now, $6::bigint * interval '1 microsecond',
+	clock.now + $7::bigint * interval '1 microsecond',
+	least(clock.now + $6::bigint * interval '1 microsecond', clock.now + $7::bigint * interval '1 microsecond')
+FROM clock
+RETURNING created_at, last_seen_at, expires_at`
+
+	// pgSessionTouchSQL: $1 now or NULL, $2 id hash.
+	pgSessionTouchSQL = `UPDATE idempotency_console_sessions s
+SET last_seen_at = clock.now, expires_at = least(clock.now + s.idle_timeout, s.absolute_expires_at)
+FROM (SELECT coalesce($1::timestamptz, now()) AS now) clock
+WHERE s.id_sha256 = $2 AND s.expires_at > clock.now
+RETURNING s.tenant, s.token_sha256, s.credential, s.created_at, s.last_seen_at, s.expires_at`
+)
+
+// wholeRecordSQL builds the insert or the update of a whole record from
+// recordColumnNames.
+func wholeRecordSQL(insert bool) string {
+	if insert {
+		ph := make([]string, 3+len(recordColumnNames))
+		for i := range ph {
+			ph[i] = "$" + strconv.Itoa(i+1)
+		}
+		return "INSERT INTO idempotency_records (tenant, scope, key, " + recordColumns +
+			") VALUES (" + strings.Join(ph, ", ") + ") ON CONFLICT DO NOTHING"
+	}
+	set := make([]string, len(recordColumnNames))
+	for i, c := range recordColumnNames {
+		set[i] = c + " = $" + strconv.Itoa(i+4)
+	}
+	return "UPDATE idempotency_records SET " + strings.Join(set, ", ") +
+		" WHERE tenant = $1 AND scope = $2 AND key = $3"
+}
+
+// postgreSQLStatements are the statements of a single PostgreSQL server.
+func postgreSQLStatements() *statements {
+	identity := func(id Identity, more ...any) []any {
+		return append([]any{id.Tenant, id.Scope, id.Key}, more...)
+	}
+	fixed := func(sql string) func() query { return func() query { return query{sql: sql} } }
+	return &statements{
+		begin: func(n newRecord, keyID string, now *time.Time, lockWait time.Duration) query {
+			return query{pgBeginSQL, identity(n.id, storedFingerprint(n.fingerprint), n.token, n.attemptID,
+				n.ttl.Microseconds(), n.failureTTL.Microseconds(), n.lease.Microseconds(), now,
+				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait))}
+		},
+		completeHeld: func(id Identity, token string, r storedResponse, now *time.Time) query {
+			return query{pgCompleteHeldSQL, identity(id, now, token, r.has, r.schemaVersion, r.contentType,
+				r.statusCode, r.body, r.metadata, r.keyID)}
+		},
+		read:    func(id Identity, now *time.Time) query { return query{pgReadSQL, identity(id, now)} },
+		lock:    func(id Identity, now *time.Time) query { return query{pgLockSQL, identity(id, now)} },
+		lockNow: func(id Identity, now *time.Time) query { return query{pgLockNowSQL, identity(id, now)} },
+		insert:  func(id Identity, cols []any) query { return query{pgInsertSQL, identity(id, cols...)} },
+		update:  func(id Identity, cols []any) query { return query{pgUpdateSQL, identity(id, cols...)} },
+		remove: func(id Identity) query {
+			return query{`DELETE FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`, identity(id)}
+		},
+		forget: func(id Identity, now *time.Time) query { return query{pgForgetSQL, identity(id, now)} },
+		watch:  func(id Identity) query { return query{pgWatchSQL, identity(id)} },
+
+		beginBatch: func(recs []newRecord, keyID string, now *time.Time, lockWait time.Duration) query {
+			n := len(recs)
+			tenants, scopes, keys := make([]string, n), make([]string, n), make([]string, n)
+			fps, tokens, attemptIDs := make([][]byte, n), make([]string, n), make([]string, n)
+			ttls, fttls, leases := make([]int64, n), make([]int64, n), make([]int64, n)
+			for i, r := range recs {
+				tenants[i], scopes[i], keys[i] = r.id.Tenant, r.id.Scope, r.id.Key
+				fps[i], tokens[i], attemptIDs[i] = storedFingerprint(r.fingerprint), r.token, r.attemptID
+				ttls[i], fttls[i], leases[i] = r.ttl.Microseconds(), r.failureTTL.Microseconds(), r.lease.Microseconds()
+			}
+			return query{pgBeginBatchSQL, []any{now, tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
+				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait)}}
+		},
+		completeBatch: func(cs []heldCompletion, now *time.Time) query {
+			n := len(cs)
+			tenants, scopes, keys, tokens := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			has := make([]bool, n)
+			svs, cts, keyIDs := make([]string, n), make([]string, n), make([]string, n)
+			codes := make([]int32, n)
+			bodies, metas := make([][]byte, n), make([][]byte, n)
+			for i, c := range cs {
+				r := c.response
+				tenants[i], scopes[i], keys[i], tokens[i] = c.id.Tenant, c.id.Scope, c.id.Key, c.token
+				has[i], svs[i], cts[i], codes[i] = r.has, r.schemaVersion, r.contentType, r.statusCode
+				bodies[i], metas[i], keyIDs[i] = r.body, r.metadata, r.keyID
+			}
+			return query{pgCompleteBatchSQL, []any{now, tenants, scopes, keys, tokens, has, svs, cts, codes, bodies, metas, keyIDs}}
+		},
+
+		clock: fixed(`SELECT now()`),
+		runTxStart: func(lockWait time.Duration, now *time.Time) query {
+			return query{`SELECT coalesce($2::timestamptz, clock_timestamp()) FROM set_config('lock_timeout', $1, true)`,
+				[]any{strconv.FormatInt(lockWait.Milliseconds()+1, 10) + "ms", now}}
+		},
+		runTxLockDefault: fixed(`SET LOCAL lock_timeout TO DEFAULT`),
+		runTxClock: func(now *time.Time) query {
+			return query{`SELECT coalesce($1::timestamptz, clock_timestamp())`, []any{now}}
+		},
+
+		list: pgList,
+		count: func(tenant string, limit int, now *time.Time) query {
+			return query{`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT scope, ` + effectiveStateSQL + ` AS effective, count(*)
+		FROM idempotency_records, clock
+		WHERE tenant = $2
+		GROUP BY scope, effective
+		ORDER BY scope, effective
+		LIMIT $3`, []any{now, tenant, limit}}
+		},
+		countByState: func(now *time.Time) query {
+			return query{`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT ` + effectiveStateSQL + ` AS effective, count(*)
+		FROM idempotency_records, clock GROUP BY effective`, []any{now}}
+		},
+		tableSize:   fixed(`SELECT pg_relation_size('idempotency_records')`),
+		stateCounts: func(now *time.Time) query { return query{pgStateCountsSQL, []any{now}} },
+		countLegacy: fixed(`SELECT count(*) FROM idempotency_records WHERE ` + legacyRowSQL),
+		legacyBatch: func(after *Identity, limit int) query {
+			args := []any{limit}
+			where := legacyRowSQL
+			if after != nil {
+				where += ` AND (tenant, scope, key) > ($2, $3, $4)`
+				args = append(args, after.Tenant, after.Scope, after.Key)
+			}
+			return query{`SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args}
+		},
+		reapStale: func(now *time.Time, batch int) query { return query{pgReapStaleSQL, []any{now, batch}} },
+		reapExpired: func(now *time.Time, batch int) query {
+			return query{pgReapExpiredSQL, []any{now, batch}}
+		},
+		reapDelete: func(now *time.Time, batch int, retention time.Duration) query {
+			return query{pgReapDeleteSQL, []any{now, batch, retention.Microseconds()}}
+		},
+		reapArchive: pgReapArchive,
+		reapArchivePrune: func(now *time.Time, batch int, retention time.Duration) query {
+			return query{pgReapArchivePruneSQL, []any{now, batch, retention.Microseconds()}}
+		},
+
+		sessionCreate: func(p *CreateSessionParams, now *time.Time, sweep int) query {
+			return query{pgSessionCreateSQL, []any{now, p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential,
+				p.IdleTimeout.Microseconds(), p.MaxLifetime.Microseconds(), sweep}}
+		},
+		sessionTouch: func(idSHA256 []byte, now *time.Time) query {
+			return query{pgSessionTouchSQL, []any{now, idSHA256}}
+		},
+		sessionDeleteExpired: func(idSHA256 []byte, now *time.Time) query {
+			return query{`DELETE FROM idempotency_console_sessions
+WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, []any{now, idSHA256}}
+		},
+		sessionDelete: func(idSHA256 []byte) query {
+			return query{`DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, []any{idSHA256}}
+		},
+		sessionRevoke: func(tokenSHA256s [][]byte) query {
+			return query{`DELETE FROM idempotency_console_sessions WHERE token_sha256 = ANY($1::bytea[])`, []any{tokenSHA256s}}
+		},
+
+		notifier: notifier.Statements{
+			Listen:     `LISTEN ` + notifier.Channel,
+			Dropped:    `SELECT dropped FROM idemcoord_notify_drops`,
+			Ping:       `SELECT pg_notify($1, $2 || d.dropped), pg_notification_queue_usage() FROM idemcoord_notify_drops d`,
+			QueueUsage: `SELECT pg_notification_queue_usage()`,
+		},
+	}
+}
+
+// pgList builds a page of ListRecords: keyset pages over the primary key,
+// so records written between two pages never shift the ones that follow.
+func pgList(p *ListParams, now *time.Time, limit int) query {
+	args := []any{now, p.Tenant}
+	arg := func(v any) string {
+		args = append(args, v)
+		return "$" + strconv.Itoa(len(args))
+	}
+	var where strings.Builder
+	where.WriteString("tenant = $2")
+	table, extra, order := "idempotency_records", "", "tenant, scope, key"
+	if p.Archived {
+		table, extra, order = "idempotency_archive", ", archived_at", "tenant, scope, key, archived_at"
+	}
+	if p.After != nil {
+		// A row comparison the primary key index serves directly.
+		if p.Archived {
+			where.WriteString(" AND (tenant, scope, key, archived_at) > ($2, " + arg(p.After.Scope) + ", " +
+				arg(p.After.Key) + ", " + arg(p.After.ArchivedAt) + ")")
+		} else {
+			where.WriteString(" AND (tenant, scope, key) > ($2, " + arg(p.After.Scope) + ", " + arg(p.After.Key) + ")")
+		}
+	}
+	if p.State != statemachine.StateNone {
+		where.WriteString(" AND " + effectiveStateSQL + " = " + arg(int16(p.State)))
+	}
+	if p.NeedsDecision {
+		where.WriteString(" AND " + needsDecisionSQL)
+	}
+	if p.ScopeGlob != "" && p.ScopeGlob != "*" {
+		where.WriteString(" AND scope LIKE " + arg(globToLike(p.ScopeGlob)))
+	}
+	if p.KeyPrefix != "" {
+		where.WriteString(" AND starts_with(key, " + arg(p.KeyPrefix) + ")")
+	}
+	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+		SELECT scope, key, ` + listColumns + `, clock.now` + extra + `
+		FROM ` + table + `, clock
+		WHERE ` + where.String() + `
+		ORDER BY ` + order + `
+		LIMIT ` + arg(limit)
+	return query{sql, args}
+}
+
+// pgReapArchive builds the reaper's archiving pass for p: $1 now, $2 the
+// batch size, $3 the least retention (µs, which lets the indexes narrow
+// the scan), then the retention of each scope rule and the default, in a
+// CASE that picks the first match.
+func pgReapArchive(p *ReapParams, now *time.Time, batch int) query {
+	least := p.UnknownRetention
+	args := []any{int64(0)}
+	var retention strings.Builder
+	retention.WriteString("CASE")
+	for _, r := range p.ScopeRetention {
+		least = min(least, r.Retention)
+		args = append(args, globToLike(r.Glob), r.Retention.Microseconds())
+		retention.WriteString(" WHEN scope LIKE $" + strconv.Itoa(len(args)+1) + " THEN $" + strconv.Itoa(len(args)+2) + "::int8")
+	}
+	args = append(args, p.UnknownRetention.Microseconds())
+	def := "$" + strconv.Itoa(len(args)+2) + "::int8"
+	if len(p.ScopeRetention) == 0 {
+		retention.Reset()
+		retention.WriteString(def)
+	} else {
+		retention.WriteString(" ELSE " + def + " END")
+	}
+	args[0] = least.Microseconds()
+	cutoff := func(us string) string {
+		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
+	}
+	return query{stateSQL(`WITH batch AS (
+	SELECT tenant, scope, key FROM idempotency_records
+	WHERE ((state = {UNKNOWN} AND updated_at <= ` + cutoff("$3") + `)
+		OR (state = {IN_PROGRESS} AND lease_expires_at <= ` + cutoff("$3") + `))
+		AND CASE WHEN state = {UNKNOWN} THEN updated_at ELSE lease_expires_at END <= ` + cutoff("("+retention.String()+")") + `
+	ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED),
+moved AS (
+	DELETE FROM idempotency_records r USING batch
+	WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
+	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
+INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
+SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
+RETURNING scope`), append([]any{now, batch}, args...)}
+}
