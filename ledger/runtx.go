@@ -254,7 +254,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 	if out, ok := ownTxResult(cur, now, ev.NewToken); ok {
 		return out, true, nil
 	}
-	d := statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
+	d := s.decide(id, &cur, ev, txPolicy, now)
 	switch {
 	case d.Err != nil:
 		return runTxResult{err: d.Err}, true, nil
@@ -262,14 +262,6 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 		return replayOf(d.Record), true, nil
 	}
 	return out, false, nil
-}
-
-// txBeginEvent returns RunTx's Begin event ev for record id (cur nil: a new
-// record) as a Begin of the store would decide with it: every transform a
-// Begin applies to its event before statemachine.Next (such as a keyed
-// fingerprint) belongs here too, so both modes store and compare alike.
-func (s *Store) txBeginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
-	return s.beginEventFor(id, cur, ev)
 }
 
 // ownTxResult answers a RunTx that finds its own record (its lease token;
@@ -350,7 +342,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 
 	// A new key: insert it held. A concurrent inserter of the same key
 	// waits on the primary key until this transaction ends.
-	d := statemachine.Next(nil, s.txBeginEvent(id, nil, ev), statemachine.Policy{}, now)
+	d := s.decide(id, nil, ev, statemachine.Policy{}, now)
 	cols, err := s.recordArgs(id, d.Record)
 	if err != nil {
 		return out, err
@@ -373,7 +365,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 		if out, ok := ownTxResult(cur, now, ev.NewToken); ok {
 			return out, nil
 		}
-		d = statemachine.Next(&cur, s.txBeginEvent(id, &cur, ev), txPolicy, now)
+		d = s.decide(id, &cur, ev, txPolicy, now)
 		switch {
 		case d.Err != nil:
 			return runTxResult{done: true, err: d.Err}, nil
@@ -427,7 +419,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	if err := tx.QueryRow(ctx, q.sql, q.args...).Scan(&now); err != nil {
 		return dbErr(err)
 	}
-	d = statemachine.Next(&held, end, statemachine.Policy{}, now.UTC())
+	d = s.decide(id, &held, end, statemachine.Policy{}, now.UTC())
 	if d.Err != nil || d.Write != statemachine.WriteUpdate {
 		return out, fmt.Errorf("ledger: RunTx: unexpected decision ending its own record: %v", d.Err)
 	}

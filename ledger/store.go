@@ -380,35 +380,32 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		evp.NewToken = newToken()
 	}
 	ev := *evp
-	// ev carries the caller's fingerprint; a new row stores it keyed under
-	// the active key, an existing one is compared in its own stored form.
-	insert := ev
-	insert.Fingerprint = s.keyring.FingerprintFor(keyring.ID(p.ID), nil, ev.Fingerprint)
-	rec, inserted, now, found, err := s.beginRead(ctx, p, insert)
+	// The stored form of the caller's fingerprint for a new key, worked
+	// out once: the statement creates the key with it, and the decision
+	// on the key it created is taken with it.
+	fresh := s.beginEvent(p.ID, nil, ev)
+	rec, inserted, now, found, err := s.beginRead(ctx, p, fresh)
 	if err != nil {
 		return nil, err
 	}
 	if s.clock == nil {
 		s.clockOffset.Store(int64(time.Until(now)))
 	}
-	if found && !inserted && rec.LeaseToken == ev.NewToken {
-		return ownAcquisition(rec, now)
-	}
 	if inserted {
-		d := statemachine.Next(nil, insert, p.Policy, now)
+		d := decideStored(nil, fresh, p.Policy, now)
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
 	if found {
-		d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
-		if d.Err != nil {
-			return nil, d.Err
+		res, decided, err := s.answerRead(p, ev, rec, now)
+		if err != nil {
+			return nil, err
 		}
-		if d.Write == statemachine.WriteNone {
-			if s.cache != nil && d.Outcome == statemachine.OutcomeReplay {
-				s.cache.Put(recordHash(p.ID), d.Record, seq)
+		if decided {
+			if s.cache != nil && res.Outcome == statemachine.OutcomeReplay {
+				s.cache.Put(recordHash(p.ID), res.Record, seq)
 			}
-			return &Result{Decision: d, Now: now}, nil
+			return res, nil
 		}
 	}
 	return s.lockedWith(ctx, p.ID, ev, p.Policy, lockedHooks{late: func(res *Result) {
@@ -446,18 +443,36 @@ func (s *Store) beginWithoutWrite(ctx context.Context, p *BeginParams, ev statem
 	if err != nil {
 		return nil, false, err
 	}
+	return s.answerRead(p, ev, rec, now)
+}
+
+// answerRead decides the Begin p (with ev, its kind and token set) from
+// rec, its record as read at now without the row lock, when that needs no
+// write: the caller's own acquisition (ev's token; see ownAcquisition), a
+// refusal (err), or a decision that writes nothing (the key held, a
+// replay). decided is false when the Begin would have to write, which
+// only a decision under the row lock may do.
+func (s *Store) answerRead(p *BeginParams, ev statemachine.Event, rec statemachine.Record, now time.Time) (res *Result, decided bool, err error) {
 	if rec.LeaseToken == ev.NewToken {
 		res, err := ownAcquisition(rec, now)
 		return res, true, err
 	}
-	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
-	if d.Err != nil {
-		return nil, true, d.Err
+	res, decided = s.decideWithoutWrite(p, ev, rec, now)
+	if decided && res.Err != nil {
+		return nil, true, res.Err
 	}
+	return res, decided, nil
+}
+
+// decideWithoutWrite is the decision of the Begin p (with ev) on rec, a
+// record read without its row lock at now; decided is false when the
+// decision would write.
+func (s *Store) decideWithoutWrite(p *BeginParams, ev statemachine.Event, rec statemachine.Record, now time.Time) (res *Result, decided bool) {
+	d := s.decide(p.ID, &rec, ev, p.Policy, now)
 	if d.Write != statemachine.WriteNone {
-		return nil, false, nil
+		return nil, false
 	}
-	return &Result{Decision: d, Now: now}, true, nil
+	return &Result{Decision: d, Now: now}, true
 }
 
 // beginCached answers a Begin from the replay cache when the cached record
@@ -474,17 +489,30 @@ func (s *Store) beginCached(p *BeginParams, ev statemachine.Event) (*Result, boo
 	if !now.Add(replaycache.ExpiryMargin).Before(rec.ExpiresAt) {
 		return nil, false
 	}
-	d := statemachine.Next(&rec, s.beginEventFor(p.ID, &rec, ev), p.Policy, now)
-	if d.Write != statemachine.WriteNone {
-		return nil, false
-	}
-	return &Result{Decision: d, Now: now}, true
+	return s.decideWithoutWrite(p, ev, rec, now)
 }
 
-// beginEventFor returns the Begin event ev, which carries the caller's
+// decide is the decision of ev on cur (nil: no record), the record id as
+// read at now. Every path decides through it (a Begin's read, the replay
+// cache, the locked decision, RunTx), so all decide alike: the event in
+// the record's stored form (beginEvent), then decideStored, the one call
+// of statemachine.Next.
+func (s *Store) decide(id Identity, cur *statemachine.Record, ev statemachine.Event, pol statemachine.Policy, now time.Time) statemachine.Decision {
+	return decideStored(cur, s.beginEvent(id, cur, ev), pol, now)
+}
+
+// decideStored is decide for an event already in cur's stored form
+// (beginEvent).
+func decideStored(cur *statemachine.Record, ev statemachine.Event, pol statemachine.Policy, now time.Time) statemachine.Decision {
+	return statemachine.Next(cur, ev, pol, now)
+}
+
+// beginEvent returns the Begin event ev, which carries the caller's
 // fingerprint, with the fingerprint in the stored form of record id (cur
-// nil: a new record); other events are returned as they are.
-func (s *Store) beginEventFor(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
+// nil: a new record): the one place that works the stored form out, for
+// the statement that creates a key and for every decision. Other events
+// are returned as they are.
+func (s *Store) beginEvent(id Identity, cur *statemachine.Record, ev statemachine.Event) statemachine.Event {
 	if ev.Kind != statemachine.EventBegin || s.keyring == nil {
 		return ev
 	}
@@ -720,7 +748,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		if h.only != nil && !h.only(curp) {
 			return nil // nothing to write; committing releases the lock
 		}
-		d := statemachine.Next(curp, s.beginEventFor(id, curp, ev), pol, now)
+		d := s.decide(id, curp, ev, pol, now)
 		res = &Result{Decision: d, Now: now}
 		if d.Err != nil {
 			return nil // a refusal writes nothing; committing releases the lock
