@@ -23,9 +23,13 @@ waiting, the acquisition is released (Fail ABANDONED); an app that returns
 without answering after its client left is recorded FAILURE_KIND_RETRYABLE
 (UNKNOWN after mark_side_effect), never a 200. The app learns that its
 client left as ASGI says: receive() answers http.disconnect. An app that
-goes on after that and answers is recorded by its answer; so is one that
-raises after its whole answer was sent (a background task), the exception
-logged and raised on.
+goes on after that and answers is recorded by its answer.
+
+The answer is recorded (and the lease let go) as soon as its last body
+message is sent, while the app may still run background tasks: a retry
+then gets the replay, and an app process that dies in a background task
+does not run the handler again. An exception raised after the complete
+answer (a background task's) is logged and raised on; the answer stays.
 """
 
 import asyncio
@@ -246,6 +250,18 @@ class IdempotencyMiddleware:
 
         rec = _http.Recording(o)
         dropped = False
+        recorded = False  # the complete answer was recorded; the app may still run (background tasks)
+
+        async def record_answer() -> None:
+            """Records the answer the client now has whole and lets the lease go, while the app may go on."""
+            nonlocal recorded
+            recorded = True
+            await stop()
+            if holder.lost:
+                c._log.warning("idemcoord: lease lost while the app ran; its response is not stored (%s/%s)",
+                               holder.scope, holder.key)
+                return
+            await holder.finish(**rec.ending(attempt._marked))
 
         async def recording_send(msg: Message) -> None:
             nonlocal dropped
@@ -264,6 +280,9 @@ class IdempotencyMiddleware:
                 rec.keep(msg.get("body", b""))
                 if not msg.get("more_body", False):
                     rec.ended = True
+                    await send(msg)
+                    await asyncio.shield(record_answer())
+                    return
             await send(msg)
 
         token = _current.set(attempt)
@@ -271,11 +290,13 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, _replaying(body, gone), recording_send)
         except BaseException as err:
-            await asyncio.shield(self._after_raise(c, holder, stop, rec, attempt, err))
+            await asyncio.shield(self._after_raise(c, holder, stop, rec, attempt, err, recorded))
             raise
         finally:
             _current.reset(token)
             leaving.cancel()
+        if recorded:
+            return
         await stop()
         if holder.lost:
             c._log.warning("idemcoord: lease lost while the app ran; its response is not stored (%s/%s)",
@@ -291,6 +312,8 @@ class IdempotencyMiddleware:
         if not rec.wrote:
             await recording_send({"type": "http.response.start", "status": 200, "headers": []})
             await recording_send({"type": "http.response.body", "body": b"", "more_body": False})
+            if recorded:
+                return
         if not rec.ended:
             await holder.finish(kind="FAILURE_KIND_UNKNOWN",
                                 reason="HTTP %d: the answer was cut off before it ended" % rec.status)
@@ -299,8 +322,17 @@ class IdempotencyMiddleware:
 
     @staticmethod
     async def _after_raise(c: _aio.Client, holder: "_aio._AsyncHolder", stop: Callable[[], Awaitable[None]],
-                           rec: _http.Recording, attempt: Attempt, err: BaseException) -> None:
-        """Records an attempt whose app raised err: what it answered when the answer was complete, else UNKNOWN."""
+                           rec: _http.Recording, attempt: Attempt, err: BaseException, recorded: bool) -> None:
+        """Records an attempt whose app raised err: what it answered when the answer was complete, else UNKNOWN.
+
+        recorded: the complete answer was already recorded as it was sent;
+        then err (a background task's, say) is only logged.
+        """
+        if recorded:
+            if isinstance(err, Exception) and not holder.lost:
+                c._log.warning("idemcoord: the app raised %s after its answer was complete; the answer is stored "
+                               "(%s/%s)", type(err).__name__, holder.scope, holder.key)
+            return
         await stop()
         if holder.lost:
             return

@@ -241,6 +241,45 @@ class ASGIAnswerTest(unittest.TestCase):
                          (201, "replayed", {"order": "created"}))
         self.assertEqual(len(runs), 1)
 
+    def test_the_answer_is_recorded_when_sent_not_after_the_background_task(self) -> None:
+        import httpx
+        import uuid
+        runs: "list[int]" = []
+        release = threading.Event()  # the background task runs until the test sets it
+        task_ended = threading.Event()
+
+        def after() -> None:
+            release.wait(20)
+            task_ended.set()
+        app = fastapi.FastAPI()
+        app.add_middleware(IdempotencyMiddleware, client=CLIENT, without_principal=True, wait=1.0)
+
+        @app.post("/orders", status_code=201)
+        async def orders(background: fastapi.BackgroundTasks) -> "dict[str, str]":
+            runs.append(1)
+            background.add_task(after)
+            return {"order": "created"}
+        base, close = serve(app)
+        self.addCleanup(close)
+        self.addCleanup(release.set)
+        key = "bgrun-" + uuid.uuid4().hex
+        first = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key}, timeout=10)
+        self.assertEqual((first.status_code, first.headers.get("idempotency-result")), (201, "created"))
+        deadline = time.monotonic() + 2
+        state = CLIENT.lookup(scope="http", key=key).record.state
+        while state != idemcoord.State.STATE_COMPLETED and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = CLIENT.lookup(scope="http", key=key).record.state
+        self.assertFalse(task_ended.is_set())
+        self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
+        retry = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key}, timeout=10)
+        self.assertFalse(task_ended.is_set())
+        self.assertEqual((retry.status_code, retry.headers.get("idempotency-result"), retry.json()),
+                         (201, "replayed", {"order": "created"}))
+        self.assertEqual(len(runs), 1)
+        release.set()
+        self.assertTrue(task_ended.wait(5), "the background task did not end")
+
 
 class ASGIAsyncClientTest(unittest.TestCase):
     def test_an_aio_client_is_taken_as_given(self):
