@@ -190,8 +190,19 @@ func (env *environment) nodeURLs() []string {
 func (env *environment) dropDatabase(ctx context.Context, dbname string) error {
 	var errs []error
 	for _, node := range env.nodeURLs() {
-		if err := execOn(ctx, node, "DROP DATABASE IF EXISTS "+pgx.Identifier{dbname}.Sanitize()+" WITH (FORCE)"); err != nil {
-			errs = append(errs, fmt.Errorf("on %s: %w", hostPort(node), err))
+		for attempt := 1; ; attempt++ {
+			err := execOn(ctx, node, "DROP DATABASE IF EXISTS "+pgx.Identifier{dbname}.Sanitize()+" WITH (FORCE)")
+			// 55006 object_in_use: on Citus, FORCE does not end the
+			// extension's maintenance daemon, which leaves the database
+			// on its own when it is dropped, but not at once.
+			var pgErr *pgconn.PgError
+			if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
+				if err != nil {
+					errs = append(errs, fmt.Errorf("on %s: %w", hostPort(node), err))
+				}
+				break
+			}
+			time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
 		}
 	}
 	return errors.Join(errs...)
