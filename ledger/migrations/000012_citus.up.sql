@@ -40,5 +40,10 @@ BEGIN
     EXECUTE $sql$SELECT create_distributed_table('idempotency_records', 'key')$sql$;
     EXECUTE $sql$SELECT create_distributed_table('idempotency_archive', 'key',
         colocate_with => 'idempotency_records')$sql$;
+    -- Rows already there (a database that got the extension after its
+    -- earlier migrations) were copied into the shards; free their local
+    -- copies, which no query sees any more.
+    EXECUTE $sql$SELECT truncate_local_data_after_distributing_table('idempotency_records')$sql$;
+    EXECUTE $sql$SELECT truncate_local_data_after_distributing_table('idempotency_archive')$sql$;
 END;
 $$;
