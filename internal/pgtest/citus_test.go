@@ -158,3 +158,46 @@ func mustParseURL(t *testing.T, raw string) *url.URL {
 	}
 	return u
 }
+
+// TestWaitForLockWaitersSeesWaitsOnWorkers: on Citus a statement sent
+// through the coordinator node waits for a row lock on the worker that
+// holds the row; WaitForLockWaiters names the coordinator node's session
+// that waits, and WaitForBackendsDone sees it finish.
+func TestWaitForLockWaitersSeesWaitsOnWorkers(t *testing.T) {
+	cc := StartCitusCluster(t, ClusterOptions{})
+	ctx := t.Context()
+	if err := cc.CreateDatabase(ctx, "locks"); err != nil {
+		t.Fatal(err)
+	}
+	holder, waiter, observer := connect(t, cc.URL("locks")), connect(t, cc.URL("locks")), connect(t, cc.URL("locks"))
+	if _, err := holder.Exec(ctx, "CREATE TABLE widgets (name text PRIMARY KEY, n int); SELECT create_distributed_table('widgets', 'name'); INSERT INTO widgets VALUES ('w', 0)"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := holder.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "UPDATE widgets SET n = 1 WHERE name = 'w'"); err != nil {
+		t.Fatal(err)
+	}
+	var waiterPID int32
+	if err := waiter.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&waiterPID); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := waiter.Exec(ctx, "UPDATE widgets SET n = 2 WHERE name = 'w'")
+		done <- err
+	}()
+	pids := WaitForLockWaiters(t, observer)
+	if len(pids) != 1 || pids[0] != waiterPID {
+		t.Errorf("lock waiters = %v, want the waiting session's PID on the coordinator node, %d", pids, waiterPID)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	WaitForBackendsDone(t, observer, pids)
+	if err := <-done; err != nil {
+		t.Fatalf("the waiting update: %v", err)
+	}
+}
