@@ -44,6 +44,12 @@ test-pgbouncer:
 run-ha: build
 	@scripts/run-ha.sh
 
+## run-citus: the coordinator on a local Citus cluster under .data/citus/ (a coordinator node and two workers, durable,
+## kept between runs; needs the citus extension: ../shared/citus/build.sh); see docs/scale-out.md
+.PHONY: run-citus
+run-citus: build
+	@scripts/run-citus.sh
+
 ## build: compile the coordinator into ./bin/idemcoord (idemctl: `go build -o bin/idemctl ./cmd/idemctl`)
 build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
@@ -240,6 +246,6 @@ $(BIN)/.ghz-$(GHZ_VERSION):
 console-screenshot:
 	CI=true IDEMCOORD_CONSOLE_SCREENSHOTS=$(CURDIR)/docs go test -count=1 -run '^TestBrowserResolvesUnknown$$' ./console/
 
-## clean-data: delete the local PostgreSQL cluster that `make run` keeps under .data/
+## clean-data: delete the local clusters that `make run` and `make run-citus` keep under .data/
 clean-data:
 	rm -rf .data

@@ -29,16 +29,10 @@ die() { say "$*"; exit 1; }
 
 [[ -x $bin ]] || die "no coordinator binary at $bin (run 'make build', or set IDEMCOORD_BIN)"
 
-# PostgreSQL server binaries: PG_BIN, else the newest Debian install, else PATH.
-pgbin=${PG_BIN:-}
-if [[ -z $pgbin ]]; then
-	pgbin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -t/ -k5,5n | tail -n 1 || true)
-fi
-if [[ -z $pgbin ]] && command -v initdb >/dev/null; then
-	pgbin=$(dirname "$(command -v initdb)")
-fi
-[[ -n $pgbin && -x $pgbin/initdb && -x $pgbin/pg_ctl ]] ||
-	die "no PostgreSQL server binaries found (PG_BIN, /usr/lib/postgresql/*/bin, PATH): install them (Debian: apt-get install postgresql) or set DATABASE_URL"
+# shellcheck source=lib/pgnode.sh
+source "$root/scripts/lib/pgnode.sh"
+pgnode_find_bin
+pgnode_as_postgres
 
 port=${IDEMCOORD_PG_PORT:-54329}
 data=$root/.data/pg        # the cluster
@@ -47,70 +41,14 @@ logdir=$root/.data/log     # its server log
 log=$logdir/postgres.log
 owner_file=$run/run-local.pid # PID of the run-local.sh that started the server
 
-# As root, PostgreSQL runs as the postgres user, which must own its
-# directories and be able to reach them.
-as_pg=()
-if [[ $(id -u) == 0 ]]; then
-	id postgres >/dev/null 2>&1 || die "running as root needs a 'postgres' system user (apt-get install postgresql)"
-	as_pg=(runuser -u postgres --)
-fi
-pg() { "${as_pg[@]}" "$@"; }
-
-mkdir -p "$root/.data" "$data" "$run" "$logdir"
-chmod 0755 "$root/.data" "$run" "$logdir"
-chmod 0700 "$data"
-if [[ ${#as_pg[@]} -gt 0 ]]; then
-	chown postgres: "$data" "$run" "$logdir"
-	pg test -x "$data" -a -w "$run" ||
-		die "the postgres user cannot reach $root/.data: make the directories above it traversable (chmod o+x), or set DATABASE_URL"
-fi
-
-if [[ ! -f $data/PG_VERSION ]]; then
-	say "creating a PostgreSQL cluster in $data"
-	pg "$pgbin/initdb" -D "$data" -U postgres -A trust -E UTF8 --locale=C --no-instructions >"$logdir/initdb.log" 2>&1 ||
-		{ cat "$logdir/initdb.log" >&2; die "initdb failed"; }
-fi
-
-# is_postgres reports whether PID $1 is a live (not zombie) PostgreSQL process.
-is_postgres() {
-	[[ $1 =~ ^[0-9]+$ && -r /proc/$1/status ]] &&
-		[[ $(cat "/proc/$1/comm" 2>/dev/null) == postgres ]] &&
-		! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null
-}
-
-# running prints the PID of the postmaster that serves $data, if one does.
-running() {
-	local pid
-	[[ -f $data/postmaster.pid ]] || return 1
-	pid=$(head -n 1 "$data/postmaster.pid")
-	is_postgres "$pid" || return 1
-	echo "$pid"
-}
-
-# clear_stale_locks removes lock files left by a postmaster that is gone.
-# PostgreSQL replaces them itself unless their PID now belongs to another
-# process (after a reboot) or to an unreaped zombie; then it refuses to start.
-# Server processes that outlived their postmaster still use the data
-# directory, so then it refuses too.
-clear_stale_locks() {
-	local f pid p
-	for p in /proc/[0-9]*; do
-		if [[ $(readlink "$p/cwd" 2>/dev/null) == "$data" ]] && is_postgres "${p#/proc/}"; then
-			die "PostgreSQL processes without a postmaster still use $data (PID ${p#/proc/}); stop them first"
-		fi
-	done
-	for f in "$data/postmaster.pid" "$run"/.s.PGSQL.*.lock; do
-		[[ -f $f ]] || continue
-		pid=$(head -n 1 "$f")
-		is_postgres "$pid" && die "$f names PostgreSQL PID $pid, which does not serve $data; stop it first"
-		say "removing stale $f (PID $pid is not a running PostgreSQL)"
-		rm -f "$f"
-	done
-}
+mkdir -p "$root/.data"
+chmod 0755 "$root/.data"
+pgnode_prepare "$data" "$run" "$logdir"
+pgnode_init "$data" "$logdir"
 
 # stop_pg is set when this run owns the server and stops it on exit.
 stop_pg=0
-if pid=$(running); then
+if pid=$(pgnode_running "$data"); then
 	owner=$(cat "$owner_file" 2>/dev/null || true)
 	if [[ -n $owner && $owner != "$$" ]] && kill -0 "$owner" 2>/dev/null; then
 		say "PostgreSQL (PID $pid) is already running for run-local.sh PID $owner; sharing it, leaving it running"
@@ -120,33 +58,22 @@ if pid=$(running); then
 		stop_pg=1
 	fi
 	# Use the port it actually listens on.
-	port=$(sed -n 4p "$data/postmaster.pid")
+	port=$(pgnode_port "$data")
 else
-	clear_stale_locks
+	pgnode_clear_stale_locks "$data" "$run"
 	echo $$ >"$owner_file"
-	if ! pg "$pgbin/pg_ctl" start -w -t 60 -D "$data" -l "$log" -o "-p $port -k '$run' \
-		-c listen_addresses=127.0.0.1 -c max_connections=200 \
-		-c fsync=on -c synchronous_commit=on -c full_page_writes=on" >/dev/null; then
-		tail -n 20 "$log" >&2
-		die "PostgreSQL did not start (log: $log)"
-	fi
+	pgnode_start "$data" "$run" "$log" "$port"
 	stop_pg=1
 fi
 
 child=
 cleanup() {
 	trap - INT TERM EXIT
-	if [[ -n $child ]] && kill -0 "$child" 2>/dev/null; then
-		kill -TERM "$child" 2>/dev/null || true
-		for _ in $(seq 300); do # 30 s, then SIGKILL
-			kill -0 "$child" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$child" 2>/dev/null || true
-		wait "$child" 2>/dev/null || true
+	if [[ -n $child ]]; then
+		pgnode_stop_process "$child"
 	fi
 	if [[ $stop_pg == 1 ]]; then
-		pg "$pgbin/pg_ctl" stop -w -D "$data" -m fast >/dev/null || say "could not stop PostgreSQL (log: $log)"
+		pgnode_stop "$data" "$log"
 		rm -f "$owner_file"
 	fi
 }

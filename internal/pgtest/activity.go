@@ -12,14 +12,37 @@ import (
 // wait before they fail the test.
 const activityTimeout = 10 * time.Second
 
+// lockWaitersSQL lists the backends of the current database that wait on
+// a lock.
+const lockWaitersSQL = `SELECT pid FROM pg_stat_activity
+	WHERE wait_event_type = 'Lock' AND datname = current_database()`
+
+// citusLockWaitersSQL does so on Citus, where a statement sent through the
+// coordinator node waits on the worker that holds the row: every node's
+// backends that wait on a lock, named by the process ID, on the
+// coordinator node, of the session they work for (a global PID is the
+// node's id times 10^10 plus the process ID there).
+const citusLockWaitersSQL = `SELECT DISTINCT (global_pid % 10000000000)::int4 FROM citus_stat_activity
+	WHERE wait_event_type = 'Lock' AND datname = current_database()
+		AND global_pid / 10000000000 = citus_backend_gpid() / 10000000000`
+
 // WaitForLockWaiters waits until at least one backend of conn's database
-// waits on a lock, and returns the process IDs of those that do. It fails
-// the test after 10 s.
+// waits on a lock, and returns the process IDs of those that do. On Citus
+// (conn's database has the citus extension) it also sees waits on the
+// workers, and returns the process IDs of the coordinator node's sessions
+// they work for. It fails the test after 10 s.
 func WaitForLockWaiters(t testing.TB, conn *pgx.Conn) []int32 {
 	t.Helper()
+	query := lockWaitersSQL
+	var citus bool
+	if err := conn.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')`).Scan(&citus); err != nil {
+		t.Fatal(err)
+	}
+	if citus {
+		query = citusLockWaitersSQL
+	}
 	for deadline := time.Now().Add(activityTimeout); ; {
-		rows, err := conn.Query(context.Background(), `SELECT pid FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND datname = current_database()`)
+		rows, err := conn.Query(context.Background(), query)
 		if err != nil {
 			t.Fatal(err)
 		}

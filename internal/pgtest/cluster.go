@@ -270,6 +270,12 @@ func (c *Cluster) run(program string, args ...string) error {
 func (c *Cluster) command(program string, args ...string) *exec.Cmd {
 	cmd := exec.Command(filepath.Join(c.bin, program), args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: credential(c.asUser)}
+	if c.asUser != nil {
+		// The server connects out too (Citus to its workers, with libpq,
+		// which reads client certificates under $HOME/.postgresql): not
+		// root's home, which the postgres user cannot read.
+		cmd.Env = append(os.Environ(), "HOME="+c.root)
+	}
 	return cmd
 }
 

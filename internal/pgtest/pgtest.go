@@ -22,6 +22,12 @@ type environment struct {
 	base     *url.URL // a database on the server; NewDatabase swaps the path
 	template string   // migrated database that NewDatabase clones
 	cluster  *Cluster // nil when TEST_DATABASE_URL names the server
+	// On Citus (CitusEnv=1): a URL of a database on each node, the
+	// coordinator node's (base) first; nil on a single PostgreSQL. Each
+	// node holds its own copy of the template and of every test's
+	// database, under the same name.
+	nodes []string
+	citus *CitusCluster // nil unless Main started a Citus cluster
 }
 
 // current is the environment of the running Main. It is package state
@@ -40,7 +46,17 @@ const (
 //
 // It uses the server that TEST_DATABASE_URL names (a postgres:// URL of any
 // database there, as a role that may create databases) or else starts a
-// throwaway cluster for this binary. It creates a template database, runs
+// throwaway cluster for this binary.
+//
+// With IDEMCOORD_TEST_CITUS=1 (CitusEnv) the tests run on Citus: Main
+// starts a throwaway Citus cluster (a coordinator node and two workers),
+// or uses the one whose coordinator node TEST_DATABASE_URL names (a
+// database there with the citus extension; the workers are those it
+// registers, reached as the same user). The template exists on every
+// node, with the extension and the workers registered, and is migrated
+// through the coordinator node; each test's database is cloned from it on
+// every node, which carries the distributed tables' metadata and shards.
+// Without Citus installed, Main fails. It creates a template database, runs
 // migrate on it once and closes every connection to it, then runs the
 // tests. At the end it drops the template (TEST_DATABASE_URL) or stops and
 // deletes the cluster. If the test binary dies before that, a watchdog
@@ -76,6 +92,22 @@ func setUp(migrate func(ctx context.Context, databaseURL string) error) (_ *envi
 			return nil, errors.New("TEST_DATABASE_URL must be a postgres:// URL")
 		}
 		env.base = u
+		if citusMode() {
+			ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+			env.nodes, err = citusNodes(ctx, u)
+			cancel()
+			if err != nil {
+				return nil, err
+			}
+		}
+	} else if citusMode() {
+		cc, err := startCitusCluster(ClusterOptions{})
+		if err != nil {
+			return nil, err
+		}
+		env.citus = cc
+		env.base, _ = url.Parse(cc.URL("postgres"))
+		env.nodes = cc.nodeURLs("postgres")
 	} else {
 		c, err := startCluster(ClusterOptions{})
 		if err != nil {
@@ -89,25 +121,42 @@ func setUp(migrate func(ctx context.Context, databaseURL string) error) (_ *envi
 			_ = env.tearDown()
 		}
 	}()
+	if err := env.makeTemplate(migrate); err != nil {
+		return nil, err
+	}
+	return env, nil
+}
 
+// makeTemplate creates the template database (on every node), migrates it
+// and closes it to connections, so that newDatabase can clone it.
+func (env *environment) makeTemplate(migrate func(ctx context.Context, databaseURL string) error) (err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), migrateTimeout)
 	defer cancel()
 	tmpl := pgx.Identifier{env.template}.Sanitize()
-	if err := env.exec(ctx, "CREATE DATABASE "+tmpl); err != nil {
-		return nil, fmt.Errorf("create template database: %w", err)
+	if env.nodes != nil {
+		err = createCitusDatabase(ctx, env.nodes, env.template)
+	} else {
+		err = env.exec(ctx, "CREATE DATABASE "+tmpl)
+	}
+	if err != nil {
+		return fmt.Errorf("create template database: %w", err)
 	}
 	if err := migrate(ctx, env.url(env.template)); err != nil {
-		return nil, fmt.Errorf("migrate template database: %w", err)
+		return fmt.Errorf("migrate template database: %w", err)
 	}
 	// CREATE DATABASE … TEMPLATE fails while anyone is connected to the
-	// template: forbid new connections, then end any that migrate left.
-	if err := env.exec(ctx, "ALTER DATABASE "+tmpl+" WITH ALLOW_CONNECTIONS false"); err != nil {
-		return nil, fmt.Errorf("close template database: %w", err)
+	// template: forbid new connections, then end any that migrate left
+	// (and, on Citus, the extension's maintenance daemon, which then
+	// stays away).
+	for _, node := range env.nodeURLs() {
+		if err := execOn(ctx, node, "ALTER DATABASE "+tmpl+" WITH ALLOW_CONNECTIONS false"); err != nil {
+			return fmt.Errorf("close template database on %s: %w", hostPort(node), err)
+		}
+		if err := execOn(ctx, node, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()", env.template); err != nil {
+			return fmt.Errorf("close connections to template database on %s: %w", hostPort(node), err)
+		}
 	}
-	if err := env.exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()", env.template); err != nil {
-		return nil, fmt.Errorf("close connections to template database: %w", err)
-	}
-	return env, nil
+	return nil
 }
 
 // tearDown stops the cluster, or drops the template from the server named
@@ -116,12 +165,47 @@ func (env *environment) tearDown() error {
 	if env.cluster != nil {
 		return env.cluster.destroy()
 	}
+	if env.citus != nil {
+		return env.citus.destroy()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
 	defer cancel()
-	if err := env.exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{env.template}.Sanitize()+" WITH (FORCE)"); err != nil {
+	if err := env.dropDatabase(ctx, env.template); err != nil {
 		return fmt.Errorf("drop template database: %w", err)
 	}
 	return nil
+}
+
+// nodeURLs returns a URL of a database on each node: the base alone on a
+// single PostgreSQL.
+func (env *environment) nodeURLs() []string {
+	if env.nodes != nil {
+		return env.nodes
+	}
+	return []string{env.base.String()}
+}
+
+// dropDatabase drops database dbname on every node, the coordinator
+// node's copy first.
+func (env *environment) dropDatabase(ctx context.Context, dbname string) error {
+	var errs []error
+	for _, node := range env.nodeURLs() {
+		for attempt := 1; ; attempt++ {
+			err := execOn(ctx, node, "DROP DATABASE IF EXISTS "+pgx.Identifier{dbname}.Sanitize()+" WITH (FORCE)")
+			// 55006 object_in_use: on Citus, FORCE does not end the
+			// extension's maintenance daemon, which leaves the database
+			// on its own when it is dropped, but not at once.
+			var pgErr *pgconn.PgError
+			if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
+				if err != nil {
+					errs = append(errs, fmt.Errorf("on %s: %w", hostPort(node), err))
+				}
+				break
+			}
+			time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // url returns the URL of database dbname on the environment's server.
@@ -133,13 +217,7 @@ func (env *environment) url(dbname string) string {
 
 // exec runs one statement on a fresh connection to the base database.
 func (env *environment) exec(ctx context.Context, sql string, args ...any) error {
-	conn, err := pgx.Connect(ctx, env.base.String())
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	_, err = conn.Exec(ctx, sql, args...)
-	return err
+	return execOn(ctx, env.base.String(), sql, args...)
 }
 
 // NewDatabase creates a database for t, cloned from the template that Main
@@ -155,27 +233,40 @@ func NewDatabase(t testing.TB) string {
 		t.Fatal("pgtest: NewDatabase needs pgtest.Main; add to the package's tests: " +
 			"func TestMain(m *testing.M) { os.Exit(pgtest.Main(m, migrate)) }")
 	}
+	return env.newDatabase(t)
+}
+
+// newDatabase clones the template for t (on every node), as NewDatabase
+// promises.
+func (env *environment) newDatabase(t testing.TB) string {
+	t.Helper()
 	name := databaseName(t.Name())
 	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
 	defer cancel()
 	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize() + " TEMPLATE " + pgx.Identifier{env.template}.Sanitize()
-	for attempt := 1; ; attempt++ {
-		err := env.exec(ctx, create)
-		if err == nil {
-			break
+	// On Citus the workers' copies first, so that the coordinator node's
+	// copy never names a worker database that does not exist yet.
+	nodes := env.nodeURLs()
+	for i := len(nodes) - 1; i >= 0; i-- {
+		for attempt := 1; ; attempt++ {
+			err := execOn(ctx, nodes[i], create)
+			if err == nil {
+				break
+			}
+			// 55006 object_in_use: "source database is being accessed by
+			// other users"; no one should be, but a straggler may not have
+			// gone yet.
+			var pgErr *pgconn.PgError
+			if !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
+				t.Fatalf("pgtest: create database %s on %s: %v", name, hostPort(nodes[i]), err)
+			}
+			time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
 		}
-		// 55006 object_in_use: "source database is being accessed by other
-		// users"; no one should be, but a straggler may not have gone yet.
-		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
-			t.Fatalf("pgtest: create database %s: %v", name, err)
-		}
-		time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
 	}
 	dbURL := env.url(name)
 	t.Cleanup(func() {
 		if t.Failed() {
-			if env.cluster != nil {
+			if env.cluster != nil || env.citus != nil {
 				t.Logf("pgtest: kept the database of the failed test until the test binary exits (set TEST_DATABASE_URL to keep it longer): %s", dbURL)
 			} else {
 				t.Logf("pgtest: kept the database of the failed test: %s", dbURL)
@@ -184,7 +275,7 @@ func NewDatabase(t testing.TB) string {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
 		defer cancel()
-		if err := env.exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		if err := env.dropDatabase(ctx, name); err != nil {
 			t.Errorf("pgtest: drop database %s: %v", name, err)
 		}
 	})
