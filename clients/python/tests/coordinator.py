@@ -2,6 +2,8 @@
 
 IDEMCOORD_ADDR (and IDEMCOORD_TOKEN) when set, else a throwaway one started
 with `go run ./internal/cmd/throwaway-coordinator` (a fresh PostgreSQL and the built binary).
+Coordinator(own=True) always starts a throwaway one, which stop_serving and
+start_serving restart on the same address and database.
 """
 
 import json
@@ -12,9 +14,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 
 
 class Coordinator:
-    def __init__(self):
+    def __init__(self, own=False):
         self._proc = None
-        if os.environ.get("IDEMCOORD_ADDR"):
+        if os.environ.get("IDEMCOORD_ADDR") and not own:
             self.addr = os.environ["IDEMCOORD_ADDR"]
             self.token = os.environ.get("IDEMCOORD_TOKEN", "")
             self.auth = bool(self.token)
@@ -30,6 +32,23 @@ class Coordinator:
                                % self._proc.wait())
         info = json.loads(line)
         self.addr, self.token, self.auth = info["addr"], info["token"], True
+
+    def stop_serving(self):
+        """Stops the coordinator process (SIGTERM); returns once it exited."""
+        self._command("stop", "stopped")
+
+    def start_serving(self):
+        """Starts the coordinator again on the same address and database; returns once it is ready."""
+        self._command("start", "serving")
+
+    def _command(self, command, state):
+        if self._proc is None:
+            raise RuntimeError("only a Coordinator(own=True) can be stopped and started")
+        self._proc.stdin.write(command.encode() + b"\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line or json.loads(line).get("state") != state:
+            raise RuntimeError("throwaway-coordinator answered %r to %s" % (line, command))
 
     def stop(self):
         if self._proc is not None:

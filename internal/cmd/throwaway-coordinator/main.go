@@ -11,12 +11,19 @@
 //
 //	{"addr":"127.0.0.1:PORT","token":"..."}
 //
+// A line "stop" on its standard input stops the coordinator (SIGTERM, as
+// an operator's restart does) and prints {"state":"stopped"}; a line
+// "start" starts it again on the same address and database and, once it is
+// ready, prints {"state":"serving"}: how the client suites test a
+// coordinator restart.
+//
 // It stops the coordinator and deletes the cluster when its standard input
 // closes (the test process exited) or on SIGINT or SIGTERM. If it is killed,
 // pgtest's watchdog deletes the cluster.
 package main
 
 import (
+	"bufio"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -32,6 +39,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -92,45 +100,110 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout io.Writer) 
 		return err
 	}
 
-	addr, httpAddr := freeAddr(), freeAddr()
-	cmd := exec.Command(*bin, "--listen", addr, "--http-listen", httpAddr,
-		"--database-url", cluster.URL("idemcoord"), "--config", config, "--log-level", "warn")
+	c := &coordinator{bin: *bin, addr: freeAddr(), httpAddr: freeAddr(),
+		args: []string{"--database-url", cluster.URL("idemcoord"), "--config", config, "--log-level", "warn"}}
+	if err := c.start(ctx); err != nil {
+		return err
+	}
+	defer c.stop()
+	line, _ := json.Marshal(map[string]string{"addr": c.addr, "token": token})
+	if _, err := fmt.Fprintln(stdout, string(line)); err != nil {
+		return err
+	}
+
+	commands, done := make(chan string), make(chan struct{})
+	defer close(done)
+	go func() {
+		defer close(commands)
+		lines := bufio.NewScanner(stdin)
+		for lines.Scan() {
+			select {
+			case commands <- strings.TrimSpace(lines.Text()):
+			case <-done:
+				return
+			}
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case cmd, ok := <-commands:
+			if !ok {
+				return nil
+			}
+			if err := c.command(ctx, cmd, stdout); err != nil {
+				return err
+			}
+		case err := <-c.exited:
+			c.cmd, c.exited = nil, nil
+			return fmt.Errorf("the coordinator exited: %v", err)
+		}
+	}
+}
+
+// coordinator is the coordinator process, started and stopped on the same
+// addresses and database.
+type coordinator struct {
+	bin, addr, httpAddr string
+	args                []string
+	cmd                 *exec.Cmd
+	exited              chan error // receives once when the running process exits; nil while stopped
+}
+
+func (c *coordinator) start(ctx context.Context) error {
+	cmd := exec.Command(c.bin, append([]string{"--listen", c.addr, "--http-listen", c.httpAddr}, c.args...)...)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if err := cmd.Start(); err != nil {
 		return err
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited: //nolint:errcheck // after SIGTERM the exit status is an error by design
-		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited //nolint:errcheck // killed: the exit status is an error by design
-		}
-	}()
-	if err := waitReady(ctx, httpAddr, exited); err != nil {
+	c.cmd, c.exited = cmd, exited
+	if err := waitReady(ctx, c.httpAddr, exited); err != nil {
+		c.stop()
 		return err
-	}
-	line, _ := json.Marshal(map[string]string{"addr": addr, "token": token})
-	if _, err := fmt.Fprintln(stdout, string(line)); err != nil {
-		return err
-	}
-
-	stdinClosed := make(chan struct{})
-	go func() {
-		_, _ = io.Copy(io.Discard, stdin)
-		close(stdinClosed)
-	}()
-	select {
-	case <-ctx.Done():
-	case <-stdinClosed:
-	case err := <-exited:
-		exited <- err
-		return fmt.Errorf("the coordinator exited: %v", err)
 	}
 	return nil
+}
+
+// stop ends the running process (SIGTERM, then SIGKILL after 30 s), if any.
+func (c *coordinator) stop() {
+	if c.cmd == nil {
+		return
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.exited: //nolint:errcheck // after SIGTERM the exit status is an error by design
+	case <-time.After(30 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-c.exited //nolint:errcheck // killed: the exit status is an error by design
+	}
+	c.cmd, c.exited = nil, nil
+}
+
+// command carries out one line of stdin ("stop" or "start") and says so on stdout.
+func (c *coordinator) command(ctx context.Context, cmd string, stdout io.Writer) error {
+	var state string
+	switch cmd {
+	case "stop":
+		c.stop()
+		state = "stopped"
+	case "start":
+		if c.cmd == nil {
+			if err := c.start(ctx); err != nil {
+				return err
+			}
+		}
+		state = "serving"
+	case "":
+		return nil
+	default:
+		return fmt.Errorf("unknown command %q on stdin (want stop or start)", cmd)
+	}
+	line, _ := json.Marshal(map[string]string{"state": state})
+	_, err := fmt.Fprintln(stdout, string(line))
+	return err
 }
 
 func createDatabase(ctx context.Context, url string) error {
