@@ -13,7 +13,9 @@ is stranded by that: the outcome is recorded and the client's retry gets it.
 A chunked request body (no Content-Length) is read to its end when the
 server says it ends the input there (wsgi.input_terminated, as gunicorn and
 Werkzeug do); a server that does not gets 411 for it, since the middleware
-could not tell where the body ends. Repeated Idempotency-Key lines, which a
+could not tell where the body ends. A request with both Transfer-Encoding
+and Content-Length answers 400, as under Express and Fastify: the two may
+disagree on where its body ends. Repeated Idempotency-Key lines, which a
 WSGI server joins with commas, answer 400 as in every other stack.
 """
 
@@ -46,10 +48,16 @@ def _read_body(o: _http.Options, environ: Dict[str, Any]) -> bytes:
 
     Without Content-Length it reads to the end of the input when the server
     ends the input there (wsgi.input_terminated); a chunked body on a server
-    that does not answers 411, and no body is an empty one (PEP 3333).
+    that does not answers 411, and no body is an empty one (PEP 3333). A
+    request with both Transfer-Encoding and Content-Length answers 400: the
+    two may disagree on where its body ends.
     """
     stream = environ["wsgi.input"]
-    length = environ.get("CONTENT_LENGTH") or ""
+    length: str = environ.get("CONTENT_LENGTH") or ""
+    if length.strip() and "HTTP_TRANSFER_ENCODING" in environ:
+        raise _http.Problem(400, "about:blank", "Bad Request",
+                            "a request with both Transfer-Encoding and Content-Length is refused: the two may "
+                            "disagree on where its body ends")
     if length.strip():
         try:
             n = int(length)

@@ -4,11 +4,13 @@ The app is served by a threading wsgiref server on 127.0.0.1 and reached
 over real HTTP; the coordinator is a real one (see coordinator.py).
 """
 
+import io
 import logging
 import os
 import socket
 import socketserver
 import threading
+import typing
 import unittest
 import uuid
 import warnings
@@ -155,6 +157,43 @@ class WSGIBodyAndKeyTest(unittest.TestCase):
                     break
                 answer += part
         self.assertTrue(answer.startswith(b"HTTP/1.0 411 ") or answer.startswith(b"HTTP/1.1 411 "), answer)
+
+    def test_transfer_encoding_with_content_length_answers_400(self) -> None:
+        runs: "list[bytes]" = []
+
+        def app(environ: "dict[str, object]", start_response: "typing.Callable[..., object]") -> "list[bytes]":
+            body: bytes = environ["wsgi.input"].read()  # type: ignore[attr-defined]
+            runs.append(body)
+            return echo_app(dict(environ, **{"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))}),
+                            start_response)
+        url = self.guarded(serve_werkzeug, app=app)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        key = uuid.uuid4().hex.encode()
+
+        def send(framing: bytes, body: bytes) -> bytes:
+            """The raw answer to one POST with key (httpx will not send both framings)."""
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+                conn.sendall(b"POST /pay HTTP/1.1\r\nHost: x\r\nIdempotency-Key: %s\r\n%sConnection: close\r\n\r\n%s"
+                             % (key, framing, body))
+                answer = b""
+                while True:
+                    part = conn.recv(65536)
+                    if not part:
+                        return answer
+                    answer += part
+        chunked = b"a\r\n{\"amount\":\r\n11\r\n100,\"to\":\"alice\"}\r\n0\r\n\r\n"
+        both = send(b"Transfer-Encoding: chunked\r\nContent-Length: 10\r\n", chunked)
+        self.assertTrue(both.startswith(b"HTTP/1.1 400 ") or both.startswith(b"HTTP/1.0 400 "), both)
+        self.assertIn(b"application/problem+json", both)
+        self.assertIn(b"Transfer-Encoding", both.partition(b"\r\n\r\n")[2])
+        reordered = send(b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n", chunked)
+        self.assertTrue(reordered.startswith(b"HTTP/1.1 400 ") or reordered.startswith(b"HTTP/1.0 400 "), reordered)
+        self.assertEqual(runs, [])
+        # Nothing was recorded for the key: a well-framed request with it runs the app on its whole body.
+        alone = send(b"Transfer-Encoding: chunked\r\n", chunked)
+        self.assertTrue(alone.startswith(b"HTTP/1.1 201 ") or alone.startswith(b"HTTP/1.0 201 "), alone)
+        self.assertIn(b"Idempotency-Result: created", alone)
+        self.assertEqual(runs, [b"{\"amount\":100,\"to\":\"alice\"}"])
 
     def test_two_key_lines_answer_400(self):
         url = self.guarded(serve)
