@@ -513,3 +513,70 @@ func waitForRecord(t *testing.T, direct *Store, id Identity, what string, want f
 // there, and there COMPLETED.
 func anyRecord(statemachine.Record) bool     { return true }
 func completed(rec statemachine.Record) bool { return rec.State == statemachine.StateCompleted }
+
+// TestWaitingRunTxLostAnswerBeforeCommit: a waiting RunTx's try loses the
+// answer of a statement inside its transaction (the connection cut), which
+// cannot have committed anything: the RunTx waits on and, when the holder
+// completes, replays its result. Before, the try counted as a lost commit
+// (as on FATAL 57P01 when the database stops mid-try), and the next try
+// that found the key still held ended the wait with ErrUnavailable
+// (TestRunTxWaiterOutlastsAnOutage failed so now and then).
+func TestWaitingRunTxLostAnswerBeforeCommit(t *testing.T) {
+	t.Parallel()
+	p, s, direct, conn := lostAnswerStores(t)
+	ctx := context.Background()
+
+	id := Identity{Tenant: DefaultTenant, Scope: "charge", Key: "runtx-lost-before-commit"}
+	ev := statemachine.Event{Kind: statemachine.EventBegin, TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
+	holder, err := direct.Begin(ctx, &BeginParams{ID: id, Event: ev})
+	if err != nil || holder.Outcome != statemachine.OutcomeAcquired {
+		t.Fatalf("holder: %+v %v", holder, err)
+	}
+	type answer struct {
+		resp     *statemachine.Response
+		replayed bool
+		err      error
+	}
+	var runs atomic.Int32
+	ran := make(chan answer, 1)
+	go func() {
+		resp, replayed, err := s.RunTx(ctx, id, TxOptions{Wait: 5 * time.Minute}, func(context.Context, pgx.Tx) (*statemachine.Response, error) {
+			runs.Add(1)
+			return &statemachine.Response{StatusCode: 200}, nil
+		})
+		ran <- answer{resp, replayed, err}
+	}()
+	waitWatched(t, conn, id)
+	// A change that leaves the key held wakes the RunTx, whose next try
+	// reads it in a transaction.
+	nudge := func() {
+		t.Helper()
+		if _, err := conn.Exec(ctx, `UPDATE idempotency_records SET expires_at = coalesce(expires_at, now()) + interval '1 day'
+			WHERE key = $1`, id.Key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sent := p.arm(id.Key) // the try's first statement naming the key, inside its transaction
+	nudge()
+	waitSent(t, sent, ran, "the waiting RunTx")
+	p.cut()
+	// The next try finds the key still held: the RunTx waits on.
+	nudge()
+	select {
+	case a := <-ran:
+		t.Fatalf("the RunTx, after a try lost an answer before its commit, with the key still held: replayed %v, %v; want it to wait on", a.replayed, a.err)
+	case <-time.After(3 * time.Second):
+	}
+	if _, err := direct.Finish(ctx, &FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventComplete,
+		Token: holder.Record.LeaseToken, Response: &statemachine.Response{Body: []byte("done")}}}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case a := <-ran:
+		if a.err != nil || !a.replayed || a.resp == nil || string(a.resp.Body) != "done" || runs.Load() != 0 {
+			t.Fatalf("the RunTx: %v, replayed %v, %v, fn ran %d times; want the holder's result replayed", a.resp, a.replayed, a.err, runs.Load())
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the RunTx did not answer within a minute of the holder's completion")
+	}
+}

@@ -121,6 +121,19 @@ func answerLost(err error) bool {
 	return errors.As(err, &lost)
 }
 
+// uncommitted classifies the failure of a statement of a transaction
+// that has not reached its COMMIT: nothing of the transaction can have
+// committed, so an answer lost then is ErrUnavailable, but no lost commit
+// (answerLost), whatever became of the connection.
+func uncommitted(err error) error {
+	err = classify(err)
+	var lost answerLostError
+	if errors.As(err, &lost) {
+		return lost.error
+	}
+	return err
+}
+
 // classify turns a pgx error into a context error, ErrUnavailable (wrapped
 // with the cause) or, for anything else, the error as is.
 func classify(err error) error {

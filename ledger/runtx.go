@@ -313,7 +313,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 ) (out runTxResult, err error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
-		return out, classify(err)
+		return out, uncommitted(err)
 	}
 	committed := false
 	defer func() {
@@ -327,7 +327,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 			// The running attempt kept its lock for all of Wait.
 			return runTxResult{done: true, err: ErrInProgress}, nil
 		}
-		return runTxResult{}, classify(err)
+		return runTxResult{}, uncommitted(err)
 	}
 
 	// Lock waits for this key end when Wait does; "now" is read after the
