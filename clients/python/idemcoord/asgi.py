@@ -251,12 +251,13 @@ class IdempotencyMiddleware:
         rec = _http.Recording(o)
         dropped = False
         recorded = False  # the complete answer was recorded; the app may still run (background tasks)
+        stop_beats: Callable[[], Awaitable[None]] = stop
 
         async def record_answer() -> None:
             """Records the answer the client now has whole and lets the lease go, while the app may go on."""
             nonlocal recorded
             recorded = True
-            await stop()
+            await stop_beats()
             if holder.lost:
                 c._log.warning("idemcoord: lease lost while the app ran; its response is not stored (%s/%s)",
                                holder.scope, holder.key)
