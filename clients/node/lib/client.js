@@ -123,7 +123,7 @@ function statusResponse(err) {
 function storedFailure(record, result, cause) {
   const resp = record?.response ?? {};
   let code = S.FAILED_PRECONDITION;
-  let details = record?.failure_reason || 'replayed failure';
+  const details = record?.failure_reason || 'replayed failure';
   if (resp.schema_version === SCHEMA_VERSION_STATUS) {
     const st = api.decodeStatus(resp.body ?? Buffer.alloc(0));
     if (st && st.code !== S.OK) {

@@ -161,7 +161,7 @@ function serverInterceptor(client, options = {}) {
     let messageNext;
     // What the handler answers, while it runs under the lease.
     let answered = null;
-    let stored = { header: null, trailer: null };
+    const stored = { header: null, trailer: null };
     let bypass = false; // the call goes through untouched (no key, fail open)
 
     const sendReplay = (rec) => {
@@ -315,7 +315,7 @@ function serverInterceptor(client, options = {}) {
         return;
       }
       const lease = new Lease(client, breq, res, sent);
-      const outcome = await lease.run((attempt) => new Promise((resolve, reject) => {
+      const outcome = await lease.run(() => new Promise((resolve, reject) => {
         answered = { resolve, reject };
         messageNext(message);
         halfCloseNext();
