@@ -161,7 +161,6 @@ lint: tools check-generated
 	go vet $(GO_PACKAGES)
 	$(BIN)/golangci-lint run $(GO_PACKAGES)
 	$(BIN)/buf lint
-	/usr/bin/python3 -m mypy --strict --config-file clients/python/pyproject.toml clients/python/idemcoord
 	npm --prefix clients/node run --silent lint
 
 # The Node and Python client libraries load the API at run time from a
