@@ -2,7 +2,9 @@ package server
 
 import (
 	"bufio"
+	"bytes"
 	"compress/gzip"
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -14,11 +16,11 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
 	"connectrpc.com/vanguard"
-	"connectrpc.com/vanguard/vanguardgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -56,15 +58,97 @@ var apiServices = []string{
 // HTTP (the listener's body cap, see WithHTTPMaxBodyBytes): a larger one
 // fails with resource_exhausted before it reaches the service, and the gRPC
 // limits then apply to what passes.
+//
+// The transcoder's request message is read whole, and any error in it
+// answered, before g sees the call (see transcodedFirst): a request the
+// transcoder cannot decode is answered once, never while g answers it too.
 func newAPIHandler(g *grpc.Server, maxMessageBytes uint32) (http.Handler, error) {
-	t, err := vanguardgrpc.NewTranscoder(g,
+	calls := transcodedFirst(g)
+	services := make([]*vanguard.Service, 0, len(apiServices))
+	for _, name := range apiServices {
+		services = append(services, vanguard.NewService(name, calls))
+	}
+	t, err := vanguard.NewTranscoder(services,
 		vanguard.WithCodec(newStrictJSONCodec),
-		vanguard.WithDefaultServiceOptions(vanguard.WithMaxMessageBufferBytes(maxMessageBytes)))
+		vanguard.WithDefaultServiceOptions(
+			vanguard.WithTargetProtocols(vanguard.ProtocolGRPC),
+			vanguard.WithTargetCodecs(vanguard.CodecProto),
+			vanguard.WithMaxMessageBufferBytes(maxMessageBytes)))
 	if err != nil {
 		return nil, fmt.Errorf("server: HTTP/JSON transcoder: %w", err)
 	}
-	return connectByDefault(t), nil
+	return connectByDefault(trackAnswer(t)), nil
 }
+
+// answerKey is the context key of a request's *answerTracker.
+type answerKey struct{}
+
+// answerTracker is the transcoder's ResponseWriter: it records whether an
+// answer has begun (a header or body written).
+type answerTracker struct {
+	http.ResponseWriter
+	begun atomic.Bool
+}
+
+func (w *answerTracker) WriteHeader(code int) {
+	w.begun.Store(true)
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *answerTracker) Write(p []byte) (int, error) {
+	w.begun.Store(true)
+	return w.ResponseWriter.Write(p)
+}
+
+// Flush flushes what was written, if the writer under it can.
+func (w *answerTracker) Flush() { _ = http.NewResponseController(w.ResponseWriter).Flush() }
+
+// Unwrap is the writer under it, for http.ResponseController.
+func (w *answerTracker) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// trackAnswer serves next with an answerTracker, which transcodedFirst
+// finds in the request's context.
+func trackAnswer(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tw := &answerTracker{ResponseWriter: w}
+		next.ServeHTTP(tw, r.WithContext(context.WithValue(r.Context(), answerKey{}, tw)))
+	})
+}
+
+// transcodedFirst serves a call the transcoder made of an HTTP request by
+// reading its request message (as the transcoder turns the body into it)
+// whole, then handing g the call with that message as its body. The
+// transcoder answers a body it cannot take (not valid JSON, a broken
+// envelope, over the size limit) from the body's reader, without
+// synchronisation; read by g's transport on a goroutine of its own, that
+// answer could be written while g answered the same call from its handler
+// (the client gone, a deadline passed, an interceptor refusing it), a
+// concurrent write of the same headers that crashes the process. Read here
+// first, on the goroutine g will answer on, it is written before g starts,
+// and g is then not called.
+func transcodedFirst(g http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		msg, err := io.ReadAll(r.Body)
+		_ = r.Body.Close()
+		if tw, ok := r.Context().Value(answerKey{}).(*answerTracker); ok && tw.begun.Load() {
+			return // answered
+		}
+		var body io.Reader = bytes.NewReader(msg)
+		if err != nil {
+			// An error the transcoder left to g (a Connect GET whose
+			// message does not decode, say): g reads it as before.
+			body = io.MultiReader(body, failingReader{err})
+		}
+		r.Body = io.NopCloser(body)
+		r.ContentLength = int64(len(msg))
+		g.ServeHTTP(w, r)
+	})
+}
+
+// failingReader fails every read with its error.
+type failingReader struct{ err error }
+
+func (f failingReader) Read([]byte) (int, error) { return 0, f.err }
 
 // strictJSONCodec is vanguard's JSON codec, except that a request it cannot
 // decode (not JSON, a field of the wrong type, an unknown field: a typo such
@@ -187,7 +271,9 @@ const (
 //     /healthz and /readyz answer whatever the Host.
 //   - The body is read whole before h runs, at most WithHTTPMaxBodyBytes
 //     bytes as sent and, for Content-Encoding gzip, once inflated: past the
-//     cap it is 413, and nothing is decoded. Any other Content-Encoding but
+//     cap it is 413, and nothing is decoded; a body that ends before its
+//     Content-Length, last chunk or gzip end is 400, its connection
+//     closed. Any other Content-Encoding but
 //     identity, and per-message compression (Grpc-Encoding,
 //     Connect-Content-Encoding, a Connect GET's compression parameter) but
 //     identity, is 415: the listener inflates only what it can bound.
@@ -289,6 +375,9 @@ func (s *Server) guardHTTP(next http.Handler) http.Handler {
 				w.Header().Set("Connection", "close")
 				http.Error(w, "request body not received in time", http.StatusRequestTimeout)
 			default:
+				// A body cut short or broken: what follows it on the
+				// connection, if anything, cannot be trusted.
+				w.Header().Set("Connection", "close")
 				http.Error(w, "cannot read the request body: "+err.Error(), http.StatusBadRequest)
 			}
 			return
@@ -441,18 +530,42 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 			return nil, charged, err
 		}
 		slab := make([]byte, size)
-		k, err := io.ReadFull(src, slab)
+		k, err := fill(src, slab)
 		body = append(body, slab[:k])
 		n += int64(k)
 		switch {
 		case n > maxBytes:
 			return nil, charged, &http.MaxBytesError{Limit: maxBytes}
-		case err == io.EOF || err == io.ErrUnexpectedEOF:
+		case errors.Is(err, io.EOF) && !gz && r.ContentLength > 0 && n < r.ContentLength:
+			return nil, charged, fmt.Errorf("%w: %d of %d bytes", errBodyCut, n, r.ContentLength)
+		case errors.Is(err, io.EOF):
 			return body, charged, nil
+		case errors.Is(err, io.ErrUnexpectedEOF):
+			return nil, charged, fmt.Errorf("%w: %w", errBodyCut, err)
 		case err != nil:
 			return nil, charged, err
 		}
 	}
+}
+
+// errBodyCut is readBody's error for a body that ends before its end: the
+// connection closed before Content-Length bytes, the last chunk or the end
+// of the gzip stream came.
+var errBodyCut = errors.New("the request body ends before its end")
+
+// fill reads src into p until p is full (nil) or src ends: io.EOF only at
+// the end of the body, any other error (io.ErrUnexpectedEOF for a body cut
+// short) as src gives it.
+func fill(src io.Reader, p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		k, err := src.Read(p[n:])
+		n += k
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // grpcWebContentType is the media type of gRPC-Web requests with binary

@@ -571,3 +571,23 @@ func TestHTTPMalformedFramingIsInvalidArgument(t *testing.T) {
 		t.Errorf("well-formed gRPC-Web Lookup: grpc-status %q, want 5 (NOT_FOUND)", gs)
 	}
 }
+
+// TestHTTPUndecodableBodyAnsweredOnce: a Begin whose JSON does not decode
+// (an unknown field after a 1 MiB key) with a deadline of 1 ms is
+// answered once, invalid_argument or deadline_exceeded: the transcoder
+// answered the decode error from the body's reader while gRPC answered
+// the expired call from its handler, both writing the answer's headers at
+// once (under -race, a data race; in the coordinator, a crash).
+func TestHTTPUndecodableBodyAnsweredOnce(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	api := newHTTPAPI(t, c)
+	body := `{"scope":"build","key":"` + strings.Repeat("k", 1<<20) + `","lease_tokn":"x"}`
+	for range 10 {
+		r := api.post(httpBegin, body, "Connect-Timeout-Ms: 1")
+		var e connectError
+		if err := json.Unmarshal(r.body, &e); err != nil || (e.Code != "invalid_argument" && e.Code != "deadline_exceeded") {
+			t.Fatalf("HTTP %d %s, want invalid_argument or deadline_exceeded", r.status, r.body)
+		}
+	}
+}
