@@ -11,10 +11,10 @@ protobuf classes of the API's descriptor set (StoredResponse, Record, ...);
 State, Outcome and FailureKind are its enums.
 """
 
-from ._api import FailureKind, Outcome, Record, State, StoredResponse
+from ._api import REASONS, FailureKind, Outcome, Record, State, StoredResponse
 from .client import Attempt, Client, Lease, Result, current_lease, mark_side_effect
 from .dedup import dedup_key, normalize_name
-from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, REASONS, SCHEMA_VERSION_STATUS, FailureError, GuardsNothingWarning,
+from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, SCHEMA_VERSION_STATUS, FailureError, GuardsNothingWarning,
                      LeaseLost,
                      LeaseUnconfirmed, StoredFailure, UndecidedPrincipalWarning, UnknownHeld)
 

@@ -7,6 +7,7 @@ proto gains (Record.uncertain, say) appears without a change here.
 """
 
 import os
+from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.internal import enum_type_wrapper
@@ -14,7 +15,7 @@ from google.protobuf.internal import enum_type_wrapper
 DESCRIPTORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idempotency.binpb")
 
 
-def _load():
+def _load() -> Any:
     fds = descriptor_pb2.FileDescriptorSet()
     with open(DESCRIPTORS, "rb") as f:
         fds.ParseFromString(f.read())
@@ -27,7 +28,7 @@ def _load():
 POOL = _load()
 
 
-def message_class(full_name):
+def message_class(full_name: str) -> Any:
     """The class of a message of the descriptor set, by full name."""
     desc = POOL.FindMessageTypeByName(full_name)
     if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
@@ -35,7 +36,7 @@ def message_class(full_name):
     return message_factory.MessageFactory(POOL).GetPrototype(desc)
 
 
-def enum(full_name):
+def enum(full_name: str) -> Any:
     """An enum of the descriptor set: .Name(number), .Value(name), and each value as an attribute."""
     return enum_type_wrapper.EnumTypeWrapper(POOL.FindEnumTypeByName(full_name))
 
@@ -48,7 +49,7 @@ ErrorReason = enum("idempotency.v1.ErrorReason")
 _ERROR_REASON_PREFIX = "ERROR_REASON_"
 
 
-def reason_name(value_name):
+def reason_name(value_name: str) -> str:
     """The ErrorInfo reason an ErrorReason value is sent as: its name without the ERROR_REASON_ prefix.
 
     "ERROR_REASON_LEASE_LOST" is sent as "LEASE_LOST". Raises ValueError for

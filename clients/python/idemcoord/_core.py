@@ -262,8 +262,7 @@ NOT_STARTED_REASON = "the lease could not be confirmed before the handler starte
 def error_info_status(code: grpc.StatusCode, message: str, reason: str) -> Any:
     """A google.rpc.Status with one google.rpc.ErrorInfo (domain as every library sends) in its details."""
     st = _api.Status(code=code.value[0], message=message)
-    info = _api.message_class("google.rpc.ErrorInfo")(  # type: ignore[no-untyped-call]
-        reason=reason, domain=_tables.ERROR_INFO_DOMAIN)
+    info = _api.message_class("google.rpc.ErrorInfo")(reason=reason, domain=_tables.ERROR_INFO_DOMAIN)
     st.details.add().Pack(info)
     return st
 

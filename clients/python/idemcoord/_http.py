@@ -14,15 +14,22 @@ import re
 import time
 import unicodedata
 import warnings
-from typing import List
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import grpc
 
 from . import _api
 from ._tables import PROBLEM_TYPES
-from ._core import _C, fold_principal, warn_undecided_principal
+from ._core import _C
+from ._core import fold_principal as fold_principal  # the middlewares fold with it
+from ._core import warn_undecided_principal as warn_undecided_principal
 from ._core import code_of_error as _code
 from ._core import new_attempt_id as _new_attempt_id
+
+if TYPE_CHECKING:
+    from .client import _Settings
+
+Headers = List[Tuple[str, str]]
 
 KEY_HEADER = "Idempotency-Key"
 RESULT_HEADER = "Idempotency-Result"
@@ -47,24 +54,25 @@ PROBLEM_INTERNAL = PROBLEM_TYPES["internal"]
 class Problem(Exception):
     """An answer the middleware writes itself (RFC 9457 application/problem+json)."""
 
-    def __init__(self, status, type_, title, detail="", headers=None):
+    def __init__(self, status: int, type_: str, title: str, detail: str = "",
+                 headers: Optional[Mapping[str, str]] = None):
         super().__init__(detail or title)
         self.status, self.type, self.title, self.detail = status, type_, title, detail
         self.headers = dict(headers or {})
 
-    def body(self):
-        p = {"type": self.type, "title": self.title, "status": self.status}
+    def body(self) -> bytes:
+        p: Dict[str, Any] = {"type": self.type, "title": self.title, "status": self.status}
         if self.detail:
             p["detail"] = self.detail
         return (json.dumps(p, separators=(",", ":")) + "\n").encode()
 
-    def header_list(self, body):
+    def header_list(self, body: bytes) -> Headers:
         h = [(k, v) for k, v in self.headers.items()]
         h += [("Content-Type", "application/problem+json"), ("Content-Length", str(len(body)))]
         return h
 
 
-def parse_idempotency_key(value):
+def parse_idempotency_key(value: Union[bytes, str]) -> str:
     """The key of an Idempotency-Key header value (bytes as sent, or a latin-1 str).
 
     The value itself, or the content of a structured-field string; 1-255
@@ -102,7 +110,7 @@ def parse_idempotency_key(value):
     return key
 
 
-def http_fingerprint(method, target, body):
+def http_fingerprint(method: str, target: str, body: bytes) -> bytes:
     """The default fingerprint: SHA-256 of method, "\\n", path with query as sent, "\\n", body (Go's HTTPFingerprint)."""
     h = hashlib.sha256()
     h.update(method.encode("latin-1") + b"\n" + target.encode("latin-1") + b"\n")
@@ -110,21 +118,22 @@ def http_fingerprint(method, target, body):
     return h.digest()
 
 
-def canonical_header(name):
+def canonical_header(name: str) -> str:
     """Go's http.CanonicalHeaderKey: "x-extra" -> "X-Extra"."""
     return re.sub(r"(^|-)([a-z])", lambda m: m.group(1) + m.group(2).upper(), name.lower())
 
 
-def imf_fixdate(ts):
+def imf_fixdate(ts: Any) -> Optional[str]:
     """An IMF-fixdate of a google.protobuf.Timestamp, None when unset."""
     if ts is None or (ts.seconds == 0 and ts.nanos == 0):
         return None
     return email.utils.formatdate(ts.seconds, usegmt=True)
 
 
-def error_reason(err):
+def error_reason(err: object) -> str:
     """The google.rpc.ErrorInfo reason in a gRPC error's status details, "" when none."""
-    md = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    trailing = getattr(err, "trailing_metadata", None)
+    md = trailing() if callable(trailing) else None
     for k, v in md or ():
         if k == "grpc-status-details-bin":
             st = _api.Status()
@@ -155,9 +164,12 @@ class Options:
     422; any other value raises ValueError.
     """
 
-    def __init__(self, *, wait=5.0, require_key=False, fail_open=False, principal=None, methods=("POST", "PATCH"),
-                 fingerprint=None, replay_headers=(), replayable_statuses=(404, 409, 422), scope=DEFAULT_HTTP_SCOPE,
-                 max_body_bytes=10 << 20, mismatch_status=422, on_replay=None, without_principal: bool = False):
+    def __init__(self, *, wait: float = 5.0, require_key: bool = False, fail_open: bool = False,
+                 principal: Optional[Callable[[Any], Any]] = None, methods: Iterable[str] = ("POST", "PATCH"),
+                 fingerprint: Optional[Callable[[Any, bytes], Any]] = None, replay_headers: Iterable[str] = (),
+                 replayable_statuses: Iterable[int] = (404, 409, 422), scope: str = DEFAULT_HTTP_SCOPE,
+                 max_body_bytes: int = 10 << 20, mismatch_status: int = 422,
+                 on_replay: Optional[Callable[[Any, Any], Any]] = None, without_principal: bool = False):
         if mismatch_status not in MISMATCH_STATUSES or isinstance(mismatch_status, bool):
             raise ValueError("idemcoord: mismatch_status takes 409 or 422 (the answer to a key reused with another "
                              "request), not %r" % (mismatch_status,))
@@ -177,7 +189,7 @@ class Options:
         self.mismatch_status = mismatch_status
         self.on_replay = on_replay
 
-    def kind(self, status):
+    def kind(self, status: int) -> Optional[str]:
         """How a final status is recorded: None is stored as a success."""
         if status < 400:
             return None
@@ -189,11 +201,11 @@ class Options:
             return "FAILURE_KIND_RETRYABLE"
         return "FAILURE_KIND_UNKNOWN"
 
-    def stores(self, status):
+    def stores(self, status: int) -> bool:
         return self.kind(status) in (None, "FAILURE_KIND_REPLAYABLE")
 
 
-def key_of(o, headers):
+def key_of(o: Options, headers: Iterable[Tuple[bytes, bytes]]) -> Tuple[Optional[bytes], Optional[str]]:
     """The raw header value and key of a request, from its headers [(name lower-case bytes, value bytes)].
 
     Returns (None, None) without a key; raises Problem.
@@ -225,24 +237,24 @@ def joined_lines(value: str) -> List[bytes]:
     return [raw]
 
 
-def too_large(o):
+def too_large(o: Options) -> Problem:
     return Problem(413, PROBLEM_BODY_TOO_LARGE, "Request body too large",
                    "a request with an Idempotency-Key may have at most %d bytes of body" % o.max_body_bytes)
 
 
-def begin_request(client, o, key, fp):
-    req = dict(scope=o.scope, key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
+def begin_request(client: "_Settings", o: Options, key: str, fp: Optional[bytes]) -> Dict[str, Any]:
+    req: Dict[str, Any] = dict(scope=o.scope, key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
                accept_schema_versions=[HTTP_SCHEMA_VERSION])
     if client._lease is not None:
         req["lease"] = client._lease
     return req
 
 
-def wait_until(o):
+def wait_until(o: Options) -> float:
     return time.monotonic() + o.wait
 
 
-def begin_failed(client, o, err):
+def begin_failed(client: "_Settings", o: Options, err: BaseException) -> Optional[Problem]:
     """The answer to a Begin that failed: a Problem, or None to run the handler unprotected (fail open)."""
     code = _code(err)
     if code in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED):
@@ -272,7 +284,7 @@ def begin_failed(client, o, err):
     return Problem(500, PROBLEM_INTERNAL, "Internal Server Error", "the idempotency coordinator refused the call")
 
 
-def not_acquired(res):
+def not_acquired(res: Any) -> Problem:
     """The Problem for a Begin answer that is neither ACQUIRED nor REPLAY."""
     if res.record.state == _api.State.STATE_UNKNOWN:
         return Problem(409, PROBLEM_OUTCOME_UNKNOWN, "Outcome of an earlier request unknown",
@@ -284,18 +296,18 @@ def not_acquired(res):
                    {"Retry-After": str(max(int(math.ceil(retry)), 1))})
 
 
-def lease_lost():
+def lease_lost() -> Problem:
     return Problem(503, PROBLEM_LEASE_LOST, "Idempotency key taken over",
                    "this request lost its hold on the Idempotency-Key before it answered, and nothing was stored for "
                    "it; retry with the same Idempotency-Key to get the outcome", {"Retry-After": "1"})
 
 
-def not_started():
+def not_started() -> Problem:
     return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator unavailable",
                    "the request was not processed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
 
 
-def silent(unconfirmed):
+def silent(unconfirmed: bool) -> Problem:
     if unconfirmed:
         return Problem(503, PROBLEM_UNAVAILABLE, "Idempotency coordinator unavailable",
                        "the request was not completed; retry later with the same Idempotency-Key", {"Retry-After": "1"})
@@ -304,12 +316,12 @@ def silent(unconfirmed):
                    {"Retry-After": "1"})
 
 
-def replay_answer(o, request, record):
+def replay_answer(o: Options, request: Any, record: Any) -> Tuple[int, Headers, bytes]:
     """(status, [(name, value)], body) of a stored response, as replayed."""
     stored = record.response
     if o.on_replay is not None:
         stored = o.on_replay(request, stored) or stored
-    headers = []
+    headers: Headers = []
     if stored.content_type:
         headers.append(("Content-Type", stored.content_type))
     for name, v in stored.metadata.items():
@@ -327,20 +339,20 @@ def replay_answer(o, request, record):
 class Recording:
     """The copy of the handler's response that is stored: status, stored headers, body."""
 
-    def __init__(self, o):
+    def __init__(self, o: Options):
         self.o = o
         self.wrote = False
         self.status = 0
-        self.headers = {}
+        self.headers: Dict[str, List[str]] = {}
         self.body = bytearray()
         self.overflow = False
         self.ended = False
 
-    def head(self, status, headers):
+    def head(self, status: int, headers: Iterable[Tuple[str, str]]) -> Headers:
         """Records the status and headers [(name str, value str)]; returns the headers to send."""
         self.wrote, self.status = True, status
         keep = ["content-type"] + self.o.replay_headers
-        out = []
+        out: Headers = []
         for name, value in headers:
             lname = name.lower()
             if lname == RESULT_HEADER.lower():
@@ -352,7 +364,7 @@ class Recording:
             out.append((RESULT_HEADER, "created"))
         return out
 
-    def keep(self, chunk):
+    def keep(self, chunk: bytes) -> None:
         if self.overflow or not chunk:
             return
         if len(self.body) + len(chunk) > MAX_CAPTURED_BODY:
@@ -361,7 +373,7 @@ class Recording:
             return
         self.body += chunk
 
-    def stored(self):
+    def stored(self) -> Any:
         resp = _api.StoredResponse(schema_version=HTTP_SCHEMA_VERSION, status_code=self.status, body=bytes(self.body))
         for name, values in self.headers.items():
             if name == "content-type":
@@ -370,7 +382,7 @@ class Recording:
                 resp.metadata[canonical_header(name)] = "\n".join(values)
         return resp
 
-    def ending(self, marked):
+    def ending(self, marked: bool) -> Dict[str, Any]:
         """The finish() arguments of the recorded response."""
         reason = "HTTP %d" % self.status
         kind = self.o.kind(self.status)
@@ -385,7 +397,7 @@ class Recording:
         return dict(kind=kind, reason=reason)
 
 
-def silent_ending(marked, cause):
+def silent_ending(marked: bool, cause: object) -> Dict[str, Any]:
     reason = "the handler wrote no response after its request ended: %s" % (cause or "the client went away")
     if marked:
         return dict(kind="FAILURE_KIND_UNKNOWN", reason=reason + " (after mark_side_effect)")

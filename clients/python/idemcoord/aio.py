@@ -15,9 +15,10 @@ and idemcoord.current_lease() work inside it.
 """
 
 import asyncio
+import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import grpc
 import grpc.aio
@@ -28,28 +29,34 @@ from . import _api, _core
 from ._core import (LEASE_LOST_ANSWER, NOT_STARTED_REASON, PASS_THROUGH, RESULT_HEADER, UNAVAILABLE_ANSWER, Answer,
                     Guard, Method, Replayed, Request, StoredBytes)
 from ._tables import FINISH_TIMEOUT, RELEASE_TIMEOUT
-from .client import (Attempt, _C, _HolderBase, _begin_fields, _begin_outcome, _channel_options, _configure, _code,
-                     _credentials, _current, _duration, _lease_gone, _lease_length, _once_ending, _once_request,
-                     _once_result, _release_fail, _seconds, _unreachable, _without_wait)
+from ._core import _C
+from ._core import code_of_error as _code
+from ._core import duration as _duration
+from ._core import lease_length as _lease_length
+from ._core import seconds as _seconds
+from .client import (Attempt, Result, _HolderBase, _Settings, _begin_fields, _begin_outcome, _channel_options,
+                     _configure, _credentials, _current, _lease_gone, _once_ending, _once_request, _once_result,
+                     _release_fail, _unreachable, _without_wait)
 from .errors import LeaseLost, LeaseUnconfirmed
 from .grpc import new_key, with_key
 
 
-def _answer_lost(err):
+def _answer_lost(err: object) -> bool:
     return isinstance(err, asyncio.CancelledError) or _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.CANCELLED)
 
 
-class Client:
+class Client(_Settings):
     """Calls an idemcoord coordinator from asyncio code; arguments as idemcoord.Client's."""
 
-    def __init__(self, address, token=None, tls=None, *, max_attempts=5, backoff=0.1, max_backoff=2.0, timeout=10.0,
-                 lease=None, options=(), logger=None):
+    def __init__(self, address: str, token: Optional[str] = None, tls: Any = None, *, max_attempts: int = 5,
+                 backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 10.0, lease: Any = None,
+                 options: Sequence[Tuple[str, Any]] = (), logger: Optional[logging.Logger] = None):
         options = _channel_options(options)
         creds = _credentials(tls)
         self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
                          else grpc.aio.insecure_channel(address, options))
         _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
-        self._background = set()
+        self._background: Set["asyncio.Future[None]"] = set()
 
     @classmethod
     def like(cls, client: "idemcoord.client.Client") -> "Client":
@@ -61,13 +68,14 @@ class Client:
         """
         return cls(**client._settings)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> "Client":
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
-    async def _call(self, method, fields, timeout=None, extra=0.0):
+    async def _call(self, method: str, fields: Mapping[str, Any], timeout: Optional[float] = None,
+                    extra: float = 0.0) -> Any:
         request = _api.REQUESTS[method](**fields)
         timeout = (self._timeout if timeout is None else timeout) + extra
         delay = self._backoff
@@ -80,15 +88,15 @@ class Client:
                 await asyncio.sleep(delay / 2 + random.random() * delay / 2)
                 delay = min(delay * 2, self._max_backoff)
 
-    async def begin(self, *, timeout=None, **fields):
+    async def begin(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Claims a key; as idemcoord.Client.begin."""
         _begin_fields(fields)
         return await self._call("Begin", fields, timeout, _seconds(fields.get("wait")))
 
-    async def complete(self, *, timeout=None, **fields):
+    async def complete(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         return await self._call("Complete", fields, timeout)
 
-    async def fail(self, *, timeout=None, **fields):
+    async def fail(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         try:
             return await self._call("Fail", fields, timeout)
         except grpc.aio.AioRpcError as err:
@@ -96,15 +104,16 @@ class Client:
                 return _api.RESPONSES["Fail"]()
             raise
 
-    async def lookup(self, *, timeout=None, **fields):
+    async def lookup(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         return await self._call("Lookup", fields, timeout)
 
-    async def heartbeat(self, *, timeout=None, **fields):
+    async def heartbeat(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         if fields.get("lease") is not None:
             fields["lease"] = _duration(fields["lease"])
         return await self._call("Heartbeat", fields, timeout)
 
-    async def once(self, scope, key, fingerprint, fn, *, wait_until=None):
+    async def once(self, scope: str, key: str, fingerprint: Optional[bytes], fn: Callable[[Attempt], Awaitable[Any]],
+                   *, wait_until: Optional[float] = None) -> Result:
         """Runs the async fn(attempt) at most once per (scope, key); as idemcoord.Client.once.
 
         wait_until (a time.monotonic() value) bounds the wait for another
@@ -138,7 +147,7 @@ class Client:
         ending, outcome = _once_ending(value, error, marked, res.record.attempt)
         return _once_result(error, outcome, await holder.finish(**ending))
 
-    async def _begin_waiting(self, req, wait_until=None):
+    async def _begin_waiting(self, req: Dict[str, Any], wait_until: Optional[float] = None) -> Tuple[Any, float]:
         """Begin, then Begin's long poll while another attempt holds the key, until wait_until (None: no limit)."""
         steps = _core.begin_waiting(req, None, wait_until, time.monotonic, lambda: False)
         step = next(steps)
@@ -151,9 +160,9 @@ class Client:
             try:
                 step = steps.send(answer)
             except StopIteration as done:
-                return done.value
+                return done.value  # type: ignore[no-any-return]
 
-    async def _release(self, req, token=None):
+    async def _release(self, req: Mapping[str, Any], token: Optional[str] = None) -> None:
         """As idemcoord.Client._release: ends with Fail ABANDONED what a Begin nobody will act on acquired; never raises."""
         try:
             async with asyncio.timeout(RELEASE_TIMEOUT) if hasattr(asyncio, "timeout") else _Nothing():
@@ -161,18 +170,18 @@ class Client:
                     res = await self.begin(**_without_wait(req), timeout=RELEASE_TIMEOUT)
                     if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
                         return
-                    token = res.lease_token
+                    token = str(res.lease_token)
                 await self.fail(**_release_fail(req, token), timeout=RELEASE_TIMEOUT)
         except Exception as err:
             self._log.warning("idemcoord: could not release an acquisition nobody will act on of %s/%s; the key "
                               "stays held until its lease runs out: %s", req["scope"], req["key"], err)
 
-    def _run_in_background(self, coro):
+    def _run_in_background(self, coro: Awaitable[None]) -> None:
         t = asyncio.ensure_future(coro)
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
-    async def shutdown(self, timeout=None):
+    async def shutdown(self, timeout: Optional[float] = None) -> None:
         """Waits for background endings (at most timeout seconds), then closes the channel."""
         if self._background:
             _, pending = await asyncio.wait(list(self._background), timeout=timeout)
@@ -184,21 +193,23 @@ class Client:
 
 
 class _Nothing:
-    async def __aenter__(self):
+    async def __aenter__(self) -> "_Nothing":
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> bool:
         return False
 
 
 class _AsyncHolder(_HolderBase):
     """An acquisition this task holds: heartbeats while fn runs, then ends it."""
 
-    def __init__(self, client, req, res, sent):
+    client: Client
+
+    def __init__(self, client: Client, req: Mapping[str, Any], res: Any, sent: float):
         super().__init__(client, req, res, sent)
         self.started = False
 
-    async def heartbeat(self, timeout=None):
+    async def heartbeat(self, timeout: Optional[float] = None) -> float:
         res = await self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
@@ -235,10 +246,10 @@ class _AsyncHolder(_HolderBase):
                 pass
         return stop
 
-    async def run(self, fn):
+    async def run(self, fn: Callable[[Attempt], Awaitable[Any]]) -> Tuple[Any, Optional[BaseException], bool, bool]:
         """Runs fn(attempt) with heartbeats; returns (value, error, marked, started)."""
         attempt = Attempt(self.info)
-        task = None
+        task: "Optional[asyncio.Future[Any]]" = None
 
         def cancel_fn() -> None:
             if task is not None:
@@ -251,7 +262,8 @@ class _AsyncHolder(_HolderBase):
             task = asyncio.ensure_future(fn(attempt))
         finally:
             _current.reset(token)
-        value = error = None
+        value = None
+        error: Optional[BaseException] = None
         try:
             value = await task
         except asyncio.CancelledError:
@@ -288,11 +300,11 @@ class _AsyncHolder(_HolderBase):
                     return
                 timer.beat_unanswered(time.monotonic())
 
-    async def _send(self, ending, timeout):
+    async def _send(self, ending: Mapping[str, Any], timeout: float) -> Any:
         method, fields = self._ending_call(ending)
         return await getattr(self.client, method)(timeout=timeout, **fields)
 
-    async def finish(self, **ending):
+    async def finish(self, **ending: Any) -> Optional[BaseException]:
         """Ends the attempt; None when done or retrying in the background, else the refusal."""
         try:
             await self._send(ending, FINISH_TIMEOUT)
@@ -304,9 +316,10 @@ class _AsyncHolder(_HolderBase):
             instead = self._unstored(err, ending)
             if instead is not None:
                 return await self.finish(**instead)
-            return err
+            refusal: BaseException = err
+            return refusal
 
-    async def _finish_later(self, ending):
+    async def _finish_later(self, ending: Mapping[str, Any]) -> None:
         give_up = time.monotonic() + self.length
         delay = 0.1
         while time.monotonic() < give_up:
@@ -346,9 +359,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
-        m = self.guard.method(handler_call_details.method, handler)
-        if m is None:
+        guarded_method = self.guard.method(handler_call_details.method, handler)
+        if guarded_method is None:
             return handler
+        m: Method = guarded_method
         behavior = handler.unary_unary
 
         async def guarded(request: Request, context: Any) -> Any:
@@ -474,19 +488,19 @@ class _HandlerContext:
     to add "idempotency-result: created".
     """
 
-    def __init__(self, context):
+    def __init__(self, context: Any):
         self._context = context
-        self.aborted = None
+        self.aborted: Optional[Tuple[Any, str, _core.Metadata]] = None
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    async def abort(self, code, details="", trailing_metadata=()):
+    async def abort(self, code: Any, details: str = "", trailing_metadata: _core.Metadata = ()) -> None:
         self.aborted = (code, details, tuple(trailing_metadata or ()))
         raise _HandlerAbort(details)
 
-    def code(self):
+    def code(self) -> Any:
         return self.aborted[0] if self.aborted else self._context.code()
 
-    def details(self):
+    def details(self) -> Any:
         return self.aborted[1] if self.aborted else self._context.details()

@@ -36,31 +36,39 @@ import asyncio
 import inspect
 import warnings
 import weakref
-from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional, Tuple, TypeVar, Union, cast
 
 import grpc
 
 from . import _api, _http
 from . import aio as _aio
+from ._tables import FINISH_TIMEOUT
 from .client import Attempt, Client, _current
+from .errors import LeaseUnconfirmed
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+RawHeaders = List[Tuple[bytes, bytes]]
+
+_T = TypeVar("_T")
 
 
-async def _maybe_await(v):
-    return await v if inspect.isawaitable(v) else v
+async def _maybe_await(v: Union[_T, Awaitable[_T]]) -> _T:
+    if inspect.isawaitable(v):
+        return await cast(Awaitable[_T], v)
+    return cast(_T, v)
 
 
-def _target(scope):
-    path = scope.get("raw_path") or scope["path"].encode("utf-8")
-    qs = scope.get("query_string") or b""
+def _target(scope: Scope) -> str:
+    path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+    qs: bytes = scope.get("query_string") or b""
     return (path + (b"?" + qs if qs else b"")).decode("latin-1")
 
 
-async def _send_problem(send, p, echo):
+async def _send_problem(send: Send, p: _http.Problem, echo: RawHeaders) -> None:
     body = p.body()
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in p.header_list(body)] + echo
     await send({"type": "http.response.start", "status": p.status, "headers": headers})
@@ -85,7 +93,7 @@ class IdempotencyMiddleware:
     scope and the StoredResponse).
     """
 
-    def __init__(self, app, client: Union[Client, _aio.Client], *, threads: Optional[int] = None, **options: Any):
+    def __init__(self, app: App, client: Union[Client, _aio.Client], *, threads: Optional[int] = None, **options: Any):
         self.app = app
         self.client = client
         self.o = _http.Options(**options)
@@ -117,7 +125,7 @@ class IdempotencyMiddleware:
             if msg["type"] == "lifespan.shutdown":
                 owned = self._owned.pop(asyncio.get_running_loop(), None)
                 if owned is not None:
-                    await owned.shutdown(timeout=_aio.FINISH_TIMEOUT)
+                    await owned.shutdown(timeout=FINISH_TIMEOUT)
             return msg
         await self.app(scope, on_shutdown, send)
 
@@ -137,6 +145,7 @@ class IdempotencyMiddleware:
         if key is None:
             await self.app(scope, receive, send)
             return
+        assert raw is not None  # a key was sent
         echo = [(b"idempotency-key", raw)]
         try:
             if o.principal is not None:
@@ -144,20 +153,20 @@ class IdempotencyMiddleware:
                     key = _http.fold_principal(await _maybe_await(o.principal(scope)), key)
                 except Exception as err:
                     raise _http.Problem(400, "about:blank", "Bad Request", "idempotency principal: %s" % err)
-            body = bytearray()
+            received = bytearray()
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     return  # the client went away before anything was sent
-                body += msg.get("body", b"")
-                if len(body) > o.max_body_bytes:
+                received += msg.get("body", b"")
+                if len(received) > o.max_body_bytes:
                     raise _http.too_large(o)
                 if not msg.get("more_body", False):
                     break
-            body = bytes(body)
+            body = bytes(received)
             try:
                 if o.fingerprint is not None:
-                    fp = await _maybe_await(o.fingerprint(scope, body))
+                    fp: bytes = await _maybe_await(o.fingerprint(scope, body))
                 else:
                     fp = _http.http_fingerprint(scope["method"], _target(scope), body)
             except Exception as err:
@@ -205,7 +214,8 @@ class IdempotencyMiddleware:
         await c._release(breq)
         return None
 
-    async def _guarded(self, scope, send, key, body, fp, echo, left, gone):
+    async def _guarded(self, scope: Scope, send: Send, key: str, body: bytes, fp: bytes, echo: RawHeaders,
+                       left: asyncio.Event, gone: asyncio.Event) -> None:
         o, c = self.o, self._client()
         breq = _http.begin_request(c, o, key, fp)
         try:
@@ -308,7 +318,7 @@ class IdempotencyMiddleware:
         if not rec.wrote and attempt.cancelled.is_set():
             cause = attempt.reason
             await holder.finish(**_http.silent_ending(attempt._marked, cause))
-            await _send_problem(send, _http.silent(isinstance(cause, _aio.LeaseUnconfirmed)), echo)
+            await _send_problem(send, _http.silent(isinstance(cause, LeaseUnconfirmed)), echo)
             return
         if not rec.wrote:
             await recording_send({"type": "http.response.start", "status": 200, "headers": []})
@@ -353,11 +363,11 @@ async def _cancel_when_left(left: asyncio.Event, attempt: Attempt) -> None:
     attempt.cancel(RuntimeError("idemcoord: the client went away"))
 
 
-def _replaying(body, gone):
+def _replaying(body: bytes, gone: asyncio.Event) -> Receive:
     """The receive the app gets: the body that was read, then http.disconnect once gone is set."""
     sent = False
 
-    async def receive():
+    async def receive() -> Message:
         nonlocal sent
         if not sent:
             sent = True

@@ -9,7 +9,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import grpc
 
@@ -28,7 +28,7 @@ CANCEL_POLL = 0.05  # how often a call made for once looks at the caller's cance
 # How fn's errors are recorded by gRPC code (shared_tables.json, as every library records them).
 DEFAULT_FAILURE_KINDS = _tables.FAILURE_KINDS
 
-_current = contextvars.ContextVar("idemcoord_attempt", default=None)
+_current: "contextvars.ContextVar[Optional[Attempt]]" = contextvars.ContextVar("idemcoord_attempt", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,31 +63,32 @@ class Attempt:
     it cannot be confirmed before it runs out (reason LeaseUnconfirmed).
     """
 
-    def __init__(self, lease, cancel_event=None):
+    def __init__(self, lease: Lease, cancel_event: Optional[threading.Event] = None):
         self.lease = lease
         self.cancelled = threading.Event()
-        self.reason = None
+        self.reason: Optional[BaseException] = None
         self._marked = False
         self._outer = cancel_event
 
-    def mark_side_effect(self):
+    def mark_side_effect(self) -> None:
         """See idemcoord.mark_side_effect."""
         self._marked = True
 
-    def cancel(self, reason):
+    def cancel(self, reason: BaseException) -> None:
         if not self.cancelled.is_set():
             self.reason = reason
             self.cancelled.set()
 
-    def raise_if_cancelled(self):
+    def raise_if_cancelled(self) -> None:
         """Raises the reason when the attempt was cancelled."""
         if self._outer is not None and self._outer.is_set():
             self.cancel(self.reason or RuntimeError("idemcoord: cancelled by the caller"))
         if self.cancelled.is_set():
+            assert self.reason is not None  # cancel sets it first
             raise self.reason
 
 
-def mark_side_effect():
+def mark_side_effect() -> None:
     """Marks, inside a function once runs, that its first irreversible step is about to happen.
 
     After it, any exception ends the attempt FAILURE_KIND_UNKNOWN (a
@@ -99,31 +100,31 @@ def mark_side_effect():
         attempt.mark_side_effect()
 
 
-def current_lease():
+def current_lease() -> Optional[Lease]:
     """The Lease of the attempt a function run by once is in, or None outside one."""
     attempt = _current.get()
     return attempt.lease if attempt is not None else None
 
 
-def _unreachable(err):
+def _unreachable(err: object) -> bool:
     return _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.RESOURCE_EXHAUSTED, _C.CANCELLED)
 
 
-def _answer_lost(err):
+def _answer_lost(err: object) -> bool:
     """Whether a call that raised err may have been carried out without its answer reaching us."""
     return isinstance(err, concurrent.futures.CancelledError) or _code(err) in (
         _C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.CANCELLED)
 
 
-def _cancelled():
+def _cancelled() -> concurrent.futures.CancelledError:
     return concurrent.futures.CancelledError("idemcoord: cancelled by the caller before the function started")
 
 
-def _lease_gone(err):
+def _lease_gone(err: object) -> bool:
     return _code(err) in (_C.FAILED_PRECONDITION, _C.NOT_FOUND)
 
 
-def _credentials(tls):
+def _credentials(tls: Any) -> Any:
     if isinstance(tls, grpc.ChannelCredentials):
         return tls
     if tls is True:
@@ -133,7 +134,7 @@ def _credentials(tls):
     return None
 
 
-def _status_response(err):
+def _status_response(err: BaseException) -> Any:
     code = _code(err) or _C.UNKNOWN
     details = err.details() if isinstance(err, grpc.RpcError) and callable(getattr(err, "details", None)) else str(err)
     body = _api.Status(code=code.value[0], message=details or "").SerializeToString(deterministic=True)
@@ -141,7 +142,7 @@ def _status_response(err):
                                status_code=code.value[0])
 
 
-def _stored_failure(record, result):
+def _stored_failure(record: Any, result: "Result") -> StoredFailure:
     resp = record.response
     if resp.schema_version == SCHEMA_VERSION_STATUS:
         st = _api.Status()
@@ -157,9 +158,9 @@ def _stored_failure(record, result):
     return StoredFailure(code, record.failure_reason or "replayed failure", result)
 
 
-def _failure_kind(err, marked):
+def _failure_kind(err: BaseException, marked: bool) -> str:
     if isinstance(err, FailureError) and err.kind:
-        kind = err.kind if isinstance(err.kind, str) else _api.FailureKind.Name(err.kind)
+        kind: str = err.kind if isinstance(err.kind, str) else _api.FailureKind.Name(err.kind)
         if kind != "FAILURE_KIND_UNSPECIFIED":
             return "FAILURE_KIND_UNKNOWN" if marked and kind != "FAILURE_KIND_REPLAYABLE" else kind
     if marked:
@@ -169,7 +170,7 @@ def _failure_kind(err, marked):
 
 # The I/O-free parts of once, shared by Client and idemcoord.aio.Client.
 
-def _begin_fields(fields):
+def _begin_fields(fields: Dict[str, Any]) -> Dict[str, Any]:
     """Begin's fields as sent: durations as Durations, and a fresh attempt_id unless one is given."""
     for name in ("ttl", "lease", "wait"):
         if fields.get(name) is not None:
@@ -179,15 +180,15 @@ def _begin_fields(fields):
     return fields
 
 
-def _once_request(scope, key, fingerprint, lease):
+def _once_request(scope: str, key: str, fingerprint: Optional[bytes], lease: Any) -> Dict[str, Any]:
     """The Begin request once sends."""
-    breq = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
+    breq: Dict[str, Any] = dict(scope=scope, key=key, fingerprint=bytes(fingerprint or b""), attempt_id=_new_attempt_id())
     if lease is not None:
         breq["lease"] = lease
     return breq
 
 
-def _begin_outcome(res, cancel_event=None):
+def _begin_outcome(res: Any, cancel_event: Optional[threading.Event] = None) -> Optional["Result"]:
     """What once makes of Begin's last answer: the Result of a replay, or None when it acquired the key.
 
     Raises the stored failure of a replayed one, UnknownHeld, and, while
@@ -209,11 +210,12 @@ def _begin_outcome(res, cancel_event=None):
     return None
 
 
-def _stored_response(response):
+def _stored_response(response: Any) -> Any:
     return _api.StoredResponse(**response) if isinstance(response, dict) else response
 
 
-def _once_ending(value, error, marked, attempt):
+def _once_ending(value: Any, error: Optional[BaseException], marked: bool, attempt: int
+                 ) -> Tuple[Dict[str, Any], Union["Result", BaseException]]:
     """How once ends an attempt whose fn returned value or raised error.
 
     Returns (ending, outcome): ending, the keywords of the holder's finish;
@@ -236,7 +238,8 @@ def _once_ending(value, error, marked, attempt):
     return dict(kind=kind, response=response, reason=reason), failure
 
 
-def _once_result(error, outcome, finish_err):
+def _once_result(error: Optional[BaseException], outcome: Union["Result", BaseException],
+                 finish_err: Optional[BaseException]) -> "Result":
     """Returns or raises what once does once the ending (see _once_ending) was sent, refused with finish_err or not."""
     if finish_err is not None:
         if error is None:
@@ -249,12 +252,12 @@ def _once_result(error, outcome, finish_err):
     raise outcome from error
 
 
-def _without_wait(req):
+def _without_wait(req: Mapping[str, Any]) -> Dict[str, Any]:
     """The Begin a release re-sends: req without its wait."""
     return {k: v for k, v in req.items() if k != "wait"}
 
 
-def _release_fail(req, token):
+def _release_fail(req: Mapping[str, Any], token: str) -> Dict[str, Any]:
     """The Fail fields that release the acquisition token of req's key."""
     return dict(scope=req["scope"], key=req["key"], lease_token=token, kind="FAILURE_KIND_ABANDONED",
                 reason=RELEASE_REASON)
@@ -274,7 +277,21 @@ def _channel_options(options: Sequence[Tuple[str, Any]]) -> List[Tuple[str, Any]
     return list(options) + [(name, v) for name, v in RECONNECT_BACKOFF_MS if name not in given]
 
 
-def _configure(client, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger):
+class _Settings:
+    """What Client and idemcoord.aio.Client share: the call settings and the stubs, set by _configure."""
+
+    _metadata: Tuple[Tuple[str, str], ...]
+    _max_attempts: int
+    _backoff: float
+    _max_backoff: float
+    _timeout: float
+    _lease: Any  # a google.protobuf.Duration, or None: the coordinator's default
+    _log: logging.Logger
+    _stubs: Dict[str, Any]
+
+
+def _configure(client: _Settings, channel: Any, token: Optional[str], max_attempts: int, backoff: float,
+               max_backoff: float, timeout: float, lease: Any, logger: Optional[logging.Logger]) -> None:
     """Sets what Client and idemcoord.aio.Client share: the call settings, and the stubs on channel."""
     client._metadata = (("authorization", "Bearer " + token),) if token else ()
     client._max_attempts = max(1, max_attempts)
@@ -288,7 +305,7 @@ def _configure(client, channel, token, max_attempts, backoff, max_backoff, timeo
     }
 
 
-class Client:
+class Client(_Settings):
     """Calls an idemcoord coordinator. Safe for concurrent use from many threads.
 
     Every call is retried with backoff while the coordinator answers
@@ -302,11 +319,13 @@ class Client:
     Durations (ttl, lease, wait, timeout, backoff) are seconds or timedeltas.
     """
 
-    def __init__(self, address, token=None, tls=None, *, max_attempts=5, backoff=0.1, max_backoff=2.0, timeout=10.0,
-                 lease=None, interceptors=(), options=(), logger=None):
+    def __init__(self, address: str, token: Optional[str] = None, tls: Any = None, *, max_attempts: int = 5,
+                 backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 10.0, lease: Any = None,
+                 interceptors: Sequence[Any] = (), options: Sequence[Tuple[str, Any]] = (),
+                 logger: Optional[logging.Logger] = None):
         options = _channel_options(options)
         # What an asyncio twin of this client is built from (idemcoord.aio.Client.like).
-        self._settings = dict(address=address, token=token, tls=tls, max_attempts=max_attempts, backoff=backoff,
+        self._settings: Dict[str, Any] = dict(address=address, token=token, tls=tls, max_attempts=max_attempts, backoff=backoff,
                               max_backoff=max_backoff, timeout=timeout, lease=lease, options=options, logger=logger)
         creds = _credentials(tls)
         channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address, options)
@@ -314,17 +333,18 @@ class Client:
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)
         _configure(self, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
-        self._background = set()
+        self._background: Set[threading.Thread] = set()
         self._bg_lock = threading.Lock()
         self._bg_stop = threading.Event()
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _call(self, method, request, fields, timeout, extra=0.0, *, deadline=None, cancel_event=None):
+    def _call(self, method: str, request: Any, fields: Mapping[str, Any], timeout: Optional[float], extra: float = 0.0,
+              *, deadline: Optional[float] = None, cancel_event: Optional[threading.Event] = None) -> Any:
         """One call of method, retried on UNAVAILABLE with backoff.
 
         Each try is bounded by timeout (+ extra) and, with deadline (a
@@ -361,7 +381,8 @@ class Client:
                 delay = min(delay * 2, self._max_backoff)
                 attempt += 1
 
-    def _invoke(self, method, request, timeout, deadline, cancel_event):
+    def _invoke(self, method: str, request: Any, timeout: float, deadline: Optional[float],
+                cancel_event: Optional[threading.Event]) -> Any:
         """One try of _call."""
         if deadline is not None:
             timeout = min(timeout, max(deadline - time.monotonic(), 0.001))
@@ -379,7 +400,7 @@ class Client:
                     call.cancel()
                     raise _cancelled() from None
 
-    def begin(self, request=None, *, timeout=None, **fields):
+    def begin(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Claims a key (idempotency.v1.Coordinator.Begin).
 
         Takes a BeginRequest, a dict, or its fields as keywords; ttl, lease
@@ -392,11 +413,11 @@ class Client:
         _begin_fields(fields)
         return self._call("Begin", None, fields, timeout, _seconds(fields.get("wait")))
 
-    def complete(self, request=None, *, timeout=None, **fields):
+    def complete(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Stores the response and ends the record COMPLETED."""
         return self._call("Complete", request, fields, timeout)
 
-    def fail(self, request=None, *, timeout=None, **fields):
+    def fail(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Ends the attempt with a failure (kind: a FailureKind name or number).
 
         An ABANDONED fail that finds no record answers an empty FailResponse:
@@ -413,11 +434,11 @@ class Client:
                 return _api.RESPONSES["Fail"]()
             raise
 
-    def lookup(self, request=None, *, timeout=None, **fields):
+    def lookup(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Reads a record as in effect now."""
         return self._call("Lookup", request, fields, timeout)
 
-    def heartbeat(self, request=None, *, timeout=None, **fields):
+    def heartbeat(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Extends the current attempt's lease (lease: seconds or a timedelta)."""
         if request is not None:
             fields = dict(_as_dict(request), **fields)
@@ -425,7 +446,8 @@ class Client:
             fields["lease"] = _duration(fields["lease"])
         return self._call("Heartbeat", None, fields, timeout)
 
-    def once(self, scope, key, fingerprint, fn, *, timeout=None, cancel_event=None):
+    def once(self, scope: str, key: str, fingerprint: Optional[bytes], fn: Callable[[Attempt], Any], *,
+             timeout: Optional[float] = None, cancel_event: Optional[threading.Event] = None) -> Result:
         """Runs fn at most once per (scope, key) and returns the recorded outcome.
 
         fn(attempt) runs in this thread when this call acquires the key,
@@ -489,7 +511,8 @@ class Client:
         ending, outcome = _once_ending(value, error, marked, res.record.attempt)
         return _once_result(error, outcome, lease.finish(**ending))
 
-    def _begin_waiting(self, req, give_up, cancel_event, wait_until=None):
+    def _begin_waiting(self, req: Dict[str, Any], give_up: Optional[float], cancel_event: Optional[threading.Event],
+                       wait_until: Optional[float] = None) -> Tuple[Any, float]:
         """Begin, then, while another attempt holds the key, Begin's long poll until give_up or cancel_event.
 
         Returns the last answer and when its Begin was sent: a lease it
@@ -519,7 +542,7 @@ class Client:
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
 
-    def _release(self, req, token=None):
+    def _release(self, req: Mapping[str, Any], token: Optional[str] = None) -> None:
         """Releases the acquisition a Begin of req may have made when nobody will act on it.
 
         That is when the caller gave up or the Begin's answer was lost.
@@ -536,7 +559,7 @@ class Client:
                 res = self._call("Begin", None, _without_wait(req), RELEASE_TIMEOUT, deadline=deadline)
                 if res.outcome != _api.Outcome.OUTCOME_ACQUIRED:
                     return  # another attempt holds the key, or it has an outcome
-                token = res.lease_token
+                token = str(res.lease_token)
             self._call("Fail", None, _release_fail(req, token), RELEASE_TIMEOUT, deadline=deadline)
         except Exception as err:  # logged: the caller gets its own error
             if token and _code(err) == _C.NOT_FOUND:
@@ -544,13 +567,13 @@ class Client:
             self._log.warning("idemcoord: could not release an acquisition nobody will act on of %s/%s; the key "
                               "stays held until its lease runs out: %s", req["scope"], req["key"], err)
 
-    def _run_in_background(self, f):
+    def _run_in_background(self, f: Callable[[threading.Event], None]) -> None:
         t = threading.Thread(target=self._background_main, args=(f,), daemon=True)
         with self._bg_lock:
             self._background.add(t)
         t.start()
 
-    def _background_main(self, f):
+    def _background_main(self, f: Callable[[threading.Event], None]) -> None:
         try:
             f(self._bg_stop)
         except Exception:  # logged; the record reads UNKNOWN once its lease runs out
@@ -559,7 +582,7 @@ class Client:
             with self._bg_lock:
                 self._background.discard(threading.current_thread())
 
-    def shutdown(self, timeout=None):
+    def shutdown(self, timeout: Optional[float] = None) -> None:
         """Waits for the background work of once (at most timeout seconds), then closes the channel.
 
         That work is a complete or fail that could not reach the coordinator,
@@ -581,7 +604,7 @@ class Client:
     close = shutdown
 
 
-def _as_dict(msg):
+def _as_dict(msg: Any) -> Dict[str, Any]:
     if isinstance(msg, dict):
         return dict(msg)
     return {f.name: v for f, v in msg.ListFields()}
@@ -590,7 +613,7 @@ def _as_dict(msg):
 class _HolderBase:
     """What _Holder and idemcoord.aio's _AsyncHolder share: the acquisition's state and the calls that end it."""
 
-    def __init__(self, client, req, res, sent):
+    def __init__(self, client: _Settings, req: Mapping[str, Any], res: Any, sent: float):
         self.client = client
         self.scope, self.key = req["scope"], req["key"]
         self.token = res.lease_token
@@ -606,10 +629,10 @@ class _HolderBase:
         """The lease in seconds."""
         return self.timer.length
 
-    def _heartbeat_fields(self):
+    def _heartbeat_fields(self) -> Dict[str, Any]:
         return dict(scope=self.scope, key=self.key, lease_token=self.token, lease=self.request)
 
-    def _ending_call(self, ending):
+    def _ending_call(self, ending: Mapping[str, Any]) -> Tuple[str, Dict[str, Any]]:
         """The client method that sends ending ("complete" or "fail") and its fields."""
         base = dict(scope=self.scope, key=self.key, lease_token=self.token)
         if "complete" in ending:
@@ -618,7 +641,7 @@ class _HolderBase:
                             **base)
 
     @staticmethod
-    def _unstored(err, ending):
+    def _unstored(err: BaseException, ending: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         """The ending to send instead when the coordinator refused ending's response with err, else None."""
         if _code(err) == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
             return dict(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
@@ -628,11 +651,13 @@ class _HolderBase:
 class _Holder(_HolderBase):
     """An acquisition this process holds: heartbeats while fn runs, then ends it."""
 
-    def __init__(self, client, req, res, sent):
+    client: Client
+
+    def __init__(self, client: Client, req: Mapping[str, Any], res: Any, sent: float):
         super().__init__(client, req, res, sent)
         self.gave_up = False
 
-    def run(self, fn, attempt):
+    def run(self, fn: Callable[[Attempt], Any], attempt: Attempt) -> Tuple[Any, Optional[Exception], bool, bool]:
         """Runs fn(attempt) with heartbeats; returns (value, error, marked, started) once they stopped.
 
         When the Begin that granted the lease took long (a wait for another
@@ -645,7 +670,8 @@ class _Holder(_HolderBase):
         if stop is None:
             return None, None, False, False
         token = _current.set(attempt)
-        value = error = None
+        value = None
+        error: Optional[Exception] = None
         try:
             value = fn(attempt)
         except Exception as err:  # recorded, then raised again by once
@@ -655,7 +681,7 @@ class _Holder(_HolderBase):
             stop()
         return value, error, attempt._marked, True
 
-    def start(self, attempt):
+    def start(self, attempt: Attempt) -> Optional[Callable[[], None]]:
         """Starts the heartbeats of attempt; returns the function that stops them, or None when fn must not run.
 
         None when the caller gave up (gave_up), the lease was lost (lost) or
@@ -681,16 +707,16 @@ class _Holder(_HolderBase):
         beats = threading.Thread(target=self._keep_alive, args=(attempt, stop), daemon=True)
         beats.start()
 
-        def stop_beats():
+        def stop_beats() -> None:
             stop.set()
             beats.join()
         return stop_beats
 
-    def _caller_gone(self, attempt):
+    def _caller_gone(self, attempt: Attempt) -> bool:
         self.gave_up = attempt._outer is not None and attempt._outer.is_set()
         return self.gave_up
 
-    def _keep_alive(self, attempt, stop):
+    def _keep_alive(self, attempt: Attempt, stop: threading.Event) -> None:
         """Heartbeats a third of the lease after the last confirmation, more often while unreachable.
 
         Cancels the attempt with LeaseLost when a heartbeat is refused, and
@@ -722,16 +748,16 @@ class _Holder(_HolderBase):
                     return
                 timer.beat_unanswered(time.monotonic())
 
-    def heartbeat(self, timeout=None):
+    def heartbeat(self, timeout: Optional[float] = None) -> float:
         """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
         res = self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
-    def _send(self, ending, timeout):
+    def _send(self, ending: Mapping[str, Any], timeout: float) -> Any:
         method, fields = self._ending_call(ending)
         return getattr(self.client, method)(timeout=timeout, **fields)
 
-    def finish(self, **ending):
+    def finish(self, **ending: Any) -> Optional[BaseException]:
         """Ends the attempt; returns None when done or retrying in the background, else the refusal."""
         try:
             self._send(ending, FINISH_TIMEOUT)
@@ -745,9 +771,10 @@ class _Holder(_HolderBase):
             instead = self._unstored(err, ending)
             if instead is not None:
                 return self.finish(**instead)
-            return err
+            refusal: BaseException = err
+            return refusal
 
-    def _finish_later(self, ending, stop):
+    def _finish_later(self, ending: Mapping[str, Any], stop: threading.Event) -> None:
         give_up = time.monotonic() + self.length
         delay = 0.1
         while time.monotonic() < give_up and not stop.wait(delay):

@@ -6,8 +6,7 @@ import grpc
 
 from ._api import REASONS, reason_name
 
-REASON_UNKNOWN_HELD: str = reason_name(  # type: ignore[no-untyped-call]
-    "ERROR_REASON_UNKNOWN_HELD")
+REASON_UNKNOWN_HELD: str = reason_name("ERROR_REASON_UNKNOWN_HELD")
 """The ErrorInfo reason of a key held UNKNOWN for an operator."""
 SCHEMA_VERSION_STATUS = "google.rpc.Status"
 """The schema version of a stored failure whose body is a google.rpc.Status."""

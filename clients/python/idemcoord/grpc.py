@@ -68,9 +68,10 @@ class ServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
-        m = self.guard.method(handler_call_details.method, handler)
-        if m is None:
+        guarded_method = self.guard.method(handler_call_details.method, handler)
+        if guarded_method is None:
             return handler
+        m: Method = guarded_method
         behavior = handler.unary_unary
 
         def guarded(request: Request, context: Any) -> Any:

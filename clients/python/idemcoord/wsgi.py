@@ -23,20 +23,23 @@ import http
 import io
 import threading
 import urllib.parse
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 
 from . import _api, _http
-from .client import Attempt, _answer_lost, _current, _Holder
+from .client import Attempt, Client, _answer_lost, _current, _Holder
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 
-def _target(environ):
-    uri = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+def _target(environ: "WSGIEnvironment") -> str:
+    uri: Optional[str] = environ.get("RAW_URI") or environ.get("REQUEST_URI")
     if uri:
         return uri
     path = urllib.parse.quote(environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", ""), safe="/;=,:@!$&'()*+~")
-    qs = environ.get("QUERY_STRING", "")
+    qs: str = environ.get("QUERY_STRING", "")
     return path + ("?" + qs if qs else "")
 
 
@@ -52,7 +55,7 @@ def _read_body(o: _http.Options, environ: Dict[str, Any]) -> bytes:
     request with both Transfer-Encoding and Content-Length answers 400: the
     two may disagree on where its body ends.
     """
-    stream = environ["wsgi.input"]
+    stream: BinaryIO = environ["wsgi.input"]
     length: str = environ.get("CONTENT_LENGTH") or ""
     if length.strip() and "HTTP_TRANSFER_ENCODING" in environ:
         raise _http.Problem(400, "about:blank", "Bad Request",
@@ -92,14 +95,14 @@ class IdempotencyMiddleware:
     (a function of environ and the StoredResponse).
     """
 
-    def __init__(self, app, client, **options):
+    def __init__(self, app: "WSGIApplication", client: Client, **options: Any):
         self.app = app
         self.client = client
         self.o = _http.Options(**options)
         if self.o.undecided_principal:
             _http.warn_undecided_principal("idemcoord.wsgi.IdempotencyMiddleware")
 
-    def __call__(self, environ, start_response):
+    def __call__(self, environ: "WSGIEnvironment", start_response: "StartResponse") -> Iterable[bytes]:
         o = self.o
         if environ.get("REQUEST_METHOD", "GET") not in o.methods:
             return self.app(environ, start_response)
@@ -111,6 +114,7 @@ class IdempotencyMiddleware:
             return self._problem(start_response, p, [])
         if key is None:
             return self.app(environ, start_response)
+        assert raw is not None  # a key was sent
         echo = [("Idempotency-Key", raw.decode("latin-1"))]
         try:
             if o.principal is not None:
@@ -123,7 +127,7 @@ class IdempotencyMiddleware:
             environ["CONTENT_LENGTH"] = str(len(body))
             try:
                 if o.fingerprint is not None:
-                    fp = o.fingerprint(environ, body)
+                    fp: bytes = o.fingerprint(environ, body)
                 else:
                     fp = _http.http_fingerprint(environ["REQUEST_METHOD"], _target(environ), body)
             except Exception as err:
@@ -132,12 +136,13 @@ class IdempotencyMiddleware:
             return self._problem(start_response, p, echo)
         return self._guarded(environ, start_response, key, fp, echo)
 
-    def _problem(self, start_response, p, echo):
+    def _problem(self, start_response: "StartResponse", p: _http.Problem, echo: List[Tuple[str, str]]) -> List[bytes]:
         body = p.body()
         start_response("%d %s" % (p.status, p.title), p.header_list(body) + echo)
         return [body]
 
-    def _guarded(self, environ, start_response, key, fp, echo):
+    def _guarded(self, environ: "WSGIEnvironment", start_response: "StartResponse", key: str, fp: bytes,
+                 echo: List[Tuple[str, str]]) -> Iterable[bytes]:
         o, c = self.o, self.client
         breq = _http.begin_request(c, o, key, fp)
         try:
@@ -167,14 +172,15 @@ class IdempotencyMiddleware:
             return self._problem(start_response, _http.not_started(), echo)
 
         rec = _http.Recording(o)
-        answer = {}
-        parts = []  # the whole answer; rec keeps what is stored
+        answer: Dict[str, Any] = {}  # status, headers
+        parts: List[bytes] = []  # the whole answer; rec keeps what is stored
 
-        def write(chunk):
+        def write(chunk: bytes) -> None:
             parts.append(chunk)
             rec.keep(chunk)
 
-        def recording_start_response(status, headers, exc_info=None):
+        def recording_start_response(status: str, headers: List[Tuple[str, str]],
+                                     exc_info: Any = None) -> Callable[[bytes], None]:
             answer["status"], answer["headers"] = status, headers
             return write
 
@@ -209,14 +215,14 @@ class IdempotencyMiddleware:
             answer["status"], answer["headers"] = "200 OK", []
         code = int(answer["status"].split(" ", 1)[0])
         out = rec.head(code, [(k, v) for k, v in answer["headers"] if k.lower() != "idempotency-key"])
-        err = holder.finish(**rec.ending(attempt._marked))
-        if err is not None:
-            c._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
+        refusal = holder.finish(**rec.ending(attempt._marked))
+        if refusal is not None:
+            c._log.error("idemcoord: coordinator refused the end of an attempt: %s", refusal)
         start_response(answer["status"], out + echo)
         return [b"".join(parts)]
 
 
-def _reason(status):
+def _reason(status: int) -> str:
     try:
         return http.HTTPStatus(status).phrase
     except ValueError:
