@@ -154,7 +154,8 @@ $(BIN)/.helm-$(HELM_VERSION): tools/helm/go.mod
 
 ## lint: gofmt, go vet, golangci-lint (.golangci.yml: staticcheck, errorlint, ...), buf lint, ESLint on the Node
 ## library and the Express example (clients/node/eslint.config.mjs; needs `npm ci --prefix clients/node`),
-## mypy --strict on the Python library (Debian: apt-get install mypy), generated code up to date
+## mypy --strict and flake8 on the Python library and its tests (Debian: apt-get install mypy flake8), generated
+## code up to date
 lint: tools check-generated
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/') 2>&1); \
 	  if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
@@ -162,6 +163,7 @@ lint: tools check-generated
 	$(BIN)/golangci-lint run $(GO_PACKAGES)
 	$(BIN)/buf lint
 	/usr/bin/python3 -m mypy --strict --config-file clients/python/pyproject.toml clients/python/idemcoord
+	cd clients/python && /usr/bin/python3 -m flake8 idemcoord tests
 	npm --prefix clients/node run --silent lint
 
 # The Node and Python client libraries load the API at run time from a

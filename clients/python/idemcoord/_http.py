@@ -5,7 +5,6 @@ the same in every language; clients/testdata/http_conformance.json is the
 suite every stack runs.
 """
 
-import base64
 import email.utils
 import hashlib
 import json
@@ -13,7 +12,6 @@ import math
 import re
 import time
 import unicodedata
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import grpc
@@ -21,8 +19,8 @@ import grpc
 from . import _api
 from ._tables import PROBLEM_TYPES
 from ._core import _C
-from ._core import fold_principal as fold_principal  # the middlewares fold with it
-from ._core import warn_undecided_principal as warn_undecided_principal
+from ._core import fold_principal as fold_principal  # noqa: F401 (re-exported: the middlewares fold with it)
+from ._core import warn_undecided_principal as warn_undecided_principal  # noqa: F401 (re-exported)
 from ._core import code_of_error as _code
 from ._core import new_attempt_id as _new_attempt_id
 

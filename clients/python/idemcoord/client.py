@@ -3,9 +3,7 @@
 import concurrent.futures
 import contextvars
 import dataclasses
-import datetime
 import logging
-import os
 import random
 import threading
 import time

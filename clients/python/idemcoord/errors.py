@@ -4,7 +4,7 @@ from typing import Any, Optional
 
 import grpc
 
-from ._api import REASONS, reason_name
+from ._api import reason_name
 
 REASON_UNKNOWN_HELD: str = reason_name("ERROR_REASON_UNKNOWN_HELD")
 """The ErrorInfo reason of a key held UNKNOWN for an operator."""

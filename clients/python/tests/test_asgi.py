@@ -162,7 +162,6 @@ class ASGIOptionsTest(unittest.TestCase):
         self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
 
 
-
 class ASGIWaitingTest(unittest.TestCase):
     def test_waiting_duplicates_hold_no_thread(self):
         """100 duplicates wait for one key; a request for another key is not held up, and every duplicate gets the result."""

@@ -159,7 +159,6 @@ class GRPCConformanceTest(unittest.TestCase):
         self.assertGreater(run_grpc_conformance(self, "python", start_server), 0)
 
 
-
 class InterceptorOptionsTest(unittest.TestCase):
     def test_warns_when_no_principal_is_decided(self):
         import warnings

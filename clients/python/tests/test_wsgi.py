@@ -101,7 +101,6 @@ class WSGIConformanceTest(unittest.TestCase):
         self.assertGreater(conformance.run_http_conformance(self, "wsgi", CLIENT, start_flask), 0)
 
 
-
 def echo_app(environ, start_response):
     """Answers 201 with the body it read (as a WSGI app reads it: Content-Length bytes)."""
     n = int(environ.get("CONTENT_LENGTH") or 0)
