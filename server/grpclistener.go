@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors"
-	"golang.org/x/sync/semaphore"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
@@ -23,17 +25,36 @@ import (
 const DefaultGRPCReadTimeout = 30 * time.Second
 
 // WithGRPCReadTimeout bounds how long the gRPC listener waits for a call's
-// request message (for a streaming call, until its handler starts) after
+// request message (for a streaming call, its first message) after
 // the call's headers: a call that has not sent it by then ends
 // DEADLINE_EXCEEDED and what it sent is freed. The default is
 // DefaultGRPCReadTimeout.
 func WithGRPCReadTimeout(d time.Duration) Option { return func(o *options) { o.grpcReadTimeout = d } }
 
-// openCallsAtOnce is how many calls of the services that need no
-// credentials (health, reflection) may be open at once while auth is on:
-// each may send a request message of up to the message limit, so they hold
-// at most this many of them.
-const openCallsAtOnce = 16
+// While auth is on, calls of the services that need no credentials
+// (health, reflection) hold slots: each may send a request message of up
+// to the message limit, so they hold at most openCallsAtOnce of them. A
+// client is a remote address (an IPv6 /64).
+const (
+	// healthReadsAtOnce is how many health calls may be reading their
+	// request message at once, all clients together; a call holds its
+	// slot from its headers until its message is read, not while a Watch
+	// stream stays open. One client holds at most healthReadsPerClient.
+	healthReadsAtOnce    = 12
+	healthReadsPerClient = 4
+	// watchesPerClient is how many Health/Watch streams one client may
+	// hold open at once.
+	watchesPerClient = 16
+	// reflectionCallsAtOnce is how many reflection streams may be open at
+	// once, all clients together (each of their messages is read under
+	// the slot, so it is held while the stream is open); one client holds
+	// at most reflectionCallsPerClient.
+	reflectionCallsAtOnce    = 4
+	reflectionCallsPerClient = 2
+	// openCallsAtOnce is how many request messages of those services the
+	// listener reads at once at most.
+	openCallsAtOnce = healthReadsAtOnce + reflectionCallsAtOnce
+)
 
 const (
 	// grpcIdleTimeout closes a connection that has had no call for this
@@ -139,8 +160,9 @@ func (s *Server) listenerOptions() []grpc.ServerOption {
 	}
 }
 
-// readTimerKey is the context key of a call's read timer.
-type readTimerKey struct{}
+// messageReadKey is the context key of what a call does once its request
+// message is read (see messageRead).
+type messageReadKey struct{}
 
 // bufferedClientKey is the context key of the client whose share of the
 // budget of request messages a call is charged to (see admitCall).
@@ -156,17 +178,19 @@ var errReadTimeout = status.Error(codes.DeadlineExceeded, "the request message d
 // the rule of the chain (authenticate, which still authenticates every
 // call it admits), and counts and logs the refusal as the chain would
 // (see refuseUnread); a call of a service that needs none (health,
-// reflection) takes one of openCallsAtOnce slots until it ends, or is
-// refused RESOURCE_EXHAUSTED. Either way, a caller without credentials has
-// no request message read. Every admitted call must then send its message
-// within the read timeout. An admitted call names the client whose share
+// reflection) takes its slots (see openCalls.admit), or is refused
+// RESOURCE_EXHAUSTED. Either way, a caller without credentials has no
+// request message read. Every admitted call must then send its message
+// within the read timeout (a streaming call, its first message). An admitted call names the client whose share
 // of the budget of request messages it is charged to: its tenant while
 // auth is on, else its remote address (see budgetedRegistrar).
 func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context, error) {
-	client := ""
+	address := ""
 	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
-		client = "address " + clientOf(p.Addr.String())
+		address = clientOf(p.Addr.String())
 	}
+	client := "address " + address
+	untilRead := func() {}
 	if s.policies.Load().AuthEnabled() {
 		if unauthenticatedService(ctx, interceptors.NewServerCallMeta(info.FullMethodName, nil, nil)) {
 			tctx, err := s.authenticateUnread(ctx, info.FullMethodName)
@@ -175,23 +199,31 @@ func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context
 			}
 			client = "tenant " + tenantFrom(tctx)
 		} else {
-			if !s.openCalls.TryAcquire(1) {
-				return nil, status.Error(codes.ResourceExhausted, "too many health or reflection calls at once: retry later")
+			read, end, err := s.openCalls.admit(info.FullMethodName, address)
+			if err != nil {
+				return nil, err
 			}
-			context.AfterFunc(ctx, func() { s.openCalls.Release(1) })
+			untilRead = sync.OnceFunc(read)
+			context.AfterFunc(ctx, untilRead)
+			context.AfterFunc(ctx, end)
 		}
 	}
 	ctx, cancel := context.WithCancelCause(ctx)
 	timer := time.AfterFunc(s.opts.grpcReadTimeout, func() { cancel(errReadTimeout) })
 	context.AfterFunc(ctx, func() { timer.Stop() })
-	return context.WithValue(context.WithValue(ctx, readTimerKey{}, timer), bufferedClientKey{}, client), nil
+	read := func() {
+		timer.Stop()
+		untilRead()
+	}
+	return context.WithValue(context.WithValue(ctx, messageReadKey{}, read), bufferedClientKey{}, client), nil
 }
 
-// messageRead stops the read timeout of the call whose context is ctx:
-// its request message is in (or, for a streaming call, its handler runs).
+// messageRead stops the read timeout of the call whose context is ctx and
+// gives back what it holds until then: its request message is in (for a
+// streaming call, its first message).
 func messageRead(ctx context.Context) {
-	if t, ok := ctx.Value(readTimerKey{}).(*time.Timer); ok {
-		t.Stop()
+	if read, ok := ctx.Value(messageReadKey{}).(func()); ok {
+		read()
 	}
 }
 
@@ -201,10 +233,30 @@ func readUnary(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler gr
 	return handler(ctx, req)
 }
 
-// readStream is the first stream interceptor: the call's handler runs.
+// readStream is the first stream interceptor: the call's message is read
+// once its first message is (health's Watch and reflection's streams read
+// one first).
 func readStream(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	messageRead(ss.Context())
-	return handler(srv, ss)
+	if _, ok := ss.Context().Value(messageReadKey{}).(func()); !ok {
+		return handler(srv, ss)
+	}
+	return handler(srv, &firstMessageStream{ServerStream: ss})
+}
+
+// firstMessageStream calls messageRead once its first message is received.
+type firstMessageStream struct {
+	grpc.ServerStream
+	received bool
+}
+
+// RecvMsg receives a message into m.
+func (s *firstMessageStream) RecvMsg(m any) error {
+	err := s.ServerStream.RecvMsg(m)
+	if !s.received {
+		s.received = true
+		messageRead(s.Context())
+	}
+	return err
 }
 
 // authenticateUnread authenticates a call of method from ctx's metadata
@@ -295,5 +347,83 @@ func overBudget(err error) error {
 	return status.Error(codes.ResourceExhausted, "too many request messages being received at once: retry later")
 }
 
+// openCalls are the slots of the calls that need no credentials while
+// auth is on.
+type openCalls struct {
+	healthReads, watches, reflection *clientSlots
+}
+
 // newOpenCalls is the slots of the calls that need no credentials.
-func newOpenCalls() *semaphore.Weighted { return semaphore.NewWeighted(openCallsAtOnce) }
+func newOpenCalls() *openCalls {
+	return &openCalls{
+		healthReads: newClientSlots(healthReadsAtOnce, healthReadsPerClient),
+		watches:     newClientSlots(0, watchesPerClient),
+		reflection:  newClientSlots(reflectionCallsAtOnce, reflectionCallsPerClient),
+	}
+}
+
+// admit takes the slots a call of method (health or reflection) from
+// client needs, or refuses it RESOURCE_EXHAUSTED: a health call, a slot
+// to read its message, which it gives back with untilRead once its
+// message is read; a Watch besides, one of its client's open watches;
+// a reflection stream, a slot of its own. The call gives back the rest
+// with untilEnd once it ends; both may be called more than once, and
+// untilEnd gives back what untilRead has not.
+func (o *openCalls) admit(method, client string) (untilRead, untilEnd func(), err error) {
+	untilRead, untilEnd = func() {}, func() {}
+	if !strings.HasPrefix(method, "/"+healthpb.Health_ServiceDesc.ServiceName+"/") {
+		if err := o.reflection.take(client); err != nil {
+			return nil, nil, status.Error(codes.ResourceExhausted, "too many reflection calls at once: "+err.Error())
+		}
+		return untilRead, sync.OnceFunc(func() { o.reflection.give(client) }), nil
+	}
+	if method == healthpb.Health_Watch_FullMethodName {
+		if err := o.watches.take(client); err != nil {
+			return nil, nil, status.Error(codes.ResourceExhausted, "too many health watches open at once: "+err.Error())
+		}
+		untilEnd = sync.OnceFunc(func() { o.watches.give(client) })
+	}
+	if err := o.healthReads.take(client); err != nil {
+		untilEnd()
+		return nil, nil, status.Error(codes.ResourceExhausted, "too many health calls being read at once: "+err.Error())
+	}
+	return sync.OnceFunc(func() { o.healthReads.give(client) }), untilEnd, nil
+}
+
+// clientSlots are slots of which all clients together hold at most n (0:
+// no bound) and one client at most perClient.
+type clientSlots struct {
+	n, perClient int
+	mu           sync.Mutex
+	held         int
+	byClient     map[string]int
+}
+
+func newClientSlots(n, perClient int) *clientSlots {
+	return &clientSlots{n: n, perClient: perClient, byClient: map[string]int{}}
+}
+
+// take takes a slot for client, without waiting.
+func (c *clientSlots) take(client string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.n > 0 && c.held >= c.n:
+		return errors.New("retry later")
+	case c.byClient[client] >= c.perClient:
+		return errors.New("this client holds its share, retry later")
+	}
+	c.held++
+	c.byClient[client]++
+	return nil
+}
+
+// give gives back a slot client took.
+func (c *clientSlots) give(client string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.held--
+	if c.byClient[client]--; c.byClient[client] <= 0 {
+		delete(c.byClient, client)
+	}
+}

@@ -22,7 +22,6 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/selector"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"golang.org/x/sync/semaphore"
 	"golang.org/x/time/rate"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -47,11 +46,14 @@ type Server struct {
 	logger    *slog.Logger
 	grpc      *grpc.Server
 	health    *health.Server
-	ready     atomic.Bool
-	metrics   *metrics
-	api       http.Handler
-	opts      options
-	unary     []grpc.UnaryServerInterceptor // the chain, for AdminConn
+	// stopping ends the health service's Watch streams (see
+	// watchesEndAtShutdown).
+	stopping context.CancelFunc
+	ready    atomic.Bool
+	metrics  *metrics
+	api      http.Handler
+	opts     options
+	unary    []grpc.UnaryServerInterceptor // the chain, for AdminConn
 	// batchItem is the chain each call of a Batch runs through as its
 	// unary method: call log, recovery and rate limit (the Batch RPC
 	// itself was counted and authenticated).
@@ -64,7 +66,7 @@ type Server struct {
 	apiMethods    map[string]bool
 	// openCalls are the slots of calls that need no credentials while
 	// auth is on (see admitCall).
-	openCalls *semaphore.Weighted
+	openCalls *openCalls
 	// grpcBudget holds the request messages the gRPC listener reads (see
 	// budgetedRegistrar).
 	grpcBudget *bodyBudget
@@ -279,7 +281,9 @@ func New(store *ledger.Store, opts ...Option) (*Server, error) {
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_NOT_SERVING)
 	}
-	healthpb.RegisterHealthServer(s.grpc, s.health)
+	var stopping context.Context
+	stopping, s.stopping = context.WithCancel(context.Background())
+	healthpb.RegisterHealthServer(s.grpc, watchesEndAtShutdown{s.health, stopping})
 	reflection.Register(s.grpc)
 	s.metrics.grpc.InitializeMetrics(s.grpc)
 	s.metrics.registerReady(s.Ready)
@@ -367,6 +371,7 @@ func (s *Server) Serve(lis net.Listener) error {
 // for ctx to end, after which it cancels them.
 func (s *Server) Shutdown(ctx context.Context) {
 	s.health.Shutdown()
+	s.stopping()
 	s.ready.Store(false)
 	done := make(chan struct{})
 	go func() {
@@ -480,3 +485,28 @@ func interceptorLogger(l *slog.Logger) logging.Logger {
 		l.Log(ctx, slog.Level(lvl), msg, fields...)
 	})
 }
+
+// watchesEndAtShutdown is the health service, whose Watch streams end once
+// the server shuts down (Canceled, after NOT_SERVING when the watcher gets
+// it first): a Watch never ends by itself, and one held open by any caller
+// would keep a graceful stop waiting until its timeout.
+type watchesEndAtShutdown struct {
+	*health.Server
+	stopping context.Context
+}
+
+// Watch serves a Watch stream until it ends or the server shuts down.
+func (h watchesEndAtShutdown) Watch(req *healthpb.HealthCheckRequest, stream healthpb.Health_WatchServer) error {
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel()
+	defer context.AfterFunc(h.stopping, cancel)()
+	return h.Server.Watch(req, watchStream{stream, ctx})
+}
+
+// watchStream is a Watch stream with a context of its own.
+type watchStream struct {
+	healthpb.Health_WatchServer
+	ctx context.Context
+}
+
+func (w watchStream) Context() context.Context { return w.ctx }

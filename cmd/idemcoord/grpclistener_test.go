@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -458,4 +459,35 @@ func TestGRPCBudgetFlags(t *testing.T) {
 			t.Fatalf("%q accepted", args)
 		}
 	}
+}
+
+// TestGRPCHealthNotStarvedByWatchers: while one connection without a token
+// holds 16 Health/Watch calls (they never end), a Health/Check, kubelet's
+// gRPC probe (the Helm chart's readiness probe without TLS), is answered:
+// a health call holds a slot only while its message is read, not while a
+// Watch stays open (every Check was refused RESOURCE_EXHAUSTED). The
+// coordinator still exits promptly on SIGTERM: Watch streams end at
+// shutdown.
+func TestGRPCHealthNotStarvedByWatchers(t *testing.T) {
+	p, _ := startWithTenants(t)
+	c := dialRawGRPC(t, p.grpcAddr)
+	for range 16 {
+		id, err := c.open("/grpc.health.v1.Health/Watch")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.mu.Lock()
+		_ = c.fr.WriteData(id, true, []byte{0, 0, 0, 0, 0})
+		c.mu.Unlock()
+	}
+	time.Sleep(time.Second)
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("a health check while one unauthenticated connection holds 16 Watch calls: %v %v", r, err)
+	}
+	p.stop()
 }
