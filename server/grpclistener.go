@@ -64,6 +64,15 @@ const (
 	// grpcPingMinTime is the shortest interval between a client's
 	// keepalive pings: a client that pings more often is disconnected.
 	grpcPingMinTime = 20 * time.Second
+	// grpcMaxHeaderListBytes caps a call's headers (HPACK-decoded, 32
+	// bytes counted per field besides its name and value; trailers the
+	// same): tokens, keys of 255 bytes and tracing headers (W3C baggage
+	// is at most 8 KiB) fit many times over. A connection whose header
+	// block passes it is closed at its next CONTINUATION frame, so one
+	// that never ends its headers (before which no call exists, nor
+	// authentication nor read timeout) holds no more than this; with no
+	// call, it is closed as idle.
+	grpcMaxHeaderListBytes = 32 << 10
 )
 
 const (
@@ -147,12 +156,13 @@ func (o *options) checkGRPCBudget() error {
 
 // listenerOptions are the grpc.Server options that bound what a
 // connection can hold: the tap that authenticates a call and arms its read
-// timeout before its message is read, the message limit and static
-// flow-control windows, the idle timeout and the keepalive policy.
+// timeout before its message is read, the message and header list limits,
+// static flow-control windows, the idle timeout and the keepalive policy.
 func (s *Server) listenerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.InTapHandle(s.admitCall),
 		grpc.MaxRecvMsgSize(grpcMaxMessageBytes),
+		grpc.MaxHeaderListSize(grpcMaxHeaderListBytes),
 		grpc.InitialWindowSize(grpcStreamWindow),
 		grpc.InitialConnWindowSize(grpcConnWindow),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: grpcIdleTimeout}),
