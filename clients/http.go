@@ -32,6 +32,10 @@ const (
 	// "created" when this request ran the handler and its response is
 	// stored, "replayed" when the response is a stored one.
 	HTTPResultHeader = "Idempotency-Result"
+	// HTTPReplayedHeader is "true" on every replayed answer, beside
+	// "Idempotency-Result: replayed": the header Stripe's client libraries
+	// read. Created answers and the middleware's own answers lack it.
+	HTTPReplayedHeader = "Idempotent-Replayed"
 	// HTTPSchemaVersion is the schema version of the responses
 	// HTTPMiddleware stores: StoredResponse.status_code is the HTTP status,
 	// content_type the Content-Type, metadata the other stored headers
@@ -297,8 +301,9 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //     for up to one lease (see Client.Shutdown);
 //   - replay: answers the stored status, headers and body byte for byte
 //     (or what WithHTTPReplayHook makes of them), with "Idempotency-Result:
-//     replayed", without calling the handler. Created and replayed answers
-//     carry Idempotency-Expires (see HTTPExpiresHeader);
+//     replayed" and "Idempotent-Replayed: true", without calling the
+//     handler. Created and replayed answers carry Idempotency-Expires
+//     (see HTTPExpiresHeader);
 //   - another request holds the key: waits for its result up to 5 s
 //     (WithHTTPWait), then answers 409 with Retry-After
 //     (ProblemInProgress); a key held UNKNOWN for an operator answers 409
@@ -710,6 +715,7 @@ func replayHTTP(w http.ResponseWriter, resp *idempotencyv1.StoredResponse) {
 		h[http.CanonicalHeaderKey(name)] = strings.Split(v, "\n")
 	}
 	h.Set(HTTPResultHeader, resultReplayed)
+	h.Set(HTTPReplayedHeader, "true")
 	h.Set("Content-Length", strconv.Itoa(len(resp.GetBody())))
 	code := int(resp.GetStatusCode())
 	if code < 200 || code > 999 {

@@ -240,7 +240,7 @@ func TestHTTPReplayHeadersExact(t *testing.T) {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	want := []string{"Content-Length", "Content-Type", "Date", "Idempotency-Expires", "Idempotency-Key", "Idempotency-Result", "Link", "Location", "X-Api-Version"}
+	want := []string{"Content-Length", "Content-Type", "Date", "Idempotency-Expires", "Idempotency-Key", "Idempotency-Result", "Idempotent-Replayed", "Link", "Location", "X-Api-Version"}
 	if !slices.Equal(names, want) {
 		t.Fatalf("replayed headers %v, want %v", names, want)
 	}

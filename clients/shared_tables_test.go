@@ -19,6 +19,7 @@ type sharedTables struct {
 	Comment           string            `json:"comment"`
 	ErrorInfoDomain   string            `json:"error_info_domain"`
 	ProblemTypes      map[string]string `json:"problem_types"`
+	HTTPHeaders       map[string]string `json:"http_headers"`
 	FailureKindByCode map[string]string `json:"failure_kind_by_code"`
 	Release           struct {
 		Reason    string `json:"reason"`
@@ -76,6 +77,12 @@ func TestSharedTablesAreGos(t *testing.T) {
 		"unavailable":        ProblemUnavailable,
 		"lease_lost":         ProblemLeaseLost,
 		"internal":           ProblemInternal,
+	})
+	equalMaps(t, "http_headers", st.HTTPHeaders, map[string]string{
+		"key":      HTTPKeyHeader,
+		"result":   HTTPResultHeader,
+		"replayed": HTTPReplayedHeader,
+		"expires":  HTTPExpiresHeader,
 	})
 	goKinds := defaultFailureKinds()
 	seen := map[codes.Code]bool{}

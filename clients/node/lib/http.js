@@ -11,13 +11,14 @@ const grpc = require('@grpc/grpc-js');
 const api = require('./api');
 const { Lease, newAttemptId, answerLost } = require('./client');
 const { LeaseLostError, LeaseUnconfirmedError, ClientGoneError } = require('./errors');
-const { PROBLEM_TYPES } = require('./tables');
+const { PROBLEM_TYPES, HTTP_HEADERS } = require('./tables');
 
 const S = grpc.status;
 
-const KEY_HEADER = 'Idempotency-Key';
-const RESULT_HEADER = 'Idempotency-Result';
-const EXPIRES_HEADER = 'Idempotency-Expires';
+const KEY_HEADER = HTTP_HEADERS.key;
+const RESULT_HEADER = HTTP_HEADERS.result;
+const REPLAYED_HEADER = HTTP_HEADERS.replayed;
+const EXPIRES_HEADER = HTTP_HEADERS.expires;
 const HTTP_SCHEMA_VERSION = 'idemcoord.http/1';
 const DEFAULT_HTTP_SCOPE = 'http';
 const MAX_CAPTURED_BODY = 4 << 20;
@@ -251,7 +252,8 @@ function disconnectSignal(req, res) {
 /**
  * Guards one request. It ends with one of: { pass: true } (run the handler
  * unprotected), { answered: true } (the middleware answered), or
- * { acquired } (run the handler under the lease).
+ * { acquired, breq, told } (run the handler under the lease; told is the
+ * ttl and failure_ttl Begin told, for Idempotency-Expires).
  */
 class Guard {
   constructor(client, o) {
@@ -272,6 +274,7 @@ class Guard {
     }
     const body = problemBody(status, type, title, detail);
     res.removeHeader(RESULT_HEADER);
+    res.removeHeader(EXPIRES_HEADER);
     res.setHeader('Content-Type', 'application/problem+json');
     res.setHeader('Content-Length', String(body.length));
     res.statusCode = status;
@@ -295,6 +298,7 @@ class Guard {
       res.setHeader(EXPIRES_HEADER, expires);
     }
     res.setHeader(RESULT_HEADER, 'replayed');
+    res.setHeader(REPLAYED_HEADER, 'true');
     const body = Buffer.from(stored.body ?? []);
     res.setHeader('Content-Length', String(body.length));
     let code = stored.status_code;
@@ -392,7 +396,7 @@ class Guard {
         await c._releaseAcquisition(breq, res0.lease_token);
         return { answered: true };
       }
-      return { acquired: new Lease(c, breq, res0, sent), breq };
+      return { acquired: new Lease(c, breq, res0, sent), breq, told: { ttl: res0.ttl, failureTtl: res0.failure_ttl } };
     }
     if (res0.outcome === 'OUTCOME_REPLAY') {
       this.replay(req, res, rec);
@@ -463,9 +467,9 @@ class Guard {
    * lease is left to run out, UNKNOWN, and an answer that comes later is
    * still recorded if no other attempt took the key over).
    */
-  async run(req, res, lease, breq, signal, start) {
+  async run(req, res, lease, breq, told, signal, start) {
     const o = this.o;
-    const rec = new Recorder(res, o);
+    const rec = new Recorder(res, o, told);
     let lingering;
     const outcome = await lease.run((attempt) => new Promise((resolve) => {
       req.idempotency = attempt;
@@ -576,9 +580,10 @@ class Guard {
  * still recorded but no longer sent: the middleware answers instead.
  */
 class Recorder {
-  constructor(res, o) {
+  constructor(res, o, told = {}) {
     this.res = res;
     this.o = o;
+    this.told = told;
     this.wrote = false;
     this.ended = false;
     this.status = 0;
@@ -677,14 +682,33 @@ class Recorder {
       }
     }
     if (stores(this.o, status)) {
-      if (extra && !Array.isArray(rest.find((r) => r && typeof r === 'object'))) {
-        extra[RESULT_HEADER] = 'created';
+      const set = { [RESULT_HEADER]: 'created' };
+      const expires = this.expires(kindOf(this.o, status) === 'FAILURE_KIND_REPLAYABLE');
+      if (expires) {
+        set[EXPIRES_HEADER] = expires;
       } else {
-        res.setHeader(RESULT_HEADER, 'created');
+        res.removeHeader(EXPIRES_HEADER);
+      }
+      if (extra && !Array.isArray(rest.find((r) => r && typeof r === 'object'))) {
+        Object.assign(extra, set);
+      } else {
+        for (const [k, v] of Object.entries(set)) {
+          res.setHeader(k, v);
+        }
       }
     } else {
       res.removeHeader(RESULT_HEADER);
+      res.removeHeader(EXPIRES_HEADER);
     }
+  }
+
+  /**
+   * Idempotency-Expires of a response stored now (as Go's): now plus the
+   * ttl Begin told (failure_ttl for a replayable failure), '' when untold.
+   */
+  expires(failure) {
+    const d = failure ? this.told.failureTtl : this.told.ttl;
+    return d ? new Date(Date.now() + api.millis(d)).toUTCString() : '';
   }
 
   keep(chunk, encoding) {
@@ -732,7 +756,7 @@ function httpMiddleware(client, options = {}) {
       if (g.answered) {
         return undefined;
       }
-      return guard.run(req, res, g.acquired, g.breq, signal, () => next());
+      return guard.run(req, res, g.acquired, g.breq, g.told, signal, () => next());
     }).catch((err) => next(err));
   };
 }
@@ -795,7 +819,7 @@ function fastifyPlugin(fastify, opts, done) {
         reply.hijack(); // answered on reply.raw already
         return undefined;
       }
-      return guard.run(req, res, g.acquired, g.breq, signal, (attempt) => {
+      return guard.run(req, res, g.acquired, g.breq, g.told, signal, (attempt) => {
         request.idempotency = attempt;
         next();
       });

@@ -1,5 +1,5 @@
 'use strict';
-// The tables every client library shares (problem types, how a gRPC code's
+// The tables every client library shares (HTTP header names, problem types, how a gRPC code's
 // failure is recorded, the release reason and timings, the ErrorInfo
 // domain), loaded from shared_tables.json: a copy of
 // clients/testdata/shared_tables.json that `make generate` writes, which
@@ -18,6 +18,9 @@ const camel = (s) => s.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 const PROBLEM_TYPES = Object.freeze(Object.fromEntries(
   Object.entries(raw.problem_types).map(([name, urn]) => [camel(name), urn])));
 
+/** The HTTP middleware's header names by name: HTTP_HEADERS.replayed === 'Idempotent-Replayed'. */
+const HTTP_HEADERS = Object.freeze({ ...raw.http_headers });
+
 /** How a failure is recorded by its gRPC code (a number): FAILURE_KINDS[14] === 'FAILURE_KIND_RETRYABLE'. */
 const FAILURE_KINDS = Object.freeze(Object.fromEntries(
   Object.entries(raw.failure_kind_by_code).map(([code, kind]) => {
@@ -31,6 +34,7 @@ module.exports = {
   tablesPath,
   ERROR_INFO_DOMAIN: raw.error_info_domain,
   PROBLEM_TYPES,
+  HTTP_HEADERS,
   FAILURE_KINDS,
   RELEASE_REASON: raw.release.reason,
   RELEASE_TIMEOUT_MS: raw.release.timeout_ms,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, 
 import grpc
 
 from . import _api
-from ._tables import PROBLEM_TYPES
+from ._tables import HTTP_HEADERS, PROBLEM_TYPES
 from ._core import _C
 from ._core import fold_principal as fold_principal  # noqa: F401 (re-exported: the middlewares fold with it)
 from ._core import warn_undecided_principal as warn_undecided_principal  # noqa: F401 (re-exported)
@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 
 Headers = List[Tuple[str, str]]
 
-KEY_HEADER = "Idempotency-Key"
-RESULT_HEADER = "Idempotency-Result"
-EXPIRES_HEADER = "Idempotency-Expires"
+KEY_HEADER = HTTP_HEADERS["key"]
+RESULT_HEADER = HTTP_HEADERS["result"]
+REPLAYED_HEADER = HTTP_HEADERS["replayed"]
+EXPIRES_HEADER = HTTP_HEADERS["expires"]
 HTTP_SCHEMA_VERSION = "idemcoord.http/1"
 DEFAULT_HTTP_SCOPE = "http"
 MAX_CAPTURED_BODY = 4 << 20
@@ -329,16 +330,22 @@ def replay_answer(o: Options, request: Any, record: Any) -> Tuple[int, Headers, 
     if expires:
         headers.append((EXPIRES_HEADER, expires))
     headers.append((RESULT_HEADER, "replayed"))
+    headers.append((REPLAYED_HEADER, "true"))
     headers.append(("Content-Length", str(len(stored.body))))
     code = stored.status_code if 200 <= stored.status_code <= 999 else 200
     return code, headers, bytes(stored.body)
 
 
 class Recording:
-    """The copy of the handler's response that is stored: status, stored headers, body."""
+    """The copy of the handler's response that is stored: status, stored headers, body.
 
-    def __init__(self, o: Options):
+    begun is Begin's answer (its ttl and failure_ttl give a created answer's Idempotency-Expires).
+    """
+
+    def __init__(self, o: Options, begun: Any = None):
         self.o = o
+        self.ttl = _seconds(begun, "ttl")
+        self.failure_ttl = _seconds(begun, "failure_ttl")
         self.wrote = False
         self.status = 0
         self.headers: Dict[str, List[str]] = {}
@@ -353,13 +360,16 @@ class Recording:
         out: Headers = []
         for name, value in headers:
             lname = name.lower()
-            if lname == RESULT_HEADER.lower():
+            if lname in (RESULT_HEADER.lower(), EXPIRES_HEADER.lower()):
                 continue
             if lname in keep:
                 self.headers.setdefault(lname, []).append(value)
             out.append((name, value))
         if self.o.stores(status):
             out.append((RESULT_HEADER, "created"))
+            ttl = self.failure_ttl if self.o.kind(status) == "FAILURE_KIND_REPLAYABLE" else self.ttl
+            if ttl is not None:
+                out.append((EXPIRES_HEADER, email.utils.formatdate(time.time() + ttl, usegmt=True)))
         return out
 
     def keep(self, chunk: bytes) -> None:
@@ -393,6 +403,14 @@ class Recording:
         if marked:
             return dict(kind="FAILURE_KIND_UNKNOWN", reason=reason + " after mark_side_effect")
         return dict(kind=kind, reason=reason)
+
+
+def _seconds(begun: Any, field: str) -> Optional[float]:
+    """The Duration field of Begin's answer in seconds, None when unset."""
+    if begun is None or not begun.HasField(field):
+        return None
+    d = getattr(begun, field)
+    return float(d.seconds + d.nanos / 1e9)
 
 
 def silent_ending(marked: bool, cause: object) -> Dict[str, Any]:

@@ -3,7 +3,7 @@
 shared_tables.json is a copy of clients/testdata/shared_tables.json that
 `make generate` writes into the package (`make test` fails when it is
 stale); a Go test holds that file against the Go client's constants. Here
-are problem types, how a handler's gRPC code is recorded, the release of an
+are HTTP header names, problem types, how a handler's gRPC code is recorded, the release of an
 acquisition nobody will act on, the client's timings and the ErrorInfo
 domain. ErrorInfo reasons are the proto's enum (see _api.REASONS).
 """
@@ -21,6 +21,9 @@ with open(TABLES_FILE, encoding="utf-8") as _f:
 
 ERROR_INFO_DOMAIN: str = _TABLES["error_info_domain"]
 """The domain of every google.rpc.ErrorInfo idemcoord sends."""
+
+HTTP_HEADERS: Mapping[str, str] = dict(_TABLES["http_headers"])
+"""The HTTP middlewares' header names by name ("key", "result", "replayed", "expires")."""
 
 PROBLEM_TYPES: Mapping[str, str] = dict(_TABLES["problem_types"])
 """The HTTP problem types (application/problem+json "type") by name."""

@@ -258,7 +258,7 @@ class IdempotencyMiddleware:
                 await _send_problem(send, _http.not_started(), echo)
             return
 
-        rec = _http.Recording(o)
+        rec = _http.Recording(o, res)
         dropped = False
         recorded = False  # the complete answer was recorded; the app may still run (background tasks)
         stop_beats: Callable[[], Awaitable[None]] = stop

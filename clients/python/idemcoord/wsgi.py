@@ -171,7 +171,7 @@ class IdempotencyMiddleware:
                           reason="the lease could not be confirmed before the handler started")
             return self._problem(start_response, _http.not_started(), echo)
 
-        rec = _http.Recording(o)
+        rec = _http.Recording(o, res)
         answer: Dict[str, Any] = {}  # status, headers
         parts: List[bytes] = []  # the whole answer; rec keeps what is stored
 
