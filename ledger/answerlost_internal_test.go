@@ -277,8 +277,8 @@ func TestMayHaveCommitted(t *testing.T) {
 		{"refused by PostgreSQL (lock timeout)", &pgconn.PgError{Severity: "ERROR", Code: lockTimeoutCode}, false},
 		{"refused by PostgreSQL (serialization)", &pgconn.PgError{Severity: "ERROR", Code: "40001"}, false},
 		{"could not connect", &pgconn.ConnectError{}, false},
-		{"never sent", neverSent{}, false},
-		{"connection closed while the answer was awaited", closedConn{}, true},
+		{"never sent", neverSentError{}, false},
+		{"connection closed while the answer was awaited", closedConnError{}, true},
 	} {
 		if got := mayHaveCommitted(c.err); got != c.may {
 			t.Errorf("%s: may have committed %v, want %v", c.name, got, c.may)
@@ -290,20 +290,20 @@ func TestMayHaveCommitted(t *testing.T) {
 	}
 }
 
-// neverSent is an error pgconn reports as failing before anything was
+// neverSentError is an error pgconn reports as failing before anything was
 // sent (pgconn.SafeToRetry).
-type neverSent struct{}
+type neverSentError struct{}
 
-func (neverSent) Error() string     { return "failed before sending" }
-func (neverSent) SafeToRetry() bool { return true }
+func (neverSentError) Error() string     { return "failed before sending" }
+func (neverSentError) SafeToRetry() bool { return true }
 
-// closedConn is pgconn's "conn closed", which it calls safe to retry even
+// closedConnError is pgconn's "conn closed", which it calls safe to retry even
 // when the connection broke while an answer was awaited.
-type closedConn struct{}
+type closedConnError struct{}
 
-func (closedConn) Error() string     { return "conn closed" }
-func (closedConn) SafeToRetry() bool { return true }
-func (closedConn) Unwrap() error     { return pgconn.ErrConnClosed }
+func (closedConnError) Error() string     { return "conn closed" }
+func (closedConnError) SafeToRetry() bool { return true }
+func (closedConnError) Unwrap() error     { return pgconn.ErrConnClosed }
 
 // TestWaitingBeginLostAnswerThenForgotten: a waiting Begin's re-read
 // creates the key (its holder's record was forgotten) and its answer is

@@ -1,6 +1,7 @@
 package ledger_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -56,7 +57,7 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 				body := []byte("body of " + key)
 				done, err := s.Finish(ctx, &ledger.FinishParams{ID: id(key), Event: statemachine.Event{
 					Kind: statemachine.EventComplete, Token: res.Record.LeaseToken, Response: &statemachine.Response{Body: body}}})
-				if err != nil || done.Record.State != statemachine.StateCompleted || string(done.Record.Response.Body) != string(body) {
+				if err != nil || done.Record.State != statemachine.StateCompleted || !bytes.Equal(done.Record.Response.Body, body) {
 					t.Errorf("Complete %s: %+v %v", key, done, err)
 					return
 				}

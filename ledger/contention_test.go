@@ -50,7 +50,7 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer s.Close()
+		defer s.Close() //nolint:gocritic // every store stays open until the test ends
 		stores[i] = s
 	}
 	before := deadlocks(t, url)

@@ -8,6 +8,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,12 +55,12 @@ func TestLegacyRowsUpgrade(t *testing.T) {
 	id := func(k string) Identity { return Identity{Tenant: "t", Scope: "s", Key: k} }
 
 	// Written with encryption off.
-	clear := open(nil)
-	res, err := clear.Begin(ctx, &BeginParams{ID: id("clear"), Event: ev, Policy: pol})
+	plain := open(nil)
+	res, err := plain.Begin(ctx, &BeginParams{ID: id("clear"), Event: ev, Policy: pol})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := clear.Finish(ctx, &FinishParams{ID: id("clear"), Event: statemachine.Event{Kind: statemachine.EventFail,
+	if _, err := plain.Finish(ctx, &FinishParams{ID: id("clear"), Event: statemachine.Event{Kind: statemachine.EventFail,
 		Token: res.Record.LeaseToken, FailureKind: statemachine.FailureReplayable, Response: resp, Reason: "reason in clear"}}); err != nil {
 		t.Fatal(err)
 	}
@@ -184,7 +185,7 @@ func TestRunTxSealed(t *testing.T) {
 	if err := s.pool.QueryRow(ctx, `SELECT r::text FROM idempotency_records r`).Scan(&row); err != nil {
 		t.Fatal(err)
 	}
-	if bytes.Contains([]byte(row), []byte("4111")) || bytes.Contains([]byte(row), []byte(hex.EncodeToString([]byte("4111")))) {
+	if strings.Contains(row, "4111") || strings.Contains(row, hex.EncodeToString([]byte("4111"))) {
 		t.Fatalf("stored in clear: %s", row)
 	}
 }

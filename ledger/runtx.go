@@ -257,7 +257,7 @@ func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine
 	d := s.decide(id, &cur, ev, txPolicy, now)
 	switch {
 	case d.Err != nil:
-		return runTxResult{err: d.Err}, true, nil
+		return runTxResult{err: d.Err}, true, nil //nolint:nilerr // the refusal is the caller's answer, not a failure of the try
 	case d.Outcome == statemachine.OutcomeReplay:
 		return replayOf(d.Record), true, nil
 	}

@@ -532,7 +532,7 @@ func TestRunTxRespectsRecordsOfTheCoordinator(t *testing.T) {
 // again) whose fn signals on stdout and then blocks until it is killed.
 const runTxChildEnv = "IDEMCOORD_RUNTX_CHILD_DATABASE_URL"
 
-func init() {
+func init() { //nolint:gochecknoinits // the child must take over before TestMain and the tests run
 	url := os.Getenv(runTxChildEnv)
 	if url == "" {
 		return
@@ -684,8 +684,8 @@ func TestRunTxInteroperatesWithTheCoordinator(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, replayed, err := db.store.RunTx(ctx, id, ledger.TxOptions{Fingerprint: fp}, never)
-	if err != nil || !replayed || calls.Load() != 0 || !got.Equal(&statemachine.Response{SchemaVersion: grpcResp.SchemaVersion,
-		ContentType: grpcResp.ContentType, StatusCode: grpcResp.StatusCode, Body: grpcResp.Body, Metadata: grpcResp.Metadata}) {
+	if err != nil || !replayed || calls.Load() != 0 || !got.Equal(&statemachine.Response{SchemaVersion: grpcResp.GetSchemaVersion(),
+		ContentType: grpcResp.GetContentType(), StatusCode: grpcResp.GetStatusCode(), Body: grpcResp.GetBody(), Metadata: grpcResp.GetMetadata()}) {
 		t.Fatalf("RunTx on a gRPC-completed key: %+v %v %v, %d calls", got, replayed, err, calls.Load())
 	}
 

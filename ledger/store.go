@@ -751,7 +751,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 		d := s.decide(id, curp, ev, pol, now)
 		res = &Result{Decision: d, Now: now}
 		if d.Err != nil {
-			return nil // a refusal writes nothing; committing releases the lock
+			return nil //nolint:nilerr // a refusal writes nothing; committing releases the lock (res carries it)
 		}
 		switch d.Write {
 		case statemachine.WriteInsert:

@@ -33,13 +33,13 @@ type Coalescer[T any] struct {
 	wg     sync.WaitGroup
 }
 
-// New starts workers that run batches of at most max requests, each under
+// New starts workers that run batches of at most maxBatch requests, each under
 // a context that ends after timeout or at Close, whichever comes first.
 // reject answers a request that the coalescer will not run (it was queued
 // when Close was called).
-func New[T any](workers, max int, timeout time.Duration, run func(context.Context, []T), reject func(T)) *Coalescer[T] {
+func New[T any](workers, maxBatch int, timeout time.Duration, run func(context.Context, []T), reject func(T)) *Coalescer[T] {
 	base, cancel := context.WithCancel(context.Background())
-	c := &Coalescer[T]{queue: make(chan T, workers*max), max: max, timeout: timeout, run: run, reject: reject,
+	c := &Coalescer[T]{queue: make(chan T, workers*maxBatch), max: maxBatch, timeout: timeout, run: run, reject: reject,
 		stop: make(chan struct{}), base: base, cancel: cancel}
 	for range workers {
 		c.wg.Add(1)

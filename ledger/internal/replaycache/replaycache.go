@@ -88,7 +88,7 @@ func (c *Cache) Get(h string) (statemachine.Record, bool) {
 		return statemachine.Record{}, false
 	}
 	c.lru.MoveToFront(el)
-	return el.Value.(*cacheEntry).rec, true
+	return el.Value.(*cacheEntry).rec, true //nolint:forcetypeassert // the list holds only *cacheEntry
 }
 
 // Stats are the cache's counters.
@@ -145,7 +145,7 @@ func (c *Cache) Put(h string, rec statemachine.Record, seq uint64) {
 }
 
 func (c *Cache) remove(el *list.Element) {
-	e := c.lru.Remove(el).(*cacheEntry)
+	e := c.lru.Remove(el).(*cacheEntry) //nolint:forcetypeassert // the list holds only *cacheEntry
 	delete(c.entries, e.hash)
 	c.bytes -= e.size
 }
