@@ -42,10 +42,10 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 			switch req.GetState() {
 			case idempotencyv1.State_STATE_UNSPECIFIED, idempotencyv1.State_STATE_UNKNOWN, idempotencyv1.State_STATE_FAILED_RETRYABLE:
 			default:
-				v.add("state", "with uncertain, only STATE_UNKNOWN or STATE_FAILED_RETRYABLE (or none): no other state needs a decision")
+				v.addf("state", "with uncertain, only STATE_UNKNOWN or STATE_FAILED_RETRYABLE (or none): no other state needs a decision")
 			}
 			if req.GetArchived() {
-				v.add("uncertain", "not with archived: archived records take no decision (the key is new again)")
+				v.addf("uncertain", "not with archived: archived records take no decision (the key is new again)")
 			}
 		}
 		if req.GetPageToken() == "" {
@@ -53,7 +53,7 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 		}
 		var ok bool
 		if after, ok = decodePageToken(req); !ok {
-			v.add("page_token", "not a next_page_token of a ListRecords call with these filters")
+			v.addf("page_token", "not a next_page_token of a ListRecords call with these filters")
 		}
 	})
 	if err != nil {
@@ -95,7 +95,7 @@ func (a *adminService) Resolve(ctx context.Context, req *idempotencyv1.ResolveRe
 	err := validate(a.s.validator, req, func(v *violations) {
 		checkIdentity(v, req.GetScope(), req.GetKey(), lim)
 		if req.GetResolution() == idempotencyv1.Resolution_RESOLUTION_RETRYABLE && req.GetResponse() != nil {
-			v.add("response", "must be absent for RESOLUTION_RETRYABLE: a retryable record stores no response")
+			v.addf("response", "must be absent for RESOLUTION_RETRYABLE: a retryable record stores no response")
 		}
 		checkResponse(v, "response", req.GetResponse(), lim)
 	})

@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"io"
+	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strings"
@@ -28,7 +29,7 @@ func (e *testEnv) archiveOne(scope, key string) {
 func (e *testEnv) metric(prefix string) string {
 	e.t.Helper()
 	rec := httptest.NewRecorder()
-	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
 	for l := range strings.SplitSeq(string(body), "\n") {
 		if strings.HasPrefix(l, prefix) {

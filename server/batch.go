@@ -147,13 +147,13 @@ func checkBatch(req *idempotencyv1.BatchRequest) error {
 	}
 	switch n := len(req.GetCalls()); {
 	case n == 0:
-		v.add("calls", "must have at least 1 call")
+		v.addf("calls", "must have at least 1 call")
 	case n > maxBatchCalls:
-		v.add("calls", "must have at most %d calls, got %d", maxBatchCalls, n)
+		v.addf("calls", "must have at most %d calls, got %d", maxBatchCalls, n)
 	}
 	for i, call := range req.GetCalls() {
 		if call.GetCall() == nil {
-			v.add(fmt.Sprintf("calls[%d]", i), "must set one of begin, complete, fail, lookup, heartbeat")
+			v.addf(fmt.Sprintf("calls[%d]", i), "must set one of begin, complete, fail, lookup, heartbeat")
 		}
 	}
 	return v.err()
@@ -212,7 +212,7 @@ func checkBatchCall(i int, call *idempotencyv1.BatchCall) error {
 	field := fmt.Sprintf("calls[%d]", i)
 	checkDuration(&v, field+".timeout", call.GetTimeout(), 0, math.MaxInt64, true)
 	if w := call.GetBegin().GetWait(); w != nil && w.CheckValid() == nil && w.AsDuration() > 0 {
-		v.add(field+".begin.wait", "must be absent or 0 in a batch, got %v", w.AsDuration())
+		v.addf(field+".begin.wait", "must be absent or 0 in a batch, got %v", w.AsDuration())
 	}
 	return v.err()
 }

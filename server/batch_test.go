@@ -419,7 +419,7 @@ func TestBatchMetrics(t *testing.T) {
 	res := batch(t, ctx(t), e.client, batchBegin("s", "k"), batchBegin("s", "k"), batchBegin("s", "other"), batchBegin("s", ""))
 	wantCode(t, resultErr(res[3]), codes.InvalidArgument, "")
 	rec := httptest.NewRecorder()
-	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	text := rec.Body.String()
 	for _, line := range []string{
 		`idempotency_begin_total{outcome="acquired",scope="s"} 2`,

@@ -479,7 +479,7 @@ func (cfg *Config) Resolve() (*Policies, error) {
 	}
 	if rl := cfg.RateLimit; rl != nil {
 		if rl.RequestsPerSecond <= 0 || rl.Burst < 0 {
-			errs = append(errs, fmt.Errorf("rate_limit: requests_per_second must be positive and burst not negative"))
+			errs = append(errs, errors.New("rate_limit: requests_per_second must be positive and burst not negative"))
 		} else {
 			r := *rl
 			if r.Burst == 0 {

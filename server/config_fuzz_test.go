@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"crypto/x509"
@@ -188,7 +189,7 @@ func FuzzAuthenticate(f *testing.F) {
 			_ = token
 			if found {
 				sum := sha256.Sum256([]byte(vals[0][7:]))
-				byToken = tn.token != nil && string(tn.token) == string(sum[:])
+				byToken = tn.token != nil && bytes.Equal(tn.token, sum[:])
 			}
 		}
 		byCert := slices.ContainsFunc(certNames, func(n string) bool { return slices.Contains(tn.certNames, n) })

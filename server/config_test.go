@@ -17,10 +17,10 @@ import (
 func TestConfigRejectsUnknownKeys(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ bad, good, field string }{
-		{"defualts: { ttl: 1h }\n", "defaults: { ttl: 1h }\n", "defualts"},
+		{"defualts: { ttl: 1h }\n", "defaults: { ttl: 1h }\n", "defualts"}, //nolint:misspell // the typo is the test
 		{"defaults: { tll: 1h }\n", "defaults: { ttl: 1h }\n", "tll"},
 		{"scopes:\n  - { match: build, ttl: 1h, leese: 5s }\n", "scopes:\n  - { match: build, ttl: 1h, lease: 5s }\n", "leese"},
-		{"scopes:\n  - { match: build, on_unkown: hold }\n", "scopes:\n  - { match: build, on_unknown: hold }\n", "on_unkown"},
+		{"scopes:\n  - { match: build, on_unkown: hold }\n", "scopes:\n  - { match: build, on_unknown: hold }\n", "on_unkown"}, //nolint:misspell // the typo is the test
 		{"limits: { max_key_byte: 10 }\n", "limits: { max_key_bytes: 10 }\n", "max_key_byte"},
 		{"reaper: { intervall: 1s }\n", "reaper: { interval: 1s }\n", "intervall"},
 		{"tenants:\n  - { name: a, token_sha256: " + strings.Repeat("ab", 32) + ", scope: [\"*\"] }\n",

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"strings"
 	"sync"
@@ -275,7 +276,7 @@ func TestRestartKeepsCompletedRecords(t *testing.T) {
 	e.coord.Restart()
 	for key, resp := range want {
 		r := e.mustBegin("s", key, replay)
-		if got := r.GetRecord().GetResponse(); string(got.GetBody()) != string(resp.GetBody()) {
+		if got := r.GetRecord().GetResponse(); !bytes.Equal(got.GetBody(), resp.GetBody()) {
 			t.Fatalf("%s after restart: %v", key, got)
 		}
 	}

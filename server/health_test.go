@@ -96,6 +96,6 @@ func TestDatabaseOutage(t *testing.T) {
 // readyz is the status code of the coordinator's /readyz.
 func readyz(c *coordtest.Coordinator) int {
 	rec := httptest.NewRecorder()
-	c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))
+	c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	return rec.Code
 }

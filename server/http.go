@@ -665,7 +665,7 @@ func connectHTTPStatus(code connect.Code) int {
 // ASCII, and '%', as %XX.
 func percentEncode(s string) string {
 	var b strings.Builder
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		if c := s[i]; c >= 0x20 && c <= 0x7e && c != '%' {
 			b.WriteByte(c)
 		} else {

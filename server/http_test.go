@@ -394,7 +394,7 @@ func TestDuplicateAuthorizationRefused(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
 			for _, tok := range tokens {
-				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+				ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok) //nolint:fatcontext // each token is one more authorization header, as the test means
 			}
 			_, err := client.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: "build", Key: "k"})
 			wantCode(t, err, codes.Unauthenticated, "")

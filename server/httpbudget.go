@@ -89,7 +89,7 @@ func (b *bodyBudget) takeWithin(ctx context.Context, client string, n int64, wai
 		}
 		if timeout == nil {
 			t := time.NewTimer(wait)
-			defer t.Stop()
+			defer t.Stop() //nolint:gocritic // once: timeout is nil only the first time round
 			timeout = t.C
 		}
 		select {

@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"io"
+	"net/http"
 	"net/http/httptest"
 	"regexp"
 	"strconv"
@@ -60,7 +61,7 @@ func TestMetricsCountScriptedCalls(t *testing.T) {
 	e.mustBegin("customer-4711-private", "k7", acquired)
 
 	rec := httptest.NewRecorder()
-	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
 	text := string(body)
 	for _, unnamed := range []string{"customer-4711", "Charge", "Refund"} {
@@ -154,7 +155,7 @@ func TestMetricsBehindToken(t *testing.T) {
 	c := coordtest.Start(t, coordtest.Options{ServerOptions: []server.Option{server.WithMetricsToken("scrape-secret")}})
 	h := c.Server.HTTPHandler()
 	get := func(path, auth string) int {
-		req := httptest.NewRequest("GET", path, nil)
+		req := httptest.NewRequest(http.MethodGet, path, nil)
 		if auth != "" {
 			req.Header.Set("Authorization", auth)
 		}
@@ -198,7 +199,7 @@ func TestScopeLabelCap(t *testing.T) {
 	e.mustBegin("s0", "k", inProgress) // known before the cap: still its own label
 
 	rec := httptest.NewRecorder()
-	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
 	labels := map[string]bool{}
 	re := regexp.MustCompile(`(?m)^idempotency_begin_total\{outcome="[a-z_]+",scope="([^"]*)"\} `)
@@ -243,7 +244,7 @@ func TestMetricsReportDatabaseAndReaper(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := httptest.NewRecorder()
-	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	e.coord.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	body, _ := io.ReadAll(rec.Body)
 	text := string(body)
 	if !strings.Contains(text, "\nidempotency_database_reachable 1\n") {

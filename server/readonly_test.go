@@ -131,7 +131,7 @@ func TestReadOnlyDatabaseAnswersUnavailable(t *testing.T) {
 	// while a pooled connection still holds a read-only session).
 	for _, w := range writes {
 		var err error
-		for try := 0; try < 100; try++ {
+		for range 100 {
 			if err = w.call(ctx(t)); status.Code(err) != codes.Unavailable {
 				break
 			}

@@ -3,6 +3,7 @@ package server_test
 import (
 	"errors"
 	"fmt"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -36,7 +37,7 @@ func TestReloadRefusesWhatTakesARestart(t *testing.T) {
 	}
 	failures := func() string {
 		rec := httptest.NewRecorder()
-		c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+		c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 		for _, l := range strings.Split(rec.Body.String(), "\n") {
 			if v, ok := strings.CutPrefix(l, "idempotency_config_reload_failures_total "); ok {
 				return v

@@ -27,7 +27,7 @@ type violations struct {
 	reason idempotencyv1.ErrorReason
 }
 
-func (v *violations) add(field, format string, args ...any) {
+func (v *violations) addf(field, format string, args ...any) {
 	v.list = append(v.list, &errdetails.BadRequest_FieldViolation{Field: field, Description: fmt.Sprintf(format, args...)})
 }
 
@@ -51,7 +51,7 @@ func validate(pv protovalidate.Validator, msg proto.Message, check func(*violati
 			return fmt.Errorf("validate %T: %w", msg, err)
 		}
 		for _, viol := range verr.Violations {
-			v.add(protovalidate.FieldPathString(viol.Proto.GetField()), "%s", viol.Proto.GetMessage())
+			v.addf(protovalidate.FieldPathString(viol.Proto.GetField()), "%s", viol.Proto.GetMessage())
 		}
 	}
 	check(&v)
@@ -64,22 +64,22 @@ func validate(pv protovalidate.Validator, msg proto.Message, check func(*violati
 func checkWireFaults(v *violations, msg proto.Message) (wellFormed bool) {
 	for _, path := range invalidUTF8Paths(msg) {
 		if path == malformedMessage {
-			v.add("", "the request is not a well-formed protobuf message")
+			v.addf("", "the request is not a well-formed protobuf message")
 			return false
 		}
-		v.add(path, "must be valid UTF-8")
+		v.addf(path, "must be valid UTF-8")
 	}
 	return true
 }
 
 // checkName checks a scope or key beyond the proto rules (non-empty, no
-// control characters): at most max bytes of valid UTF-8.
-func checkName(v *violations, field, s string, max int) {
-	if len(s) > max {
-		v.add(field, "must be at most %d bytes, got %d", max, len(s))
+// control characters): at most maxBytes bytes of valid UTF-8.
+func checkName(v *violations, field, s string, maxBytes int) {
+	if len(s) > maxBytes {
+		v.addf(field, "must be at most %d bytes, got %d", maxBytes, len(s))
 	}
 	if !utf8.ValidString(s) {
-		v.add(field, "must be valid UTF-8")
+		v.addf(field, "must be valid UTF-8")
 	}
 }
 
@@ -89,7 +89,7 @@ func checkKeyFormat(v *violations, key string, pattern *regexp.Regexp) {
 	if pattern == nil || pattern.MatchString(key) {
 		return
 	}
-	v.add("key", "does not have the format this scope's policy requires (key_pattern)")
+	v.addf("key", "does not have the format this scope's policy requires (key_pattern)")
 	v.reason = idempotencyv1.ErrorReason_ERROR_REASON_KEY_FORMAT
 }
 
@@ -100,17 +100,17 @@ func checkDuration(v *violations, field string, d *durationpb.Duration, lo, hi t
 		return
 	}
 	if err := d.CheckValid(); err != nil {
-		v.add(field, "not a valid duration: %v", err)
+		v.addf(field, "not a valid duration: %v", err)
 		return
 	}
 	got := d.AsDuration()
 	switch {
 	case loOpen && got <= lo:
-		v.add(field, "must be more than %v, got %v", lo, got)
+		v.addf(field, "must be more than %v, got %v", lo, got)
 	case !loOpen && got < lo:
-		v.add(field, "must be at least %v, got %v", lo, got)
+		v.addf(field, "must be at least %v, got %v", lo, got)
 	case got > hi:
-		v.add(field, "must be at most %v, got %v", hi, got)
+		v.addf(field, "must be at most %v, got %v", hi, got)
 	}
 }
 
@@ -120,7 +120,7 @@ func checkResponse(v *violations, field string, r *idempotencyv1.StoredResponse,
 		return
 	}
 	if n := proto.Size(r); n > lim.MaxResponseBytes {
-		v.add(field, "stored response must be at most %d bytes, got %d", lim.MaxResponseBytes, n)
+		v.addf(field, "stored response must be at most %d bytes, got %d", lim.MaxResponseBytes, n)
 		v.reason = idempotencyv1.ErrorReason_ERROR_REASON_RESPONSE_TOO_LARGE
 	}
 }
@@ -131,17 +131,17 @@ func (s *Server) validateBegin(req *idempotencyv1.BeginRequest, pol Policy, lim 
 		checkName(v, "key", req.GetKey(), lim.MaxKeyBytes)
 		checkKeyFormat(v, req.GetKey(), pol.KeyPattern)
 		if n := len(req.GetFingerprint()); n > lim.MaxFingerprintBytes {
-			v.add("fingerprint", "must be at most %d bytes, got %d", lim.MaxFingerprintBytes, n)
+			v.addf("fingerprint", "must be at most %d bytes, got %d", lim.MaxFingerprintBytes, n)
 		}
 		checkDuration(v, "ttl", req.GetTtl(), 0, pol.MaxTTL, true)
 		checkDuration(v, "lease", req.GetLease(), lim.MinLease, lim.MaxLease, false)
 		checkDuration(v, "wait", req.GetWait(), 0, lim.MaxWait, false)
 		if n := len(req.GetAcceptSchemaVersions()); n > maxAcceptSchemaVersions {
-			v.add("accept_schema_versions", "at most %d entries, got %d", maxAcceptSchemaVersions, n)
+			v.addf("accept_schema_versions", "at most %d entries, got %d", maxAcceptSchemaVersions, n)
 		}
 		for i, sv := range req.GetAcceptSchemaVersions() {
 			if len(sv) > maxSchemaVersionBytes {
-				v.add(fmt.Sprintf("accept_schema_versions[%d]", i), "must be at most %d bytes", maxSchemaVersionBytes)
+				v.addf(fmt.Sprintf("accept_schema_versions[%d]", i), "must be at most %d bytes", maxSchemaVersionBytes)
 			}
 		}
 	})
@@ -160,10 +160,10 @@ func (s *Server) validateFail(req *idempotencyv1.FailRequest, lim Limits) error 
 		checkName(v, "scope", req.GetScope(), lim.MaxScopeBytes)
 		checkName(v, "key", req.GetKey(), lim.MaxKeyBytes)
 		if n := len(req.GetReason()); n > lim.MaxReasonBytes {
-			v.add("reason", "must be at most %d bytes, got %d", lim.MaxReasonBytes, n)
+			v.addf("reason", "must be at most %d bytes, got %d", lim.MaxReasonBytes, n)
 		}
 		if req.GetKind() == idempotencyv1.FailureKind_FAILURE_KIND_REPLAYABLE && req.GetResponse() == nil {
-			v.add("response", "is required for FAILURE_KIND_REPLAYABLE")
+			v.addf("response", "is required for FAILURE_KIND_REPLAYABLE")
 		}
 		checkResponse(v, "response", req.GetResponse(), lim)
 	})

@@ -218,7 +218,7 @@ func TestGrpcurlReplay(t *testing.T) {
 	}
 	r := begin.Record.Response
 	if begin.Outcome != "OUTCOME_REPLAY" || begin.Record.State != "STATE_COMPLETED" || r.Body != "aGVsbG8=" ||
-		r.StatusCode != 201 || r.Metadata["location"] != "/builds/7" || begin.LeaseToken != "" {
+		r.StatusCode != http.StatusCreated || r.Metadata["location"] != "/builds/7" || begin.LeaseToken != "" {
 		t.Fatalf("replay: %+v", begin)
 	}
 }

@@ -109,12 +109,12 @@ func TestSIGHUPReloadsWithoutFileWatch(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, "real"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	real := filepath.Join(dir, "real", "policy.yaml")
+	target := filepath.Join(dir, "real", "policy.yaml")
 	link := filepath.Join(dir, "idemcoord.yaml")
-	if err := os.WriteFile(real, []byte("scopes:\n  - { match: \"build\", ttl: 60s }\n"), 0o644); err != nil {
+	if err := os.WriteFile(target, []byte("scopes:\n  - { match: \"build\", ttl: 60s }\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink(real, link); err != nil {
+	if err := os.Symlink(target, link); err != nil {
 		t.Fatal(err)
 	}
 	p := startBinary(t, coordtest.BuildBinary(t), pgtest.NewDatabase(t), coordtest.FreeAddr(t), coordtest.FreeAddr(t), "--config", link)
@@ -140,7 +140,7 @@ func TestSIGHUPReloadsWithoutFileWatch(t *testing.T) {
 		t.Fatalf("ttl = %v, want 60s from the file", got)
 	}
 	// Rewrite in place (same inode, another directory than the watched one).
-	if err := os.WriteFile(real, []byte("scopes:\n  - { match: \"build\", ttl: 300s }\n"), 0o644); err != nil {
+	if err := os.WriteFile(target, []byte("scopes:\n  - { match: \"build\", ttl: 300s }\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if got := ttlOfNewRecord(); got != 60*time.Second {

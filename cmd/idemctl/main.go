@@ -324,8 +324,8 @@ func (c *cli) list(ctx context.Context, args []string) error {
 		}
 		req.State = st
 	}
-	if *uncertain && req.State != idempotencyv1.State_STATE_UNSPECIFIED && req.State != idempotencyv1.State_STATE_UNKNOWN &&
-		req.State != idempotencyv1.State_STATE_FAILED_RETRYABLE {
+	if *uncertain && req.GetState() != idempotencyv1.State_STATE_UNSPECIFIED && req.GetState() != idempotencyv1.State_STATE_UNKNOWN &&
+		req.GetState() != idempotencyv1.State_STATE_FAILED_RETRYABLE {
 		return usagef("--uncertain with --state %s: only unknown and failed_retryable records need a decision", *state)
 	}
 	if *limit < 0 {
@@ -341,7 +341,7 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	for {
 		req.PageSize = maxPageSize
 		if *limit > 0 {
-			req.PageSize = int32(min(*limit-len(out.Records), maxPageSize))
+			req.PageSize = int32(min(*limit-len(out.GetRecords()), maxPageSize))
 		}
 		resp, err := admin.ListRecords(ctx, req)
 		if err != nil {
@@ -349,10 +349,10 @@ func (c *cli) list(ctx context.Context, args []string) error {
 		}
 		out.Records = append(out.Records, resp.GetRecords()...)
 		out.NextPageToken = resp.GetNextPageToken()
-		if out.NextPageToken == "" || *limit > 0 && len(out.Records) >= *limit {
+		if out.GetNextPageToken() == "" || *limit > 0 && len(out.GetRecords()) >= *limit {
 			break
 		}
-		req.PageToken = out.NextPageToken
+		req.PageToken = out.GetNextPageToken()
 	}
 	return c.printList(out)
 }
