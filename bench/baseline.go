@@ -58,7 +58,7 @@ func (e *environment) baselinePair(ctx context.Context, _ int, r *rand.Rand, lat
 	}
 	resp := e.payload.response
 	tag, err := e.baseline.Exec(ctx, baselineUpdateSQL, benchTenant, benchScope, key, gotToken,
-		resp.SchemaVersion, resp.ContentType, resp.StatusCode, resp.Body)
+		resp.GetSchemaVersion(), resp.GetContentType(), resp.GetStatusCode(), resp.GetBody())
 	t2 := time.Now()
 	if err != nil {
 		return fmt.Errorf("update: %w", err)

@@ -125,7 +125,7 @@ func (e *environment) replay(ctx context.Context, w int, r *rand.Rand, lat []tim
 	if err != nil {
 		return fmt.Errorf("Begin: %w", err)
 	}
-	if br.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || len(br.GetRecord().GetResponse().GetBody()) != len(e.payload.response.Body) {
+	if br.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY || len(br.GetRecord().GetResponse().GetBody()) != len(e.payload.response.GetBody()) {
 		return fmt.Errorf("%w: Begin on a completed key answered %v", errCoordinatorAnswer, br.GetOutcome())
 	}
 	return nil

@@ -49,7 +49,7 @@ func (e *environment) leanPair(ctx context.Context, _ int, r *rand.Rand, lat []t
 	}
 	resp := e.payload.response
 	tag, err := e.lean.Exec(ctx, leanUpdateSQL, benchTenant, benchScope, key, token,
-		resp.SchemaVersion, resp.StatusCode, resp.Body)
+		resp.GetSchemaVersion(), resp.GetStatusCode(), resp.GetBody())
 	t2 := time.Now()
 	if err != nil {
 		return fmt.Errorf("update: %w", err)

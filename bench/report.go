@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -307,7 +308,7 @@ func count(n int) string {
 	case n >= 1_000 && n%1_000 == 0:
 		return fmt.Sprintf("%dk", n/1_000)
 	}
-	return fmt.Sprint(n)
+	return strconv.Itoa(n)
 }
 
 // print writes the table.

@@ -166,7 +166,7 @@ func TestFailoverAsyncStandbyIsCaught(t *testing.T) {
 			f.current = f.standby.URL("postgres")
 		case 10:
 			lost = !f.hasRow(t, probe)
-			for try := 0; try < 100; try++ {
+			for range 100 {
 				if a := pc.call(pc.newCall(rkLookup, probe)); !a.unknown {
 					notFound = a.err == "NOT_FOUND"
 					break

@@ -25,9 +25,9 @@ func TestMain(m *testing.M) {
 func long() bool { return os.Getenv("IDEMCOORD_CHAOS") == "long" }
 
 // byMode returns short in the default run and long under IDEMCOORD_CHAOS=long.
-func byMode[T any](short, long_ T) T {
+func byMode[T any](short, longV T) T {
 	if long() {
-		return long_
+		return longV
 	}
 	return short
 }

@@ -242,10 +242,10 @@ func refEffective(k refKey, now int64) (e refKey, lapsed, expired bool) {
 	return e, lapsed, expired
 }
 
-// view is what a caller is told of e.
-func (e refKey) view() refView {
-	v := refView{state: e.state, fp: e.fp, attempt: e.attempt, gen: e.gen, resp: e.resp, hasResp: e.hasResp,
-		reason: e.reason, lease: e.lease, expires: e.expires, uncertain: e.uncertain}
+// view is what a caller is told of k.
+func (k refKey) view() refView {
+	v := refView{state: k.state, fp: k.fp, attempt: k.attempt, gen: k.gen, resp: k.resp, hasResp: k.hasResp,
+		reason: k.reason, lease: k.lease, expires: k.expires, uncertain: k.uncertain}
 	return v
 }
 
@@ -444,10 +444,9 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 				}
 			}
 		}
-		if d.deleted {
-			// open: what FailResponse.record holds once ABANDONED
-			// deleted the record.
-		} else if a.rec == nil || !viewMatches(d.answered.view(), *a.rec) {
+		// Once ABANDONED deleted the record, what FailResponse.record
+		// holds is open.
+		if !d.deleted && (a.rec == nil || !viewMatches(d.answered.view(), *a.rec)) {
 			continue
 		}
 		out = append(out, refNext{k: next, labels: []string{d.label}})

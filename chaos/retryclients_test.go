@@ -687,11 +687,11 @@ func retryNodeClient(t *testing.T) (exe, dir string) {
 	}
 	exe, err = exec.LookPath("node")
 	if err != nil {
-		missingTool(t, "no `node` on PATH; install Node.js (Debian: apt-get install nodejs npm), then `npm ci --prefix chaos/testdata/retryclients/node`")
+		missingToolf(t, "no `node` on PATH; install Node.js (Debian: apt-get install nodejs npm), then `npm ci --prefix chaos/testdata/retryclients/node`")
 	}
 	for _, m := range []string{"axios", "axios-retry"} {
 		if _, err := os.Stat(filepath.Join(dir, "node_modules", m, "package.json")); err != nil {
-			missingTool(t, "chaos/testdata/retryclients/node/node_modules/%s is missing; install it with `npm ci --prefix chaos/testdata/retryclients/node`", m)
+			missingToolf(t, "chaos/testdata/retryclients/node/node_modules/%s is missing; install it with `npm ci --prefix chaos/testdata/retryclients/node`", m)
 		}
 	}
 	return exe, dir
@@ -702,10 +702,10 @@ func retryNodeClient(t *testing.T) (exe, dir string) {
 func retryPythonClient(t *testing.T) string {
 	t.Helper()
 	if _, err := os.Stat(python3); err != nil {
-		missingTool(t, "no %s; install it with `apt-get install python3 python3-requests`", python3)
+		missingToolf(t, "no %s; install it with `apt-get install python3 python3-requests`", python3)
 	}
 	if out, err := exec.Command(python3, "-c", "import requests, urllib3.util.retry").CombinedOutput(); err != nil {
-		missingTool(t, "%s cannot import requests (%s); install it with `apt-get install python3-requests`", python3, bytes.TrimSpace(out))
+		missingToolf(t, "%s cannot import requests (%s); install it with `apt-get install python3-requests`", python3, bytes.TrimSpace(out))
 	}
 	script, err := filepath.Abs(filepath.Join("testdata", "retryclients", "client.py"))
 	if err != nil {

@@ -101,14 +101,14 @@ func toxiproxyBinary(t *testing.T) string {
 		}
 	}
 	if _, err := os.Stat(bin); err != nil {
-		missingTool(t, "no toxiproxy server at %s: install it with `make tools` (toxiproxy v%s) or set IDEMCOORD_TOXIPROXY", bin, toxiproxyVersion)
+		missingToolf(t, "no toxiproxy server at %s: install it with `make tools` (toxiproxy v%s) or set IDEMCOORD_TOXIPROXY", bin, toxiproxyVersion)
 	}
 	return bin
 }
 
-// missingTool skips the test naming what is missing, or fails it under
+// missingToolf skips the test naming what is missing, or fails it under
 // CI=true, where every tool must be installed (.ci/run installs them).
-func missingTool(t *testing.T, format string, args ...any) {
+func missingToolf(t *testing.T, format string, args ...any) {
 	t.Helper()
 	msg := fmt.Sprintf(format, args...)
 	if os.Getenv("CI") == "true" {

@@ -142,7 +142,7 @@ func (w *workload) stop() {
 	w.wg.Wait()
 }
 
-func (w *workload) violate(format string, args ...any) {
+func (w *workload) violatef(format string, args ...any) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if len(w.violations) < 50 {
@@ -181,7 +181,7 @@ func (w *workload) call(method string, fn func(ctx context.Context) error) (star
 	}
 	w.mu.Unlock()
 	if c == codes.Internal || c == codes.Unknown {
-		w.violate("%s answered %v", method, err)
+		w.violatef("%s answered %v", method, err)
 	}
 	return start, err
 }
@@ -224,7 +224,7 @@ func (w *workload) worker(id int, rng *rand.Rand) {
 		switch {
 		case err != nil:
 			if !ambiguous(err) {
-				w.violate("Begin %s: %v", key, err)
+				w.violatef("Begin %s: %v", key, err)
 			}
 			time.Sleep(time.Duration(10+rng.IntN(40)) * time.Millisecond)
 		case resp.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED:
@@ -237,7 +237,7 @@ func (w *workload) worker(id int, rng *rand.Rand) {
 		case resp.GetOutcome() == idempotencyv1.Outcome_OUTCOME_IN_PROGRESS:
 			time.Sleep(time.Duration(10+rng.IntN(40)) * time.Millisecond)
 		default:
-			w.violate("Begin %s answered %v", key, resp)
+			w.violatef("Begin %s answered %v", key, resp)
 		}
 	}
 }
@@ -249,7 +249,7 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 	w.holds = append(w.holds, h)
 	w.mu.Unlock()
 	if h.token == "" {
-		w.violate("Begin %s acquired without a token", h.key)
+		w.violatef("Begin %s acquired without a token", h.key)
 		return
 	}
 	if rng.Float64() < w.dieChance {
@@ -273,7 +273,7 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 			h.lost = true
 			return
 		case !ambiguous(err):
-			w.violate("Heartbeat %s: %v", h.key, err)
+			w.violatef("Heartbeat %s: %v", h.key, err)
 		}
 	}
 	time.Sleep(work)
@@ -377,7 +377,7 @@ func (w *workload) verify(dbURL string) results {
 	for key := range keys {
 		rec, err := w.lookup(key)
 		if err != nil {
-			w.violate("Lookup %s after the run: %v", key, err)
+			w.violatef("Lookup %s after the run: %v", key, err)
 			continue
 		}
 		switch rec.GetState() {
@@ -386,11 +386,11 @@ func (w *workload) verify(dbURL string) results {
 			r.unknown++
 			w.takeOver(key, &r)
 			if rec, err = w.lookup(key); err != nil {
-				w.violate("Lookup %s after takeover: %v", key, err)
+				w.violatef("Lookup %s after takeover: %v", key, err)
 				continue
 			}
 		default:
-			w.violate("%s is %v after every lease ran out, want COMPLETED or UNKNOWN", key, rec.GetState())
+			w.violatef("%s is %v after every lease ran out, want COMPLETED or UNKNOWN", key, rec.GetState())
 		}
 		final[key] = rec
 	}
@@ -410,7 +410,7 @@ func (w *workload) verify(dbURL string) results {
 		rec := final[h.key]
 		if rec.GetState() != idempotencyv1.State_STATE_COMPLETED || !bytes.Equal(rec.GetResponse().GetBody(), h.body) {
 			r.lost++
-			w.violate("acknowledged Complete of %s (body %q) lost: record now %v", h.key, h.body, rec)
+			w.violatef("acknowledged Complete of %s (body %q) lost: record now %v", h.key, h.body, rec)
 			continue
 		}
 		r.checked++
@@ -419,7 +419,7 @@ func (w *workload) verify(dbURL string) results {
 	for _, rp := range replays {
 		r.replays++
 		if got := final[rp.key].GetResponse().GetBody(); !bytes.Equal(got, rp.body) {
-			w.violate("replay of %s carried %q, the record holds %q", rp.key, rp.body, got)
+			w.violatef("replay of %s carried %q, the record holds %q", rp.key, rp.body, got)
 		}
 	}
 	w.mu.Lock()
@@ -463,7 +463,7 @@ func (w *workload) takeOver(key string, r *results) {
 		return err
 	})
 	if err != nil || resp.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED || resp.GetPreviousState() != idempotencyv1.State_STATE_UNKNOWN {
-		w.violate("takeover of UNKNOWN %s: %v, %v", key, resp, err)
+		w.violatef("takeover of UNKNOWN %s: %v, %v", key, resp, err)
 		return
 	}
 	h := &hold{key: key, token: resp.GetLeaseToken(), prev: resp.GetPreviousState(), acquiredAt: time.Now()}
@@ -477,7 +477,7 @@ func (w *workload) takeOver(key string, r *results) {
 		return err
 	})
 	if err != nil {
-		w.violate("Complete after takeover of %s: %v", key, err)
+		w.violatef("Complete after takeover of %s: %v", key, err)
 		return
 	}
 	w.mu.Lock()
@@ -503,9 +503,9 @@ func (w *workload) checkDeadHolders(holds []*hold, r *results) {
 			}
 			if h.died {
 				if i+1 == len(hs) {
-					w.violate("the key %s of a dead holder was never acquired again", h.key)
+					w.violatef("the key %s of a dead holder was never acquired again", h.key)
 				} else if next := hs[i+1]; next.prev != idempotencyv1.State_STATE_UNKNOWN {
-					w.violate("the key %s of a dead holder was next acquired from %v, want UNKNOWN", h.key, next.prev)
+					w.violatef("the key %s of a dead holder was next acquired from %v, want UNKNOWN", h.key, next.prev)
 				} else {
 					r.diedThenUnknown++
 				}
@@ -516,7 +516,7 @@ func (w *workload) checkDeadHolders(holds []*hold, r *results) {
 				return err
 			})
 			if reasonOf(err) != "LEASE_LOST" {
-				w.violate("the superseded token of %s answered %v, want LEASE_LOST", h.key, err)
+				w.violatef("the superseded token of %s answered %v, want LEASE_LOST", h.key, err)
 				continue
 			}
 			r.fenced++
@@ -613,7 +613,7 @@ func checkRows(t *testing.T, dbURL, scope string, bodyNamesToken bool) (rows, ba
 			check(hasExpiry && !hasLease, "no expiry, or a lease")
 			check(endedBy == 5 || endedBy == 6, "not ended by Complete or Resolve")
 			if bodyNamesToken && endedBy == 5 {
-				check(string(body) == string(bodyFor(key, token)), fmt.Sprintf("body %q does not name its token %q", body, token))
+				check(bytes.Equal(body, bodyFor(key, token)), fmt.Sprintf("body %q does not name its token %q", body, token))
 			}
 		case 3: // FAILED_RETRYABLE
 			check(hasExpiry && !hasLease, "no expiry, or a lease")

@@ -301,15 +301,15 @@ func (b *batcher) eachUnary(batch []*batchItem) {
 				ctx, cancel = context.WithDeadline(ctx, it.deadline)
 			}
 			defer cancel()
-			it.result, it.err = unaryCall(ctx, b.c.rpc, it.call)
+			it.result = unaryCall(ctx, b.c.rpc, it.call)
 		})
 	}
 	wg.Wait()
 }
 
 // unaryCall makes call as the unary RPC of its kind and wraps the answer
-// as a BatchResult.
-func unaryCall(ctx context.Context, rpc idempotencyv1.CoordinatorClient, call *idempotencyv1.BatchCall) (*idempotencyv1.BatchResult, error) {
+// as a BatchResult (an error answer is a BatchResult_Error).
+func unaryCall(ctx context.Context, rpc idempotencyv1.CoordinatorClient, call *idempotencyv1.BatchCall) *idempotencyv1.BatchResult {
 	out := &idempotencyv1.BatchResult{}
 	var err error
 	switch c := call.GetCall().(type) {
@@ -335,9 +335,9 @@ func unaryCall(ctx context.Context, rpc idempotencyv1.CoordinatorClient, call *i
 		out.Result = &idempotencyv1.BatchResult_Heartbeat{Heartbeat: r}
 	}
 	if err != nil {
-		return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Error{Error: status.Convert(err).Proto()}}, nil
+		return &idempotencyv1.BatchResult{Result: &idempotencyv1.BatchResult_Error{Error: status.Convert(err).Proto()}}
 	}
-	return out, nil
+	return out
 }
 
 // batchAnswer returns the response of type T in res, or the error it

@@ -1,6 +1,7 @@
 package clients_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -293,7 +294,7 @@ func TestReplayHookLeavesRecordUnchanged(t *testing.T) {
 	}
 	rec := f.mustState(t, "hook-1", idempotencyv1.State_STATE_COMPLETED)
 	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(first.resp)
-	if string(rec.GetResponse().GetBody()) != string(want) {
+	if !bytes.Equal(rec.GetResponse().GetBody(), want) {
 		t.Fatalf("stored body changed by the hook")
 	}
 }

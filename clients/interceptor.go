@@ -251,7 +251,7 @@ func (ic *interceptor) run(ctx context.Context, m *method, req any, handler grpc
 		if !ok || msg == nil || err != nil {
 			_ = l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN,
 				reason: "the handler's response could not be encoded for storage"})
-			return resp, nil
+			return resp, nil //nolint:nilerr // the handler's answer goes back as it is; the record ends UNKNOWN
 		}
 		// "created" only once the response is stored (or being retried in
 		// the background): a Complete refused because the lease was lost
@@ -330,11 +330,11 @@ func (ic *interceptor) fingerprint(ctx context.Context, fullMethod string, req a
 // method resolves and caches what the interceptor does with fullMethod.
 func (ic *interceptor) method(ctx context.Context, fullMethod string) *method {
 	if m, ok := ic.methods.Load(fullMethod); ok {
-		return m.(*method)
+		return m.(*method) //nolint:forcetypeassert // ic.methods holds only *method
 	}
 	m := ic.resolve(fullMethod)
 	if actual, loaded := ic.methods.LoadOrStore(fullMethod, m); loaded {
-		return actual.(*method)
+		return actual.(*method) //nolint:forcetypeassert // ic.methods holds only *method
 	}
 	if m.unregistered {
 		ic.c.logger.WarnContext(ctx, "idempotency: method has no registered descriptor; passing it through unprotected",

@@ -1,6 +1,7 @@
 package clients_test
 
 import (
+	"bytes"
 	"context"
 	"strconv"
 	"sync"
@@ -65,7 +66,7 @@ func TestRetryStormRunsHandlerOnce(t *testing.T) {
 		}
 		if first == nil {
 			first = b
-		} else if string(b) != string(first) {
+		} else if !bytes.Equal(b, first) {
 			t.Fatalf("call %d got %v, call 0 got other bytes", i, r.resp)
 		}
 		counts[r.result()]++

@@ -203,7 +203,7 @@ func validToken(s string) bool {
 	if s == "" || len(s) > maxTokenBytes {
 		return false
 	}
-	for i := 0; i < len(s); i++ {
+	for i := range len(s) {
 		if s[i] < 0x21 || s[i] > 0x7e {
 			return false
 		}

@@ -13,7 +13,7 @@ import (
 // Mount the console next to the server's /metrics, as idemcoord --console
 // does: it calls the Admin service in process, as each request's operator,
 // keeps sign-in sessions in a SessionStore, and charts the server's counters.
-func ExampleNew() {
+func ExampleNew() { //nolint:testableexamples // it needs a running server; compiled, not run
 	var srv *server.Server            // from server.New
 	var sessions console.SessionStore // idemcoord keeps them in PostgreSQL (ledger)
 	ctx := context.Background()

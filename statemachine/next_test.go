@@ -1289,11 +1289,11 @@ func fmtTime(t time.Time) string {
 	if t.IsZero() {
 		return "unset"
 	}
-	if d := t.Sub(t0); d < 0 {
+	d := t.Sub(t0)
+	if d < 0 {
 		return "now" + d.String()
-	} else {
-		return "now+" + d.String()
 	}
+	return "now+" + d.String()
 }
 
 // copyRecord returns a deep copy of r.

@@ -40,7 +40,7 @@ func repoRoot(t *testing.T) string {
 
 // missing skips the test naming what is missing, or fails it under CI=true,
 // where every runtime must be present.
-func missing(t *testing.T, format string, args ...any) {
+func missingf(t *testing.T, format string, args ...any) {
 	t.Helper()
 	msg := fmt.Sprintf(format, args...)
 	if os.Getenv("CI") == "true" {
@@ -54,10 +54,10 @@ func nodeReady(t *testing.T) string {
 	t.Helper()
 	node, err := exec.LookPath("node")
 	if err != nil {
-		missing(t, "no `node` on PATH; install Node.js ≥ 18 (Debian: apt-get install nodejs npm), then `npm ci --prefix clients/node`")
+		missingf(t, "no `node` on PATH; install Node.js ≥ 18 (Debian: apt-get install nodejs npm), then `npm ci --prefix clients/node`")
 	}
 	if _, err := os.Stat(filepath.Join(repoRoot(t), "clients", "node", "node_modules", "@grpc", "grpc-js", "package.json")); err != nil {
-		missing(t, "clients/node/node_modules is missing; install it with `npm ci --prefix clients/node`")
+		missingf(t, "clients/node/node_modules is missing; install it with `npm ci --prefix clients/node`")
 	}
 	return node
 }
@@ -66,10 +66,10 @@ func nodeReady(t *testing.T) string {
 func pythonReady(t *testing.T) {
 	t.Helper()
 	if _, err := os.Stat(python); err != nil {
-		missing(t, "no %s; install it with `apt-get install python3 python3-grpcio python3-protobuf`", python)
+		missingf(t, "no %s; install it with `apt-get install python3 python3-grpcio python3-protobuf`", python)
 	}
 	if out, err := exec.Command(python, "-c", "import grpc, google.protobuf").CombinedOutput(); err != nil {
-		missing(t, "%s cannot import grpc and protobuf (%s); install them with `apt-get install python3-grpcio python3-protobuf`",
+		missingf(t, "%s cannot import grpc and protobuf (%s); install them with `apt-get install python3-grpcio python3-protobuf`",
 			python, bytes.TrimSpace(out))
 	}
 }
@@ -106,7 +106,7 @@ func TestNodeClient(t *testing.T) {
 	nodeReady(t)
 	npm, err := exec.LookPath("npm")
 	if err != nil {
-		missing(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
+		missingf(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
 	}
 	runSuite(t, filepath.Join(repoRoot(t), "clients", "node"), startCoordinator(t), npm, "test")
 }
@@ -124,11 +124,11 @@ func TestExpressExample(t *testing.T) {
 	nodeReady(t)
 	npm, err := exec.LookPath("npm")
 	if err != nil {
-		missing(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
+		missingf(t, "no `npm` on PATH; install it (Debian: apt-get install npm)")
 	}
 	dir := filepath.Join(repoRoot(t), "examples", "express")
 	if _, err := os.Stat(filepath.Join(dir, "node_modules", "express", "package.json")); err != nil {
-		missing(t, "examples/express/node_modules is missing; install it with `npm ci --prefix examples/express`")
+		missingf(t, "examples/express/node_modules is missing; install it with `npm ci --prefix examples/express`")
 	}
 	runSuite(t, dir, startCoordinator(t), npm, "test")
 }
@@ -138,7 +138,7 @@ func TestFastAPIExample(t *testing.T) {
 	t.Parallel()
 	pythonReady(t)
 	if out, err := exec.Command(python, "-c", "import fastapi, uvicorn, httpx").CombinedOutput(); err != nil {
-		missing(t, "%s cannot import fastapi, uvicorn and httpx (%s); install them with `apt-get install python3-fastapi python3-uvicorn python3-httpx`",
+		missingf(t, "%s cannot import fastapi, uvicorn and httpx (%s); install them with `apt-get install python3-fastapi python3-uvicorn python3-httpx`",
 			python, bytes.TrimSpace(out))
 	}
 	runSuite(t, filepath.Join(repoRoot(t), "examples", "fastapi"), startCoordinator(t), python, "-m", "unittest", "-v")
@@ -276,7 +276,7 @@ func TestPythonWheel(t *testing.T) {
 	t.Parallel()
 	pythonReady(t)
 	if out, err := exec.Command(python, "-c", "import build, venv, ensurepip").CombinedOutput(); err != nil {
-		missing(t, "%s cannot build wheels or venvs (%s); install them with `apt-get install python3-build python3-venv`",
+		missingf(t, "%s cannot build wheels or venvs (%s); install them with `apt-get install python3-build python3-venv`",
 			python, bytes.TrimSpace(out))
 	}
 	src, tmp := filepath.Join(repoRoot(t), "clients", "python"), t.TempDir()

@@ -136,8 +136,8 @@ func (s *Service) CreateProject(ctx context.Context, req *projectsv1.CreateProje
 	s.nextProject++
 	p := &projectsv1.Project{Id: fmt.Sprintf("prj_%d", s.nextProject), Owner: UserFrom(ctx),
 		Name: req.GetName(), Prompt: req.GetPrompt()}
-	s.projects[p.Id] = p
-	s.order = append(s.order, p.Id)
+	s.projects[p.GetId()] = p
+	s.order = append(s.order, p.GetId())
 	return &projectsv1.CreateProjectResponse{Project: proto.CloneOf(p)}, nil
 }
 

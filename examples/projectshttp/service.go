@@ -141,7 +141,8 @@ func refreshRequestID(r *http.Request, stored *idempotencyv1.StoredResponse) *id
 	if err != nil {
 		return nil
 	}
-	stored.Body = append(body, '\n')
+	body = append(body, '\n')
+	stored.Body = body
 	return stored
 }
 

@@ -1,6 +1,7 @@
 package coordtest
 
 import (
+	"net/http"
 	"net/http/httptest"
 	"regexp"
 	"strconv"
@@ -14,7 +15,7 @@ import (
 // until a Begin with wait is really waiting.
 func (c *Coordinator) InFlight(method string) int {
 	rec := httptest.NewRecorder()
-	c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	text := rec.Body.String()
 	sum := func(metric string) int {
 		re := regexp.MustCompile(`(?m)^` + metric + `\{[^}]*grpc_method="` + regexp.QuoteMeta(method) +

@@ -81,7 +81,7 @@ func (f *FS) mount() error {
 	if err := syscall.Stat(f.backing, &st); err != nil {
 		return fmt.Errorf("crashfs: %w", err)
 	}
-	root := &fs.LoopbackRoot{Path: f.backing, Dev: uint64(st.Dev)}
+	root := &fs.LoopbackRoot{Path: f.backing, Dev: st.Dev}
 	root.NewNode = func(r *fs.LoopbackRoot, _ *fs.Inode, _ string, _ *syscall.Stat_t) fs.InodeEmbedder {
 		return &node{LoopbackNode: fs.LoopbackNode{RootData: r}, fs: f}
 	}

@@ -136,7 +136,7 @@ func TestMakeHelpListsEveryTargetTruly(t *testing.T) {
 		t.Fatal("no tools target in the Makefile")
 	}
 	deps := mk[i:]
-	deps = deps[:strings.Index(deps, "\n\n")]
+	deps, _, _ = strings.Cut(deps, "\n\n")
 	tools := stamp.FindAllStringSubmatch(deps, -1)
 	if len(tools) == 0 {
 		t.Fatal("found no tool stamp files in the tools target: the parser is broken")

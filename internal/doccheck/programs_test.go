@@ -277,7 +277,8 @@ func TestHTTPPageClientsAgainstItsMiddleware(t *testing.T) {
 		// comment says; -i to see the headers.
 		script := localize(b.text, coord.Addr, addr)
 		script = strings.ReplaceAll(script, "curl ", "curl -sS -i ")
-		curl := script[strings.Index(script, "curl "):]
+		_, curl, _ := strings.Cut(script, "curl ")
+		curl = "curl " + curl
 		out, err := runProgram(t, t.TempDir(), nil, "bash", "-e", "-c", script+"\necho ---\n"+curl)
 		first, second, _ := strings.Cut(out, "---")
 		if err != nil || !strings.Contains(first, "HTTP/1.1 201") || !strings.Contains(strings.ToLower(first), "idempotency-result: created") ||

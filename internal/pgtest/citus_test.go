@@ -97,13 +97,13 @@ func TestCitusDatabasesCarryDistributedTables(t *testing.T) {
 // without Citus (its pg_config names empty directories): RequireCitus
 // skips a test, and fails it under CI=true, naming the build script.
 func TestRequireCitusSkipsOrFailsUnderCI(t *testing.T) {
-	real, err := findBinaries()
+	realBins, err := findBinaries()
 	if err != nil {
 		t.Skip(err)
 	}
 	bin := t.TempDir()
 	for _, p := range []string{"initdb", "postgres"} {
-		if err := os.Symlink(filepath.Join(real, p), filepath.Join(bin, p)); err != nil {
+		if err := os.Symlink(filepath.Join(realBins, p), filepath.Join(bin, p)); err != nil {
 			t.Fatal(err)
 		}
 	}

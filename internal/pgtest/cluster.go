@@ -463,7 +463,7 @@ func processesIn(dir string) bool {
 		if _, err := strconv.Atoi(e.Name()); err != nil {
 			continue
 		}
-		if cwd, err := os.Readlink(filepath.Join("/proc", e.Name(), "cwd")); err == nil && cwd == dir {
+		if cwd, err := os.Readlink("/proc/" + e.Name() + "/cwd"); err == nil && cwd == dir {
 			return true
 		}
 	}
@@ -496,7 +496,7 @@ func freePort() (int, error) {
 		return 0, fmt.Errorf("pick a free port: %w", err)
 	}
 	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return l.Addr().(*net.TCPAddr).Port, nil //nolint:forcetypeassert // a "tcp" listener's address is a *net.TCPAddr
 }
 
 // findBinaries returns the directory holding initdb and postgres: PG_BIN,
