@@ -31,6 +31,7 @@ type conformanceScenario[O any, S conformanceStepper] struct {
 	Name         string            `json:"name"`
 	Skip         map[string]string `json:"skip"`
 	HoldKey      bool              `json:"hold_key"`
+	Scope        string            `json:"scope"` // of the stack's records, when not the runner's
 	Options      O                 `json:"options"`
 	Steps        []S               `json:"steps"`
 	State        string            `json:"state"`
@@ -62,7 +63,7 @@ type conformanceStepper interface {
 // conformanceRunner runs a suite against one Go stack.
 type conformanceRunner[O any, S conformanceStepper] struct {
 	path     string     // the suite's file
-	scope    string     // the scope the stack records its keys in
+	scope    string     // the scope the stack records its keys in, unless the scenario says
 	logLevel slog.Level // of the client's logger
 	// serve starts the stack for a scenario; send makes step i's call with
 	// key and returns its idempotency-result.
@@ -106,10 +107,14 @@ func (r conformanceRunner[O, S]) scenario(t *testing.T, idem *clients.Client, sc
 	var b [12]byte
 	_, _ = rand.Read(b[:])
 	key := "conf-" + hex.EncodeToString(b[:])
+	scope := r.scope
+	if sc.Scope != "" {
+		scope = sc.Scope
+	}
 	lookup := func() string {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: r.scope, Key: key})
+		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: scope, Key: key})
 		if status.Code(err) == codes.NotFound {
 			return "absent"
 		}
@@ -130,7 +135,7 @@ func (r conformanceRunner[O, S]) scenario(t *testing.T, idem *clients.Client, sc
 	}
 	var holdToken string
 	if sc.HoldKey {
-		res, err := idem.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: r.scope, Key: key, AttemptId: "holder"})
+		res, err := idem.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: scope, Key: key, AttemptId: "holder"})
 		if err != nil || res.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
 			t.Fatalf("hold: %v %v", res, err)
 		}
@@ -143,7 +148,7 @@ func (r conformanceRunner[O, S]) scenario(t *testing.T, idem *clients.Client, sc
 		switch {
 		case b.ReleaseHold:
 			time.Sleep(time.Duration(b.SettleMS) * time.Millisecond)
-			if _, err := idem.Fail(context.Background(), &idempotencyv1.FailRequest{Scope: r.scope, Key: key,
+			if _, err := idem.Fail(context.Background(), &idempotencyv1.FailRequest{Scope: scope, Key: key,
 				LeaseToken: holdToken, Kind: idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, Reason: "released"}); err != nil {
 				t.Fatalf("step %d: release: %v", i, err)
 			}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,8 +44,10 @@ const (
 	// Begin accepts only this version for a replay: an operator who resolves
 	// a record of the middleware as completed stores it under this version.
 	HTTPSchemaVersion = "idemcoord.http/1"
-	// DefaultHTTPScope is the scope of the middleware's records unless
-	// WithHTTPScope says otherwise.
+	// DefaultHTTPScope is the one scope every record of the middleware had
+	// before the default became the operation (see WithHTTPService).
+	// WithHTTPScope(DefaultHTTPScope) keeps that behaviour, and the records
+	// stored under it readable after an upgrade.
 	DefaultHTTPScope = "http"
 )
 
@@ -122,7 +125,8 @@ type httpOptions struct {
 	fingerprint   HTTPFingerprintFunc
 	replayHeaders []string // canonical names, Content-Type handled apart
 	replayable    map[int]bool
-	scope         string
+	scope         string // "": the operation's (httpOperationScope)
+	service       string
 	maxBody       int64
 	// Callers' options (callers_answers.go).
 	replayHook            httpReplayHook
@@ -137,7 +141,6 @@ func defaultHTTPOptions() httpOptions {
 		fingerprint:   func(r *http.Request, body []byte) ([]byte, error) { return HTTPFingerprint(r, body), nil },
 		replayHeaders: []string{"Location"},
 		replayable:    map[int]bool{http.StatusNotFound: true, http.StatusConflict: true, http.StatusUnprocessableEntity: true},
-		scope:         DefaultHTTPScope,
 		maxBody:       defaultHTTPMaxBodyBytes,
 
 		mismatchStatus: http.StatusUnprocessableEntity,
@@ -235,11 +238,59 @@ func WithHTTPReplayableStatuses(statuses ...int) HTTPOption {
 	}
 }
 
-// WithHTTPScope sets the scope of the middleware's records (default
-// DefaultHTTPScope, "http"). With auth on, the service's tenant must be
-// allowed it.
+// WithHTTPScope sets one scope for all the middleware's records, in place
+// of the default: the operation, the request's method and URL path
+// ("POST /orders", prefixed by WithHTTPService's name). A key is then one
+// record whatever the route it is sent to (a key reused on another route
+// answers 422, ProblemKeyReused). WithHTTPScope(DefaultHTTPScope) keeps the
+// scope of earlier versions. With auth on, the service's tenant must be
+// allowed the scope.
 func WithHTTPScope(scope string) HTTPOption {
 	return func(o *httpOptions) { o.scope = scope }
+}
+
+// WithHTTPService names the service: the default scope of a record, the
+// operation "POST /orders", becomes "payments POST /orders", so two
+// services that share a coordinator and a tenant never share records.
+// Without WithHTTPService or WithHTTPScope, HTTPMiddleware logs a warning
+// when it is built: a service should name itself or run under its own
+// tenant (token).
+func WithHTTPService(name string) HTTPOption {
+	return func(o *httpOptions) { o.service = name }
+}
+
+// maxHTTPScopeBytes is the longest scope the coordinator takes.
+const maxHTTPScopeBytes = 255
+
+// scopeOf is the scope of r's record: WithHTTPScope's, else
+// HTTPOperationScope's.
+func (o *httpOptions) scopeOf(r *http.Request) string {
+	if o.scope != "" {
+		return o.scope
+	}
+	return HTTPOperationScope(o.service, r.Method, r.URL.EscapedPath())
+}
+
+// HTTPOperationScope is HTTPMiddleware's default scope of a request with
+// method and path (as sent, percent-encoded, without the query), for the
+// service named with WithHTTPService ("" for none): "POST /orders", or
+// "payments POST /orders". A scope longer than 255 bytes is its first 190
+// bytes (never cutting a UTF-8 sequence), "~", and the unpadded base64url
+// SHA-256 of the whole. Every library computes it the same way.
+func HTTPOperationScope(service, method, path string) string {
+	s := method + " " + path
+	if service != "" {
+		s = service + " " + s
+	}
+	if len(s) <= maxHTTPScopeBytes {
+		return s
+	}
+	sum := sha256.Sum256([]byte(s))
+	cut := 190
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "~" + base64.RawURLEncoding.EncodeToString(sum[:])
 }
 
 // WithHTTPMaxBodyBytes bounds the body of a request with a key, which the
@@ -270,8 +321,9 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 // A guarded request (POST or PATCH unless WithHTTPMethods) with an
 // Idempotency-Key header (1-255 printable bytes, bare or as a
 // structured-field string such as "\"8e03978e\"") calls Begin on the scope
-// "http" (WithHTTPScope) with the key (folded with WithHTTPPrincipal) and
-// the request's fingerprint (method, path with query, body; see
+// of its operation, "POST /orders" (see HTTPOperationScope, WithHTTPService
+// and WithHTTPScope), with the key (folded with WithHTTPPrincipal) and the
+// request's fingerprint (method, path with query, body; see
 // WithHTTPFingerprintFunc), and then:
 //
 //   - acquired: runs the handler (which can read AttemptFrom and LeaseFrom
@@ -362,6 +414,11 @@ func HTTPMiddleware(c *Client, opts ...HTTPOption) func(http.Handler) http.Handl
 	if !o.principalSet {
 		c.warnUndecidedPrincipal("HTTPMiddleware", "WithHTTPPrincipal", "WithoutHTTPPrincipal")
 	}
+	if o.scope == "" && o.service == "" {
+		c.logger.Warn("idempotency: HTTPMiddleware built without WithHTTPService or WithHTTPScope: its records' scope is " +
+			"the operation alone (\"POST /orders\"), the same for every service that shares the coordinator's tenant; " +
+			"name the service with WithHTTPService, or give each service a tenant (token) of its own")
+	}
 	if o.refusedMismatchStatus != 0 {
 		c.logger.Warn("idempotency: WithHTTPMismatchStatus takes 409 or 422 only; ignoring it",
 			"status", o.refusedMismatchStatus, "in_force", o.mismatchStatus)
@@ -433,7 +490,7 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 	ctx := r.Context()
 	breq := &idempotencyv1.BeginRequest{
-		Scope:                m.o.scope,
+		Scope:                m.o.scopeOf(r),
 		Key:                  key,
 		Fingerprint:          fp,
 		Lease:                m.c.leaseRequest(),

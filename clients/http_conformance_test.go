@@ -28,6 +28,7 @@ type httpOptions struct {
 	ReplayableStatuses []int    `json:"replayable_statuses"`
 	MaxBodyBytes       int64    `json:"max_body_bytes"`
 	PrincipalHeader    string   `json:"principal_header"`
+	Service            string   `json:"service"`
 }
 
 type conformanceStep struct {
@@ -114,7 +115,7 @@ func TestHTTPConformance(t *testing.T) {
 	var calls sync.Map
 	conformanceRunner[httpOptions, conformanceStep]{
 		path:     "testdata/http_conformance.json",
-		scope:    clients.DefaultHTTPScope,
+		scope:    "POST /items", // the default scope of the suite's requests
 		logLevel: slog.LevelWarn,
 		serve: func(t *testing.T, idem *clients.Client, sc httpScenario) func(int, string, conformanceStep) (string, error) {
 			var opts []clients.HTTPOption
@@ -136,6 +137,9 @@ func TestHTTPConformance(t *testing.T) {
 			}
 			if o.MaxBodyBytes > 0 {
 				opts = append(opts, clients.WithHTTPMaxBodyBytes(o.MaxBodyBytes))
+			}
+			if o.Service != "" {
+				opts = append(opts, clients.WithHTTPService(o.Service))
 			}
 			if h := o.PrincipalHeader; h != "" {
 				opts = append(opts, clients.WithHTTPPrincipal(func(r *http.Request) (string, error) { return r.Header.Get(h), nil }))

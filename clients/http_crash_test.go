@@ -93,7 +93,7 @@ func TestHTTPServiceKilledMidHandler(t *testing.T) {
 	state := func() idempotencyv1.State {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: clients.DefaultHTTPScope, Key: "crash-1"})
+		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: "POST /projects", Key: "crash-1"})
 		if err != nil && status.Code(err) != codes.NotFound {
 			t.Errorf("Lookup: %v", err)
 		}
@@ -106,7 +106,7 @@ func TestHTTPServiceKilledMidHandler(t *testing.T) {
 	eventually(t, "the dead child's lease to lapse", func() bool { return state() == idempotencyv1.State_STATE_UNKNOWN })
 
 	var seen clients.Lease
-	f := startHTTP(t, httpSetup{coord: coord, handler: func(w http.ResponseWriter, r *http.Request, n int32) {
+	f := startHTTP(t, httpSetup{coord: coord, opts: []clients.HTTPOption{clients.WithHTTPScope("")}, handler: func(w http.ResponseWriter, r *http.Request, n int32) {
 		seen, _ = clients.LeaseFrom(r.Context())
 		createProject(w, r, n)
 	}})

@@ -62,7 +62,10 @@ func startHTTP(t *testing.T, s httpSetup) *httpFixture {
 		h = createProject
 	}
 	app := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h(w, r, f.runs.Add(1)) })
-	guarded := clients.HTTPMiddleware(f.idem, s.opts...)(app)
+	// One scope for every route, unless a test says otherwise
+	// (TestHTTPDefaultScopeIsTheOperation).
+	opts := append([]clients.HTTPOption{clients.WithHTTPScope(clients.DefaultHTTPScope)}, s.opts...)
+	guarded := clients.HTTPMiddleware(f.idem, opts...)(app)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		defer func() {
 			if p := recover(); p != nil {
@@ -841,5 +844,73 @@ func TestHTTPLeaseLostWithNothingWrittenAnswers503(t *testing.T) {
 	p := wantProblem(t, r, http.StatusServiceUnavailable, clients.ProblemLeaseLost)
 	if !strings.HasSuffix(p["type"].(string), "/lease-lost") || r.header.Get("Retry-After") == "" {
 		t.Fatalf("problem %v, Retry-After %q; want a type ending /lease-lost and Retry-After", p, r.header.Get("Retry-After"))
+	}
+}
+
+// TestHTTPDefaultScopeIsTheOperation: without WithHTTPScope a record's
+// scope is the request's method and path ("POST /projects", without the
+// query), prefixed by WithHTTPService's name; a key sent to another route
+// runs on its own there.
+func TestHTTPDefaultScopeIsTheOperation(t *testing.T) {
+	t.Parallel()
+	scopeOf := func(t *testing.T, f *httpFixture, scope, key string) idempotencyv1.State {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		res, err := f.idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: scope, Key: key})
+		if status.Code(err) == codes.NotFound {
+			return idempotencyv1.State_STATE_UNSPECIFIED
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.GetRecord().GetState()
+	}
+	t.Run("operation", func(t *testing.T) {
+		t.Parallel()
+		f := startHTTP(t, httpSetup{opts: []clients.HTTPOption{clients.WithHTTPScope(""), clients.WithoutHTTPPrincipal()}})
+		a := f.send(t, http.MethodPost, "/projects?draft=1", "op-1", "x")
+		b := f.send(t, http.MethodPost, "/teams", "op-1", "x")
+		if a.header.Get("Idempotency-Result") != "created" || b.header.Get("Idempotency-Result") != "created" || f.runs.Load() != 2 {
+			t.Fatalf("answers %v, %v; %d runs, want both created by their own run", a, b, f.runs.Load())
+		}
+		for _, scope := range []string{"POST /projects", "POST /teams"} {
+			if got := scopeOf(t, f, scope, "op-1"); got != idempotencyv1.State_STATE_COMPLETED {
+				t.Errorf("record in %q: %v, want COMPLETED", scope, got)
+			}
+		}
+		if got := scopeOf(t, f, clients.DefaultHTTPScope, "op-1"); got != idempotencyv1.State_STATE_UNSPECIFIED {
+			t.Errorf("record in %q: %v, want none", clients.DefaultHTTPScope, got)
+		}
+	})
+	t.Run("service", func(t *testing.T) {
+		t.Parallel()
+		f := startHTTP(t, httpSetup{opts: []clients.HTTPOption{clients.WithHTTPScope(""), clients.WithHTTPService("billing"), clients.WithoutHTTPPrincipal()}})
+		f.send(t, http.MethodPost, "/projects", "svc-1", "x")
+		if got := scopeOf(t, f, "billing POST /projects", "svc-1"); got != idempotencyv1.State_STATE_COMPLETED {
+			t.Errorf("record in billing POST /projects: %v, want COMPLETED", got)
+		}
+	})
+}
+
+// TestHTTPOperationScopeBounded: a scope that would pass the coordinator's
+// 255 bytes is cut and hashed, never cutting a UTF-8 sequence.
+func TestHTTPOperationScopeBounded(t *testing.T) {
+	t.Parallel()
+	if got := clients.HTTPOperationScope("", "POST", "/orders"); got != "POST /orders" {
+		t.Errorf("got %q", got)
+	}
+	if got := clients.HTTPOperationScope("payments", "POST", "/orders"); got != "payments POST /orders" {
+		t.Errorf("got %q", got)
+	}
+	long := clients.HTTPOperationScope("", "POST", "/"+strings.Repeat("a", 300))
+	other := clients.HTTPOperationScope("", "POST", "/"+strings.Repeat("a", 299)+"b")
+	// The same vector as the Node and Python tests'.
+	if len(long) > 255 || !strings.HasPrefix(long, "POST /aaa") || long == other || !utf8.ValidString(long) ||
+		!strings.HasSuffix(long, "a~Kp-qwHhV0wj3-SyZ0O5Xk4eZHUE1-0MDl5n_zy6niBg") {
+		t.Errorf("long scope %q (%d bytes), other %q", long, len(long), other)
+	}
+	if got := clients.HTTPOperationScope(strings.Repeat("é", 100), "POST", "/x"); !utf8.ValidString(got) || len(got) > 255 {
+		t.Errorf("scope %q is not valid UTF-8 within 255 bytes", got)
 	}
 }

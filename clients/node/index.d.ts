@@ -308,8 +308,18 @@ export interface HttpMiddlewareOptions {
   replayHeaders?: string[];
   /** 4xx statuses stored and replayed like a success (default 404, 409, 422). */
   replayableStatuses?: number[];
-  /** Scope of the records (default 'http'). */
+  /**
+   * One scope for all the records, in place of the default: the operation, method and path
+   * ('POST /orders', see httpOperationScope), prefixed by service. scope: DEFAULT_HTTP_SCOPE ('http')
+   * keeps the scope of earlier versions.
+   */
   scope?: string;
+  /**
+   * Names the service: the default scope 'POST /orders' becomes 'payments POST /orders', so services
+   * that share a coordinator and a tenant never share records. Built with neither service nor scope,
+   * the middleware warns (the Client's logger, else process.emitWarning, code IDEMCOORD_UNNAMED_SERVICE).
+   */
+  service?: string;
   /** Largest body of a request with a key (default 10 MiB); larger answers 413. */
   maxBodyBytes?: number;
   /** Status of a key reused with another request: 422 (default) or 409; any other value throws a RangeError. */
@@ -354,7 +364,13 @@ export function parseIdempotencyKey(value: string): string;
 export function foldPrincipal(principal: string, key: string): string;
 /** SHA-256 of method, "\n", path with query, "\n", body: the default fingerprint, as Go's HTTPFingerprint. */
 export function httpFingerprint(method: string, url: string, body: Buffer): Buffer;
+/**
+ * The default scope of a request, as Go's HTTPOperationScope: "[service ]METHOD /path" (the path as
+ * sent, without the query); longer than 255 bytes, its first 190 bytes, "~" and the base64url SHA-256 of the whole.
+ */
+export function httpOperationScope(service: string, method: string, path: string): string;
 export const HTTP_SCHEMA_VERSION: 'idemcoord.http/1';
+/** The one scope of every record before the default became the operation; `scope: DEFAULT_HTTP_SCOPE` keeps it. */
 export const DEFAULT_HTTP_SCOPE: 'http';
 /** Problem types of the answers the middleware writes itself (the same in every language). */
 export const PROBLEMS: Readonly<Record<

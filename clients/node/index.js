@@ -24,6 +24,7 @@ module.exports = {
   parseIdempotencyKey: http.parseIdempotencyKey,
   foldPrincipal: http.foldPrincipal,
   httpFingerprint: http.httpFingerprint,
+  httpOperationScope: http.httpOperationScope,
   HTTP_SCHEMA_VERSION: http.HTTP_SCHEMA_VERSION,
   DEFAULT_HTTP_SCOPE: http.DEFAULT_HTTP_SCOPE,
   PROBLEMS: http.PROBLEMS,

@@ -16,6 +16,7 @@ export const {
   parseIdempotencyKey,
   foldPrincipal,
   httpFingerprint,
+  httpOperationScope,
   HTTP_SCHEMA_VERSION,
   DEFAULT_HTTP_SCOPE,
   PROBLEMS,

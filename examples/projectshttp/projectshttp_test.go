@@ -127,7 +127,7 @@ func TestGhostProjectOverHTTP(t *testing.T) {
 		t.Fatalf("projects after two users: %v", got)
 	}
 	// The record is found under the folded key.
-	rec, err := d.idem.Lookup(context.Background(), &idempotencyv1.LookupRequest{Scope: clients.DefaultHTTPScope,
+	rec, err := d.idem.Lookup(context.Background(), &idempotencyv1.LookupRequest{Scope: clients.HTTPOperationScope("", "POST", "/projects"),
 		Key: clients.FoldPrincipal("u1", key)})
 	if err != nil || rec.GetRecord().GetState() != idempotencyv1.State_STATE_COMPLETED || rec.GetRecord().GetResponse().GetStatusCode() != 201 {
 		t.Fatalf("Lookup: %v, %v", rec, err)
@@ -202,7 +202,7 @@ func TestExportReplaysJobWithFreshRequestID(t *testing.T) {
 			t.Fatalf("Idempotency-Expires of %v: %v", r, err)
 		}
 	}
-	rec, err := d.idem.Lookup(context.Background(), &idempotencyv1.LookupRequest{Scope: clients.DefaultHTTPScope,
+	rec, err := d.idem.Lookup(context.Background(), &idempotencyv1.LookupRequest{Scope: clients.HTTPOperationScope("", "POST", "/exports"),
 		Key: clients.FoldPrincipal("u1", "exp-1")})
 	if err != nil || string(rec.GetRecord().GetResponse().GetBody()) != first.body {
 		t.Fatalf("stored %q (%v), want the first answer %q", rec.GetRecord().GetResponse().GetBody(), err, first.body)

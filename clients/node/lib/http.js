@@ -20,7 +20,10 @@ const RESULT_HEADER = HTTP_HEADERS.result;
 const REPLAYED_HEADER = HTTP_HEADERS.replayed;
 const EXPIRES_HEADER = HTTP_HEADERS.expires;
 const HTTP_SCHEMA_VERSION = 'idemcoord.http/1';
+// The one scope of every record before the default became the operation;
+// `scope: DEFAULT_HTTP_SCOPE` keeps that.
 const DEFAULT_HTTP_SCOPE = 'http';
+const MAX_SCOPE_BYTES = 255;
 const MAX_CAPTURED_BODY = 4 << 20;
 
 /** Problem types (RFC 9457) of the answers the middleware writes itself; the same as Go's (lib/tables.js). */
@@ -102,6 +105,35 @@ function imfFixdate(ts) {
   return ms > 0 ? new Date(ms).toUTCString() : '';
 }
 
+/**
+ * The default scope of a request (Go's HTTPOperationScope): "[service ]METHOD
+ * /path", the path as sent (percent-encoded) without the query. A scope
+ * longer than 255 bytes is its first 190 bytes (never cutting a UTF-8
+ * sequence), "~", and the unpadded base64url SHA-256 of the whole.
+ */
+function httpOperationScope(service, method, path) {
+  let s = `${method} ${path}`;
+  if (service) {
+    s = `${service} ${s}`;
+  }
+  const b = Buffer.from(s, 'utf8');
+  if (b.length <= MAX_SCOPE_BYTES) {
+    return s;
+  }
+  let cut = 190;
+  while (cut > 0 && (b[cut] & 0xc0) === 0x80) {
+    cut--;
+  }
+  return `${b.subarray(0, cut).toString('utf8')}~${crypto.createHash('sha256').update(b).digest('base64url')}`;
+}
+
+/** The path of a request as sent, without the query. */
+function requestPath(req) {
+  const url = req.originalUrl ?? req.url ?? '/';
+  const q = url.indexOf('?');
+  return q < 0 ? url : url.slice(0, q);
+}
+
 function problemBody(status, type, title, detail) {
   const p = { type, title, status };
   if (detail) {
@@ -135,6 +167,10 @@ function normalizeOptions(client, options = {}) {
   if (!options.principal && !options.withoutPrincipal) {
     client._warnUndecidedPrincipal('httpMiddleware', 'principal', 'withoutPrincipal');
   }
+  if (!options.scope && !options.service) {
+    client._warn('idemcoord: httpMiddleware built without service or scope: its records\' scope is the operation alone ("POST /orders"), the same for every service that shares the coordinator\'s tenant; name the service with service, or give each service a tenant (token) of its own',
+      'IDEMCOORD_UNNAMED_SERVICE');
+  }
   const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => String(m).toUpperCase()));
   const replayHeaders = ['location'];
   for (const n of options.replayHeaders ?? []) {
@@ -152,7 +188,8 @@ function normalizeOptions(client, options = {}) {
     fingerprint: options.fingerprint ?? null,
     replayHeaders,
     replayable: new Set(options.replayableStatuses ?? [404, 409, 422]),
-    scope: options.scope ?? DEFAULT_HTTP_SCOPE,
+    scope: options.scope || null,
+    service: options.service ?? '',
     maxBodyBytes: options.maxBodyBytes ?? 10 << 20,
     mismatchStatus,
     lingerMs: Math.max(options.lingerMs ?? DEFAULT_LINGER_MS, 0),
@@ -371,7 +408,7 @@ class Guard {
     }
     const c = this.client;
     const breq = {
-      scope: o.scope, key, fingerprint: fp ? Buffer.from(fp) : Buffer.alloc(0), attempt_id: newAttemptId(),
+      scope: o.scope ?? httpOperationScope(o.service, req.method, requestPath(req)), key, fingerprint: fp ? Buffer.from(fp) : Buffer.alloc(0), attempt_id: newAttemptId(),
       lease: c._opts.leaseMs > 0 ? api.duration(c._opts.leaseMs) : null,
       accept_schema_versions: [HTTP_SCHEMA_VERSION],
     };
@@ -836,6 +873,7 @@ module.exports = {
   parseIdempotencyKey,
   foldPrincipal,
   httpFingerprint,
+  httpOperationScope,
   errorReason,
   HTTP_SCHEMA_VERSION,
   DEFAULT_HTTP_SCOPE,

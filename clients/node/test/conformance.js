@@ -26,6 +26,7 @@ function middlewareOptions(o = {}) {
   if (o.replay_headers) out.replayHeaders = o.replay_headers;
   if (o.replayable_statuses) out.replayableStatuses = o.replayable_statuses;
   if (o.max_body_bytes) out.maxBodyBytes = o.max_body_bytes;
+  if (o.service) out.service = o.service;
   if (o.principal_header) {
     const h = o.principal_header.toLowerCase();
     out.principal = (req) => req.headers[h] ?? '';
@@ -174,7 +175,7 @@ async function runHttpConformance(t, stack, client, startService) {
       const svc = await startService(middlewareOptions(sc.options), act);
       try {
         await runScenario({
-          client, scope: 'http', sc, calls, send: (key, st) => send(svc.url, key, st),
+          client, scope: sc.scope ?? 'POST /items', sc, calls, send: (key, st) => send(svc.url, key, st),
           checksState: (st) => !st.request, countsLabel: 'Idempotency-Result counts', holdMustAcquire: true,
         });
         ran++;

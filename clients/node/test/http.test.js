@@ -9,7 +9,7 @@ const express = require('express');
 const Fastify = require('fastify');
 const grpc = require('@grpc/grpc-js');
 const {
-  Client, httpMiddleware, fastifyPlugin, serverInterceptor, PROBLEMS,
+  Client, httpMiddleware, fastifyPlugin, serverInterceptor, PROBLEMS, httpOperationScope,
 } = require('..');
 const { startCoordinator } = require('./coordinator');
 const { runHttpConformance, suite } = require('./conformance');
@@ -39,7 +39,7 @@ function listen(server) {
 async function startExpress(options, act, c = client) {
   const app = express();
   app.use(httpMiddleware(c, options));
-  app.all('/items', async (req, res) => {
+  app.all(['/items', '/orders'], async (req, res) => {
     const closed = new Promise((resolve) => res.once('close', resolve));
     const answer = await act(req.headers, closed);
     if (!answer) {
@@ -68,7 +68,7 @@ async function startFastify(options, act, c = client) {
   app.removeAllContentTypeParsers();
   app.addContentTypeParser('*', { parseAs: 'buffer' }, (req, body, done) => done(null, body));
   await app.register(fastifyPlugin, { client: c, ...options });
-  app.all('/items', async (request, reply) => {
+  const items = async (request, reply) => {
     const closed = new Promise((resolve) => reply.raw.once('close', resolve));
     const answer = await act(request.headers, closed);
     if (!answer) {
@@ -78,7 +78,9 @@ async function startFastify(options, act, c = client) {
     }
     reply.code(answer.status).headers(answer.headers);
     return reply.send(Buffer.from(answer.body)); // a string would gain '; charset=utf-8'
-  });
+  };
+  app.all('/items', items);
+  app.all('/orders', items);
   const url = await app.listen({ port: 0, host: '127.0.0.1' });
   return {
     url,
@@ -178,7 +180,7 @@ async function statesWhile(c, key, done) {
   while (!over) {
     let state;
     try {
-      state = (await c.lookup({ scope: 'http', key })).record.state;
+      state = (await c.lookup({ scope: 'POST /items', key })).record.state;
     } catch (err) {
       state = err.code === grpc.status.NOT_FOUND ? 'absent' : `error ${err.code}`;
     }
@@ -193,7 +195,7 @@ async function wantState(c, key, want) {
   const deadline = Date.now() + 10000;
   let got;
   do {
-    got = (await c.lookup({ scope: 'http', key })).record.state;
+    got = (await c.lookup({ scope: 'POST /items', key })).record.state;
     if (got === want) return;
     await sleep(50);
   } while (Date.now() < deadline);
@@ -301,24 +303,35 @@ test('mismatchStatus takes 409 or 422 only: another status is refused when the m
   }
 });
 
-test('built without principal or withoutPrincipal, the middlewares and the interceptor warn (logger, else a process warning)', TIMEOUT, async () => {
+test('httpOperationScope: [service ]METHOD /path; a scope longer than 255 bytes is cut and hashed as in Go', () => {
+  assert.equal(httpOperationScope('', 'POST', '/orders'), 'POST /orders');
+  assert.equal(httpOperationScope('payments', 'POST', '/orders'), 'payments POST /orders');
+  const long = httpOperationScope('', 'POST', `/${'a'.repeat(300)}`);
+  assert.ok(Buffer.byteLength(long) <= 255 && long.startsWith('POST /aaa'));
+  assert.ok(long.endsWith('a~Kp-qwHhV0wj3-SyZ0O5Xk4eZHUE1-0MDl5n_zy6niBg'), long);
+});
+
+test('built without principal or withoutPrincipal, or without service or scope, the middlewares and the interceptor warn (logger, else a process warning)', TIMEOUT, async () => {
   const warned = [];
   const logged = new Client(coord.addr, { token: coord.token, logger: { warn: (msg) => warned.push(msg) } });
   try {
-    httpMiddleware(logged);
+    httpMiddleware(logged, { service: 'svc' });
     assert.equal(warned.length, 1);
     assert.match(warned[0], /httpMiddleware built without principal or withoutPrincipal/);
-    httpMiddleware(logged, { withoutPrincipal: true });
-    httpMiddleware(logged, { principal: (req) => String(req.headers['x-user']) });
+    httpMiddleware(logged, { withoutPrincipal: true, service: 'svc' });
+    httpMiddleware(logged, { principal: (req) => String(req.headers['x-user']), scope: 'http' });
     assert.equal(warned.length, 1, 'either option silences the warning');
     const app = Fastify();
-    await app.register(fastifyPlugin, { client: logged });
+    await app.register(fastifyPlugin, { client: logged, service: 'svc' });
     await app.close();
     assert.equal(warned.length, 2);
     serverInterceptor(logged, { services: [] });
     assert.match(warned[2] ?? '', /serverInterceptor built without principal or withoutPrincipal/);
     serverInterceptor(logged, { services: [], withoutPrincipal: true });
     assert.equal(warned.length, 3);
+    httpMiddleware(logged, { withoutPrincipal: true });
+    assert.equal(warned.length, 4);
+    assert.match(warned[3], /httpMiddleware built without service or scope/);
     assert.throws(() => httpMiddleware(logged, { principal: () => 'u', withoutPrincipal: true }), TypeError);
   } finally {
     logged.close();
@@ -332,7 +345,7 @@ test('built without principal or withoutPrincipal, the middlewares and the inter
   } finally {
     process.off('warning', onWarning);
   }
-  assert.deepEqual(warnings.map((w) => w.code), ['IDEMCOORD_UNDECIDED_PRINCIPAL']);
+  assert.deepEqual(warnings.map((w) => w.code), ['IDEMCOORD_UNDECIDED_PRINCIPAL', 'IDEMCOORD_UNNAMED_SERVICE']);
 });
 
 test('a Begin slower than timeoutMs, cut off CANCELLED after its deadline, is the coordinator unreachable: 503 + Retry-After, or the handler runs with failOpen', TIMEOUT, async () => {

@@ -16,10 +16,11 @@ from .client import Attempt, Client, Lease, Result, current_lease, mark_side_eff
 from .dedup import dedup_key, normalize_name
 from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, SCHEMA_VERSION_STATUS, FailureError, GuardsNothingWarning,
                      LeaseLost,
-                     LeaseUnconfirmed, StoredFailure, UndecidedPrincipalWarning, UnknownHeld)
+                     LeaseUnconfirmed, StoredFailure, UndecidedPrincipalWarning, UnknownHeld, UnnamedServiceWarning)
 
 __all__ = [
     "Attempt", "Client", "CONTENT_TYPE_PROTO", "FailureError", "FailureKind", "GuardsNothingWarning", "Lease", "LeaseLost", "LeaseUnconfirmed",
     "Outcome", "REASON_UNKNOWN_HELD", "REASONS", "Record", "Result", "SCHEMA_VERSION_STATUS", "State", "StoredFailure",
-    "StoredResponse", "UndecidedPrincipalWarning", "UnknownHeld", "current_lease", "dedup_key", "mark_side_effect", "normalize_name",
+    "StoredResponse", "UndecidedPrincipalWarning", "UnknownHeld", "UnnamedServiceWarning", "current_lease", "dedup_key",
+    "mark_side_effect", "normalize_name",
 ]

@@ -24,7 +24,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 
 from . import _api, _tables
 from .errors import (CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD, SCHEMA_VERSION_STATUS, GuardsNothingWarning,
-                     UndecidedPrincipalWarning)
+                     UndecidedPrincipalWarning, UnnamedServiceWarning)
 
 _C = grpc.StatusCode
 CODES: Dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
@@ -84,6 +84,14 @@ def warn_undecided_principal(guard: str) -> None:
     warnings.warn("idemcoord: %s built without principal= or without_principal=True: two end users who send the "
                   "same idempotency key and request share one record; fold the end user in with principal=, or "
                   "say without_principal=True" % guard, UndecidedPrincipalWarning, stacklevel=3)
+
+
+def warn_unnamed_service(guard: str) -> None:
+    """Warns that guard was built with neither service= nor scope= (as Go logs it)."""
+    warnings.warn("idemcoord: %s built without service= or scope=: its records' scope is the operation alone "
+                  "(\"POST /orders\"), the same for every service that shares the coordinator's tenant; name the "
+                  "service with service=, or give each service a tenant (token) of its own" % guard,
+                  UnnamedServiceWarning, stacklevel=3)
 
 
 # The wait for another attempt's result.

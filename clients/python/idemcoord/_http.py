@@ -5,6 +5,7 @@ the same in every language; clients/testdata/http_conformance.json is the
 suite every stack runs.
 """
 
+import base64
 import email.utils
 import hashlib
 import json
@@ -21,6 +22,7 @@ from ._tables import HTTP_HEADERS, PROBLEM_TYPES
 from ._core import _C
 from ._core import fold_principal as fold_principal  # noqa: F401 (re-exported: the middlewares fold with it)
 from ._core import warn_undecided_principal as warn_undecided_principal  # noqa: F401 (re-exported)
+from ._core import warn_unnamed_service as warn_unnamed_service  # noqa: F401 (re-exported)
 from ._core import code_of_error as _code
 from ._core import new_attempt_id as _new_attempt_id
 
@@ -35,6 +37,8 @@ REPLAYED_HEADER = HTTP_HEADERS["replayed"]
 EXPIRES_HEADER = HTTP_HEADERS["expires"]
 HTTP_SCHEMA_VERSION = "idemcoord.http/1"
 DEFAULT_HTTP_SCOPE = "http"
+"""The one scope of every record before the default became the operation; scope=DEFAULT_HTTP_SCOPE keeps it."""
+MAX_SCOPE_BYTES = 255
 MAX_CAPTURED_BODY = 4 << 20
 
 PROBLEM_KEY_MISSING = PROBLEM_TYPES["key_missing"]
@@ -117,6 +121,26 @@ def http_fingerprint(method: str, target: str, body: bytes) -> bytes:
     return h.digest()
 
 
+def http_operation_scope(service: str, method: str, path: str) -> str:
+    """The default scope of a request (Go's HTTPOperationScope): "[service ]METHOD /path".
+
+    path is as sent (percent-encoded), without the query. A scope longer
+    than 255 bytes is its first 190 bytes (never cutting a UTF-8 sequence),
+    "~", and the unpadded base64url SHA-256 of the whole.
+    """
+    s = "%s %s" % (method, path)
+    if service:
+        s = "%s %s" % (service, s)
+    b = s.encode("utf-8")
+    if len(b) <= MAX_SCOPE_BYTES:
+        return s
+    cut = 190
+    while cut > 0 and b[cut] & 0xC0 == 0x80:
+        cut -= 1
+    digest = base64.urlsafe_b64encode(hashlib.sha256(b).digest()).rstrip(b"=").decode()
+    return b[:cut].decode("utf-8") + "~" + digest
+
+
 def canonical_header(name: str) -> str:
     """Go's http.CanonicalHeaderKey: "x-extra" -> "X-Extra"."""
     return re.sub(r"(^|-)([a-z])", lambda m: m.group(1) + m.group(2).upper(), name.lower())
@@ -159,16 +183,20 @@ class Options:
 
     without_principal=True says on purpose that keys are not per end user
     (Go's WithoutHTTPPrincipal); with neither it nor principal, building a
-    middleware warns (UndecidedPrincipalWarning). mismatch_status is 409 or
+    middleware warns (UndecidedPrincipalWarning). scope=None (the default)
+    records each request in its operation's scope, "POST /orders", prefixed
+    by service= when given; with neither service= nor scope=, building a
+    middleware warns (UnnamedServiceWarning). mismatch_status is 409 or
     422; any other value raises ValueError.
     """
 
     def __init__(self, *, wait: float = 5.0, require_key: bool = False, fail_open: bool = False,
                  principal: Optional[Callable[[Any], Any]] = None, methods: Iterable[str] = ("POST", "PATCH"),
                  fingerprint: Optional[Callable[[Any, bytes], Any]] = None, replay_headers: Iterable[str] = (),
-                 replayable_statuses: Iterable[int] = (404, 409, 422), scope: str = DEFAULT_HTTP_SCOPE,
+                 replayable_statuses: Iterable[int] = (404, 409, 422), scope: Optional[str] = None,
                  max_body_bytes: int = 10 << 20, mismatch_status: int = 422,
-                 on_replay: Optional[Callable[[Any, Any], Any]] = None, without_principal: bool = False):
+                 on_replay: Optional[Callable[[Any, Any], Any]] = None, without_principal: bool = False,
+                 service: str = ""):
         if mismatch_status not in MISMATCH_STATUSES or isinstance(mismatch_status, bool):
             raise ValueError("idemcoord: mismatch_status takes 409 or 422 (the answer to a key reused with another "
                              "request), not %r" % (mismatch_status,))
@@ -183,10 +211,18 @@ class Options:
         self.fingerprint = fingerprint
         self.replay_headers = ["location"] + [h.lower() for h in replay_headers if h.lower() not in ("content-type", "location")]
         self.replayable = set(replayable_statuses)
-        self.scope = scope
+        self.scope = scope or None
+        self.service = service
+        self.unnamed_service = not scope and not service
         self.max_body_bytes = max_body_bytes
         self.mismatch_status = mismatch_status
         self.on_replay = on_replay
+
+    def scope_of(self, method: str, target: str) -> str:
+        """The scope of a request's record: scope=, else its operation (target is the path with the query, as sent)."""
+        if self.scope is not None:
+            return self.scope
+        return http_operation_scope(self.service, method, target.split("?", 1)[0])
 
     def kind(self, status: int) -> Optional[str]:
         """How a final status is recorded: None is stored as a success."""
@@ -241,8 +277,8 @@ def too_large(o: Options) -> Problem:
                    "a request with an Idempotency-Key may have at most %d bytes of body" % o.max_body_bytes)
 
 
-def begin_request(client: "_Settings", o: Options, key: str, fp: Optional[bytes]) -> Dict[str, Any]:
-    req: Dict[str, Any] = dict(scope=o.scope, key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
+def begin_request(client: "_Settings", scope: str, key: str, fp: Optional[bytes]) -> Dict[str, Any]:
+    req: Dict[str, Any] = dict(scope=scope, key=key, fingerprint=bytes(fp or b""), attempt_id=_new_attempt_id(),
                accept_schema_versions=[HTTP_SCHEMA_VERSION])
     if client._lease is not None:
         req["lease"] = client._lease

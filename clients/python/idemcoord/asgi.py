@@ -99,6 +99,8 @@ class IdempotencyMiddleware:
         self.o = _http.Options(**options)
         if self.o.undecided_principal:
             _http.warn_undecided_principal("idemcoord.asgi.IdempotencyMiddleware")
+        if self.o.unnamed_service:
+            _http.warn_unnamed_service("idemcoord.asgi.IdempotencyMiddleware")
         if threads is not None:
             warnings.warn("idemcoord.asgi.IdempotencyMiddleware: threads= is no longer used (the middleware "
                           "runs on asyncio)", DeprecationWarning, stacklevel=2)
@@ -217,7 +219,7 @@ class IdempotencyMiddleware:
     async def _guarded(self, scope: Scope, send: Send, key: str, body: bytes, fp: bytes, echo: RawHeaders,
                        left: asyncio.Event, gone: asyncio.Event) -> None:
         o, c = self.o, self._client()
-        breq = _http.begin_request(c, o, key, fp)
+        breq = _http.begin_request(c, o.scope_of(scope["method"], _target(scope)), key, fp)
         try:
             begun = await self._begin(c, breq, left)
         except grpc.RpcError as err:

@@ -84,5 +84,14 @@ class UndecidedPrincipalWarning(UserWarning):
     """
 
 
+class UnnamedServiceWarning(UserWarning):
+    """An HTTP middleware was built with neither service= nor scope=.
+
+    Its records' scope is then the operation alone ("POST /orders"), the
+    same for every service that shares the coordinator's tenant: name the
+    service with service=, or give each service a tenant (token) of its own.
+    """
+
+
 class GuardsNothingWarning(UserWarning):
     """A server interceptor was built with options under which it guards no method: every call passes through."""

@@ -101,6 +101,8 @@ class IdempotencyMiddleware:
         self.o = _http.Options(**options)
         if self.o.undecided_principal:
             _http.warn_undecided_principal("idemcoord.wsgi.IdempotencyMiddleware")
+        if self.o.unnamed_service:
+            _http.warn_unnamed_service("idemcoord.wsgi.IdempotencyMiddleware")
 
     def __call__(self, environ: "WSGIEnvironment", start_response: "StartResponse") -> Iterable[bytes]:
         o = self.o
@@ -144,7 +146,7 @@ class IdempotencyMiddleware:
     def _guarded(self, environ: "WSGIEnvironment", start_response: "StartResponse", key: str, fp: bytes,
                  echo: List[Tuple[str, str]]) -> Iterable[bytes]:
         o, c = self.o, self.client
-        breq = _http.begin_request(c, o, key, fp)
+        breq = _http.begin_request(c, o.scope_of(environ["REQUEST_METHOD"], _target(environ)), key, fp)
         try:
             res, sent = c._begin_waiting(breq, None, None, _http.wait_until(o))
         except grpc.RpcError as err:

@@ -29,6 +29,8 @@ def middleware_options(o):
         out["replayable_statuses"] = o["replayable_statuses"]
     if "max_body_bytes" in o:
         out["max_body_bytes"] = o["max_body_bytes"]
+    if "service" in o:
+        out["service"] = o["service"]
     if "principal_header" in o:
         out["principal_header"] = o["principal_header"]
     return out
@@ -80,6 +82,6 @@ def run_http_conformance(tc, stack, client, start):
 
 
 def _run_scenario(tc, sc, client, base, calls):
-    scaffold.run_steps(tc, sc, client, "http", calls, lambda key, st: _send(tc, base, key, st),
+    scaffold.run_steps(tc, sc, client, sc.get("scope", "POST /items"), calls, lambda key, st: _send(tc, base, key, st),
                        checks_state=lambda st: "request" not in st, counts_label="Idempotency-Result counts",
                        hold_must_acquire=True)

@@ -89,7 +89,8 @@ def start_starlette(options, calls):
         resp = await act(request, calls)
         return resp if resp is not None else _Nothing()
     app = starlette.applications.Starlette(
-        routes=[starlette.routing.Route("/items", items, methods=METHODS)],
+        routes=[starlette.routing.Route("/items", items, methods=METHODS),
+                starlette.routing.Route("/orders", items, methods=METHODS)],
         middleware=[starlette.middleware.Middleware(IdempotencyMiddleware, client=CLIENT, **middleware_kwargs(options))])
     return serve(app)
 
@@ -99,6 +100,7 @@ def start_fastapi(options, calls):
     app.add_middleware(IdempotencyMiddleware, client=CLIENT, **middleware_kwargs(options))
 
     @app.api_route("/items", methods=METHODS)
+    @app.api_route("/orders", methods=METHODS)
     async def items(request: fastapi.Request):
         resp = await act(request, calls)
         return resp if resp is not None else _Nothing()
@@ -230,10 +232,10 @@ class ASGIAnswerTest(unittest.TestCase):
         self.assertEqual((first.status_code, first.headers.get("idempotency-result")), (201, "created"))
         self.assertTrue(any("RuntimeError" in m for m in logs.output), logs.output)
         deadline = time.monotonic() + 5
-        state = CLIENT.lookup(scope="http", key=key).record.state
+        state = CLIENT.lookup(scope="POST /orders", key=key).record.state
         while state != idemcoord.State.STATE_COMPLETED and time.monotonic() < deadline:
             time.sleep(0.05)
-            state = CLIENT.lookup(scope="http", key=key).record.state
+            state = CLIENT.lookup(scope="POST /orders", key=key).record.state
         self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
         retry = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key})
         self.assertEqual((retry.status_code, retry.headers.get("idempotency-result"), retry.json()),
@@ -265,10 +267,10 @@ class ASGIAnswerTest(unittest.TestCase):
         first = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key}, timeout=10)
         self.assertEqual((first.status_code, first.headers.get("idempotency-result")), (201, "created"))
         deadline = time.monotonic() + 2
-        state = CLIENT.lookup(scope="http", key=key).record.state
+        state = CLIENT.lookup(scope="POST /orders", key=key).record.state
         while state != idemcoord.State.STATE_COMPLETED and time.monotonic() < deadline:
             time.sleep(0.05)
-            state = CLIENT.lookup(scope="http", key=key).record.state
+            state = CLIENT.lookup(scope="POST /orders", key=key).record.state
         self.assertFalse(task_ended.is_set())
         self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
         retry = httpx.post(base + "/orders", content=b"{}", headers={"Idempotency-Key": key}, timeout=10)

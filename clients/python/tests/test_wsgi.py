@@ -20,6 +20,7 @@ import httpx
 
 import idemcoord
 
+from idemcoord import _http
 from idemcoord.wsgi import IdempotencyMiddleware
 
 from . import conformance, scaffold
@@ -81,6 +82,7 @@ def start_flask(options, calls):
     app.logger.setLevel(logging.CRITICAL)
 
     @app.route("/items", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    @app.route("/orders", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     def items():
         a = scaffold.action({k.lower(): v for k, v in flask.request.headers.items()}, calls)
         flask.request.get_data()
@@ -219,7 +221,7 @@ class WSGIBodyAndKeyTest(unittest.TestCase):
         with self.assertLogs("idemcoord", "WARNING"):
             first = httpx.post(url, content=b"x", headers=key)
         self.assertEqual((first.status_code, first.content), (201, b"charged"))
-        state = CLIENT.lookup(scope="http", key=key["Idempotency-Key"]).record.state
+        state = CLIENT.lookup(scope="POST /pay", key=key["Idempotency-Key"]).record.state
         self.assertEqual(idemcoord.State.Name(state), "STATE_COMPLETED")
         replay = httpx.post(url, content=b"x", headers=key)
         self.assertEqual((replay.status_code, replay.content, replay.headers.get("idempotency-result")),
@@ -235,11 +237,27 @@ class WSGIOptionsTest(unittest.TestCase):
 
     def test_warns_when_no_principal_is_decided(self):
         with self.assertWarns(idemcoord.UndecidedPrincipalWarning):
-            IdempotencyMiddleware(echo_app, client=CLIENT)
+            IdempotencyMiddleware(echo_app, client=CLIENT, service="svc")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
+            IdempotencyMiddleware(echo_app, client=CLIENT, without_principal=True, service="svc")
+            IdempotencyMiddleware(echo_app, client=CLIENT, principal=lambda environ: "u1", scope="http")
+
+    def test_warns_when_the_service_is_not_named(self):
+        with self.assertWarns(idemcoord.UnnamedServiceWarning):
             IdempotencyMiddleware(echo_app, client=CLIENT, without_principal=True)
-            IdempotencyMiddleware(echo_app, client=CLIENT, principal=lambda environ: "u1")
+
+    def test_operation_scope(self):
+        self.assertEqual(_http.http_operation_scope("", "POST", "/orders"), "POST /orders")
+        self.assertEqual(_http.http_operation_scope("payments", "POST", "/orders"), "payments POST /orders")
+        self.assertEqual(_http.Options(service="payments").scope_of("POST", "/orders?page=2"), "payments POST /orders")
+        self.assertEqual(_http.Options(scope="http").scope_of("POST", "/orders"), "http")
+        long = _http.http_operation_scope("", "POST", "/" + "a" * 300)
+        self.assertLessEqual(len(long.encode()), 255)
+        self.assertTrue(long.startswith("POST /aaa"))
+        self.assertTrue(long.endswith("a~Kp-qwHhV0wj3-SyZ0O5Xk4eZHUE1-0MDl5n_zy6niBg"), long)  # Go's vector
+        self.assertNotEqual(long, _http.http_operation_scope("", "POST", "/" + "a" * 299 + "b"))
+        self.assertLessEqual(len(_http.http_operation_scope("é" * 100, "POST", "/x").encode()), 255)
 
 
 if __name__ == "__main__":
