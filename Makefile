@@ -152,7 +152,7 @@ $(BIN)/.helm-$(HELM_VERSION): tools/helm/go.mod
 	cd tools/helm && GOBIN=$(BIN) go install -ldflags "$(HELM_LDFLAGS)" helm.sh/helm/v3/cmd/helm
 	@touch $@
 
-## lint: gofmt, go vet, golangci-lint (.golangci.yml: staticcheck, errorlint, ...), buf lint, ESLint on the Node
+## lint: gofmt, go vet, golangci-lint (.golangci.yml: every linter but those it turns off, each with its reason), buf lint, ESLint on the Node
 ## library and the Express example (clients/node/eslint.config.mjs; needs `npm ci --prefix clients/node`),
 ## mypy --strict and flake8 on the Python library and its tests (Debian: apt-get install mypy flake8), generated
 ## code up to date
