@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -335,12 +336,12 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 }
 
 func latencySummary(c Cell, calls []string) string {
-	var s string
+	var s strings.Builder
 	for _, name := range calls {
 		l := c.LatencyMS[name]
-		s += fmt.Sprintf("  %s p50 %.2f p99 %.2f ms", name, l.P50, l.P99)
+		fmt.Fprintf(&s, "  %s p50 %.2f p99 %.2f ms", name, l.P50, l.P99)
 	}
-	return s
+	return s.String()
 }
 
 func errorSummary(c Cell) string {

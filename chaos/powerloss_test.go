@@ -120,9 +120,7 @@ func powerLoss(t *testing.T, settings []string) powerLossResult {
 		wg    sync.WaitGroup
 	)
 	for w := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for i := 0; ctx.Err() == nil; i++ {
 				key := fmt.Sprintf("w%d-%d", w, i)
 				callCtx, callCancel := context.WithTimeout(ctx, 10*time.Second)
@@ -139,7 +137,7 @@ func powerLoss(t *testing.T, settings []string) powerLossResult {
 				}
 				callCancel()
 			}
-		}()
+		})
 	}
 	// Crash in the middle of the load, once enough was acknowledged.
 	want := int64(byMode(300, 3000))

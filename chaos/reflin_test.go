@@ -253,13 +253,11 @@ func (r *refRunner) newClient(id int, rng *rand.Rand) *refClient {
 func (r *refRunner) round(during, settle func()) {
 	var calls sync.WaitGroup
 	for _, cl := range r.clients {
-		calls.Add(1)
-		go func() {
-			defer calls.Done()
+		calls.Go(func() {
 			for range 5 {
 				cl.step()
 			}
-		}()
+		})
 	}
 	done, stopped := make(chan struct{}), make(chan struct{})
 	go func() { calls.Wait(); close(done) }()
@@ -297,12 +295,7 @@ func (r *refRunner) round(during, settle func()) {
 }
 
 func contains(xs []string, x string) bool {
-	for _, y := range xs {
-		if y == x {
-			return true
-		}
-	}
-	return false
+	return slices.Contains(xs, x)
 }
 
 func writeRefVisualization(t *testing.T, info porcupine.LinearizationInfo) string {
@@ -829,10 +822,5 @@ func logRefViolation(t *testing.T, ops []porcupine.Operation, info porcupine.Lin
 }
 
 func slicesContains(xs []refKey, x refKey) bool {
-	for _, y := range xs {
-		if y == x {
-			return true
-		}
-	}
-	return false
+	return slices.Contains(xs, x)
 }

@@ -127,11 +127,9 @@ func newWorkload(t *testing.T, client idempotencyv1.CoordinatorClient, o workloa
 // start runs n workers until stop.
 func (w *workload) start(n int, seed uint64) {
 	for i := range n {
-		w.wg.Add(1)
-		go func() {
-			defer w.wg.Done()
+		w.wg.Go(func() {
 			w.worker(i, rand.New(rand.NewPCG(seed, uint64(i))))
-		}()
+		})
 	}
 }
 

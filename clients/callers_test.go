@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -169,9 +170,7 @@ func TestStampIdempotencyKeyWithRetryingHTTPClient(t *testing.T) {
 			http.Error(w, "injected: the answer was lost", http.StatusBadGateway)
 			return
 		}
-		for k, v := range resp.Header {
-			w.Header()[k] = v
-		}
+		maps.Copy(w.Header(), resp.Header)
 		w.WriteHeader(resp.StatusCode)
 		_, _ = w.Write(body)
 	}))

@@ -175,7 +175,7 @@ func statusResponse(err error) (*idempotencyv1.StoredResponse, error) {
 		return nil, err
 	}
 	return &idempotencyv1.StoredResponse{SchemaVersion: SchemaVersionStatus, ContentType: ContentTypeProto,
-		Body: body, StatusCode: int32(st.Code())}, nil
+		Body: body, StatusCode: int32(st.Code())}, nil //nolint:gosec // gRPC codes run from 0 to 16
 }
 
 // storedStatus is the status of a stored replayable failure: the stored

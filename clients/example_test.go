@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -198,8 +199,8 @@ func (e *exampleT) Errorf(format string, args ...any) {
 // close runs the cleanups, last registered first, and fails the example
 // loudly if any of them (or anything before) reported an error.
 func (e *exampleT) close() {
-	for i := len(e.cleanups) - 1; i >= 0; i-- {
-		e.cleanups[i]()
+	for _, v := range slices.Backward(e.cleanups) {
+		v()
 	}
 	if e.failed {
 		panic(e.name + ": an error was reported (see stderr)")

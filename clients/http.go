@@ -470,8 +470,7 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.o.maxBody))
 	if err != nil {
-		var tooLarge *http.MaxBytesError
-		if errors.As(err, &tooLarge) {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
 				fmt.Sprintf("a request with an Idempotency-Key may have at most %d bytes of body", m.o.maxBody))
 			return
@@ -747,7 +746,7 @@ func (rec *httpRecorder) Write(p []byte) (int, error) {
 
 // stored is the response to store.
 func (rec *httpRecorder) stored() *idempotencyv1.StoredResponse {
-	resp := &idempotencyv1.StoredResponse{SchemaVersion: HTTPSchemaVersion, StatusCode: int32(rec.status),
+	resp := &idempotencyv1.StoredResponse{SchemaVersion: HTTPSchemaVersion, StatusCode: int32(rec.status), //nolint:gosec // an HTTP status code has three digits (net/http refuses others)
 		Body: bytes.Clone(rec.body.Bytes())}
 	for name, values := range rec.header {
 		if name == "Content-Type" {

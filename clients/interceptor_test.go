@@ -135,7 +135,7 @@ func equalStrings(a, b []string) bool {
 		return false
 	}
 	for i := range a {
-		if a[i] != b[i] {
+		if a[i] != b[i] { //nolint:gosec // i ranges over a, and len(b) == len(a) is checked above
 			return false
 		}
 	}

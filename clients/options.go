@@ -3,6 +3,7 @@ package clients
 import (
 	"context"
 	"log/slog"
+	"maps"
 	"strings"
 	"time"
 
@@ -249,9 +250,7 @@ func WithSchemaVersion(fullMethod, version string) InterceptorOption {
 // UNKNOWN.
 func WithFailureKinds(kinds map[codes.Code]idempotencyv1.FailureKind) InterceptorOption {
 	return func(o *interceptorOptions) {
-		for c, k := range kinds {
-			o.kinds[c] = k
-		}
+		maps.Copy(o.kinds, kinds)
 	}
 }
 

@@ -52,7 +52,7 @@ func TestChartRing(t *testing.T) {
 	}
 	// A counter that goes down (a restart) draws 0, never below the axis.
 	r.add(start.Add(101*time.Minute), Counters{})
-	for _, p := range strings.Fields(r.chart(time.Minute).Series[0].Points) {
+	for p := range strings.FieldsSeq(r.chart(time.Minute).Series[0].Points) {
 		if !strings.HasSuffix(p, ",150.0") && !strings.HasSuffix(p, ",10.0") {
 			t.Fatalf("point %q outside the chart", p)
 		}

@@ -214,7 +214,7 @@ func validToken(s string) bool {
 // setCookie sets a console cookie: HttpOnly, SameSite=Strict, limited to
 // the console's paths, Secure whenever the request came over TLS.
 func setCookie(w http.ResponseWriter, r *http.Request, name, value string, maxAge time.Duration) {
-	ck := &http.Cookie{Name: name, Value: value, Path: Prefix, HttpOnly: true, Secure: r.TLS != nil,
+	ck := &http.Cookie{Name: name, Value: value, Path: Prefix, HttpOnly: true, Secure: r.TLS != nil, //nolint:gosec // Secure whenever the request came over TLS: the console also serves plain HTTP on loopback, where a Secure cookie would never come back
 		SameSite: http.SameSiteStrictMode}
 	if maxAge < 0 {
 		ck.MaxAge = -1
@@ -254,13 +254,12 @@ func (c *Console) parsePost(w http.ResponseWriter, r *http.Request) bool {
 	r.Body = http.MaxBytesReader(w, r.Body, MaxFormBytes)
 	var err error
 	if strings.HasPrefix(r.Header.Get("Content-Type"), "multipart/form-data") {
-		err = r.ParseMultipartForm(MaxFormBytes)
+		err = r.ParseMultipartForm(MaxFormBytes) //nolint:gosec // r.Body is capped by http.MaxBytesReader at MaxFormBytes above
 	} else {
 		err = r.ParseForm()
 	}
 	if err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			c.renderError(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("The form is larger than %d MiB.", MaxFormBytes>>20))
 			return false
 		}

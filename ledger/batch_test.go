@@ -44,9 +44,7 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 	// 64 callers, each with its own keys: every pair completes.
 	var wg sync.WaitGroup
 	for w := range 64 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for i := range 10 {
 				key := fmt.Sprintf("w%d-%d", w, i)
 				res, err := s.Begin(ctx, &ledger.BeginParams{ID: id(key), Event: ev})
@@ -62,7 +60,7 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 					return
 				}
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	for w := range 64 {
@@ -83,13 +81,11 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 	}
 	results := make([]error, 32)
 	for i := range results {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			body := []byte{byte(i % 2)}
 			_, results[i] = s.Finish(ctx, &ledger.FinishParams{ID: id("contended"), Event: statemachine.Event{
 				Kind: statemachine.EventComplete, Token: res.Record.LeaseToken, Response: &statemachine.Response{Body: body}}})
-		}()
+		})
 	}
 	wg.Wait()
 	rec, _, err := s.Lookup(ctx, id("contended"))
@@ -112,9 +108,7 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 	tokens := make([]string, 32)
 	outcomes := make([]statemachine.Outcome, 32)
 	for i := range tokens {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			e := ev
 			if i%2 == 0 {
 				e.AttemptID = "same-attempt"
@@ -125,7 +119,7 @@ func batchedWritesUnderConcurrency(t *testing.T, opts ...ledger.Option) {
 				return
 			}
 			outcomes[i], tokens[i] = r.Outcome, r.Record.LeaseToken
-		}()
+		})
 	}
 	wg.Wait()
 	acquiredTokens := map[string]bool{}

@@ -86,9 +86,7 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for c := range callers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				// A random order in which the caller's own key c%keys
 				// comes among the first four: every key is begun.
 				order := rand.Perm(keys)
@@ -112,7 +110,7 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 						mu.Unlock()
 					}
 				}
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()
@@ -128,9 +126,7 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 			}
 		}
 		for c := range 2 * keys {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				k := c % keys
 				<-start
 				_, err := stores[c/keys].Finish(ctx, &ledger.FinishParams{ID: ids[k], Event: statemachine.Event{
@@ -138,7 +134,7 @@ func TestContendedFreshKeysNeverDeadlock(t *testing.T) {
 				if err != nil {
 					fail(fmt.Sprintf("round %d Complete %s", round, ids[k].Key), err)
 				}
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()
@@ -245,9 +241,7 @@ func TestUnreadableRowAmongConcurrentBegins(t *testing.T) {
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for c := range 64 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				id := ledger.Identity{Tenant: fmt.Sprintf("tenant-%d", c%8), Scope: "s", Key: fmt.Sprintf("r%d-c%d", round, c)}
 				if c == 0 {
 					id = bad
@@ -268,7 +262,7 @@ func TestUnreadableRowAmongConcurrentBegins(t *testing.T) {
 					Kind: statemachine.EventComplete, Token: res.Record.LeaseToken}}); err != nil {
 					t.Errorf("round %d: Complete %s with its token: %v", round, id.Key, err)
 				}
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()

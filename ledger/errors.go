@@ -96,8 +96,7 @@ func isLockTimeout(err error) bool {
 // was awaited (a COMMIT's, say, that PostgreSQL had received);
 // TestWaitingRunTxLostCommitThenForgotten met it so.
 func mayHaveCommitted(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
 		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
 	}
 	if errors.Is(err, pgconn.ErrConnClosed) {
@@ -127,8 +126,7 @@ func answerLost(err error) bool {
 // (answerLost), whatever became of the connection.
 func uncommitted(err error) error {
 	err = classify(err)
-	var lost answerLostError
-	if errors.As(err, &lost) {
+	if lost, ok := errors.AsType[answerLostError](err); ok {
 		return lost.error
 	}
 	return err
@@ -145,8 +143,7 @@ func classify(err error) error {
 		return err
 	}
 	var unavailable error
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
 		switch {
 		case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08", // connection exception
 			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // shutdown, crash, cannot connect now

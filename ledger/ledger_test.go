@@ -28,11 +28,9 @@ func TestMigrateConcurrently(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make([]error, 5)
 	for i := range errs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			errs[i] = ledger.Migrate(context.Background(), url)
-		}()
+		})
 	}
 	wg.Wait()
 	for _, err := range errs {

@@ -48,9 +48,7 @@ func TestLockedPathHasOneWinner(t *testing.T) {
 		)
 		start := make(chan struct{})
 		for r := range racers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				<-start
 				res, err := begin(key, fmt.Sprintf("racer%d", r))
 				if err != nil {
@@ -62,7 +60,7 @@ func TestLockedPathHasOneWinner(t *testing.T) {
 					winners = append(winners, res.Record.LeaseToken)
 					mu.Unlock()
 				}
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()

@@ -147,9 +147,7 @@ func TestReapersSideBySide(t *testing.T) {
 	var wg sync.WaitGroup
 	results := make([]ledger.ReapResult, 2)
 	for i, s := range []*ledger.Store{a, b} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for {
 				r, err := s.Reap(context.Background(), &ledger.ReapParams{BatchSize: 50, MaxBatches: 5, Retention: time.Hour})
 				if err != nil {
@@ -161,7 +159,7 @@ func TestReapersSideBySide(t *testing.T) {
 					return
 				}
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	if total := results[0].Expired + results[1].Expired; total != n {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
@@ -233,7 +234,7 @@ func (e *exampleT) Errorf(format string, args ...any) {
 
 // close runs the cleanups, last registered first.
 func (e *exampleT) close() {
-	for i := len(e.cleanups) - 1; i >= 0; i-- {
-		e.cleanups[i]()
+	for _, v := range slices.Backward(e.cleanups) {
+		v()
 	}
 }

@@ -116,12 +116,10 @@ func TestRunTxConcurrentDuplicatesRunOnce(t *testing.T) {
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			<-start
 			resps[i], replays[i], errs[i] = db.store.RunTx(context.Background(), chargeID, ledger.TxOptions{Wait: time.Minute}, slow)
-		}()
+		})
 	}
 	close(start)
 	wg.Wait()
@@ -160,12 +158,10 @@ func TestRunTxConcurrentDuplicatesRunOnce(t *testing.T) {
 	fn = charge(id.Key, &calls)
 	start = make(chan struct{})
 	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			<-start
 			resps[i], replays[i], errs[i] = db.store.RunTx(context.Background(), id, ledger.TxOptions{Wait: time.Minute}, slow)
-		}()
+		})
 	}
 	close(start)
 	wg.Wait()

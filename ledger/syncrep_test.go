@@ -159,11 +159,9 @@ func TestCommitNotCancelledWhileWaitingForStandby(t *testing.T) {
 	for i, w := range writes {
 		cctx, cancel := context.WithCancel(ctx)
 		cancels[i] = cancel
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			errs[i] = w.call(cctx)
-		}()
+		})
 	}
 	waitFor(t, "every write to wait for the standby", func() (bool, error) {
 		n, err := waiting()

@@ -65,7 +65,7 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	}
 	tenant := tenantFrom(ctx)
 	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
-		State: statemachine.State(req.GetState()), NeedsDecision: req.GetUncertain(), ScopeGlob: req.GetScopeGlob(),
+		State: statemachine.State(req.GetState()), NeedsDecision: req.GetUncertain(), ScopeGlob: req.GetScopeGlob(), //nolint:gosec // protovalidate (enum.defined_only) admits only the State values, all below 256
 		KeyPrefix: req.GetKeyPrefix(), After: after, Limit: size, Archived: req.GetArchived()})
 	if err != nil {
 		return nil, a.s.status(ctx, err)
@@ -254,14 +254,14 @@ func decodePageToken(req *idempotencyv1.ListRecordsRequest) (*ledger.RecordKey, 
 		if len(b) < 8 {
 			return nil, false
 		}
-		archivedAt = time.UnixMicro(int64(binary.BigEndian.Uint64(b))).UTC()
+		archivedAt = time.UnixMicro(int64(binary.BigEndian.Uint64(b))).UTC() //nolint:gosec // the cursor's bit pattern of the UnixMicro this server encoded
 		b = b[8:]
 	}
 	n, w := binary.Uvarint(b)
-	if w <= 0 || n > uint64(len(b)-w) {
+	if w <= 0 || n > uint64(len(b)-w) { //nolint:gosec // w > 0 here and w <= len(b), so len(b)-w is not negative
 		return nil, false
 	}
-	k := &ledger.RecordKey{Scope: string(b[w : w+int(n)]), Key: string(b[w+int(n):]), ArchivedAt: archivedAt}
+	k := &ledger.RecordKey{Scope: string(b[w : w+int(n)]), Key: string(b[w+int(n):]), ArchivedAt: archivedAt} //nolint:gosec // n <= len(b)-w, checked above
 	// The names go into SQL as text: they must be names a record can have.
 	if !printableName(k.Scope) || !printableName(k.Key) {
 		return nil, false

@@ -96,7 +96,7 @@ func (s *Server) Fail(ctx context.Context, req *idempotencyv1.FailRequest) (*ide
 		return nil, err
 	}
 	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), statemachine.Event{Kind: statemachine.EventFail,
-		Token: req.GetLeaseToken(), FailureKind: statemachine.FailureKind(req.GetKind()),
+		Token: req.GetLeaseToken(), FailureKind: statemachine.FailureKind(req.GetKind()), //nolint:gosec // protovalidate (enum.defined_only) admits only the FailureKind values, all below 256
 		Response: responseFromProto(req.GetResponse()), Reason: req.GetReason()})
 	if err != nil {
 		return nil, err

@@ -64,8 +64,7 @@ func toStatus(ctx context.Context, logger *slog.Logger, err error) error {
 	if _, ok := status.FromError(err); ok {
 		return err
 	}
-	var inv *invalidError
-	if errors.As(err, &inv) {
+	if inv, ok := errors.AsType[*invalidError](err); ok {
 		br := &errdetails.BadRequest{FieldViolations: inv.violations}
 		st := status.New(codes.InvalidArgument, inv.Error())
 		if inv.reason != idempotencyv1.ErrorReason_ERROR_REASON_UNSPECIFIED {

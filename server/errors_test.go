@@ -233,9 +233,7 @@ func TestConcurrentBeginsOneWinner(t *testing.T) {
 	errs := make(chan error, n)
 	start := make(chan struct{})
 	for range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			<-start
 			r, err := e.begin("race", "one-key")
 			if err != nil {
@@ -243,7 +241,7 @@ func TestConcurrentBeginsOneWinner(t *testing.T) {
 				return
 			}
 			outcomes <- r.GetOutcome()
-		}()
+		})
 	}
 	close(start)
 	wg.Wait()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 
@@ -125,8 +126,8 @@ func (c *inProcessConn) NewStream(context.Context, *grpc.StreamDesc, string, ...
 func chainUnary(is []grpc.UnaryServerInterceptor) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		next := handler
-		for i := len(is) - 1; i >= 0; i-- {
-			in, h := is[i], next
+		for _, in := range slices.Backward(is) {
+			h := next
 			next = func(ctx context.Context, req any) (any, error) { return in(ctx, req, info, h) }
 		}
 		return next(ctx, req)

@@ -79,9 +79,7 @@ func TestLockedKeyDelaysOnlyItsOwnBegins(t *testing.T) {
 	for wave := range heldBegins {
 		go beginHeld(30*time.Second, long)
 		for i := wave * fresh / heldBegins; i < (wave+1)*fresh/heldBegins; i++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				cctx := pay
 				if i%2 == 1 {
 					cctx = builds
@@ -95,7 +93,7 @@ func TestLockedKeyDelaysOnlyItsOwnBegins(t *testing.T) {
 					err = fmt.Errorf("outcome %v", r.GetOutcome())
 				}
 				errs[i] = err
-			}()
+			})
 		}
 		time.Sleep(20 * time.Millisecond) // spread the waves (not a synchronization)
 	}

@@ -92,7 +92,7 @@ func TestMetricsCountScriptedCalls(t *testing.T) {
 		}
 	}
 	if t.Failed() {
-		for _, l := range strings.Split(text, "\n") {
+		for l := range strings.SplitSeq(text, "\n") {
 			if strings.HasPrefix(l, "idempotency_") || strings.HasPrefix(l, "grpc_server_handled_total") {
 				t.Log(l)
 			}

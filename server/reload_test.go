@@ -38,7 +38,7 @@ func TestReloadRefusesWhatTakesARestart(t *testing.T) {
 	failures := func() string {
 		rec := httptest.NewRecorder()
 		c.Server.HTTPHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
-		for _, l := range strings.Split(rec.Body.String(), "\n") {
+		for l := range strings.SplitSeq(rec.Body.String(), "\n") {
 			if v, ok := strings.CutPrefix(l, "idempotency_config_reload_failures_total "); ok {
 				return v
 			}

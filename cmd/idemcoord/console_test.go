@@ -130,8 +130,7 @@ func TestConsoleExposure(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+	ctx := t.Context()
 	h, lis, err := mountConsole(ctx, parse("--http-listen", raw.Addr().String(), "--tls-cert", certFile, "--tls-key", keyFile),
 		logger, coord.Server, coord.Store, false, raw)
 	if err != nil {

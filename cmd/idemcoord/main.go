@@ -267,7 +267,7 @@ func tlsConfig(c *config) (*tls.Config, error) {
 	}
 	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
 	if c.tlsClientCA != "" {
-		pem, err := os.ReadFile(c.tlsClientCA)
+		pem, err := os.ReadFile(c.tlsClientCA) //nolint:gosec // the operator names this file (flag, environment or config file); reading it is the point
 		if err != nil {
 			return nil, fmt.Errorf("--tls-client-ca: %w", err)
 		}
@@ -284,7 +284,7 @@ func tlsConfig(c *config) (*tls.Config, error) {
 // readMetricsToken reads the /metrics bearer token from path (surrounding
 // white space removed).
 func readMetricsToken(path string) (string, error) {
-	data, err := os.ReadFile(path)
+	data, err := os.ReadFile(path) //nolint:gosec // the operator names this file (flag, environment or config file); reading it is the point
 	if err != nil {
 		return "", fmt.Errorf("--metrics-token-file: %w", err)
 	}
@@ -428,7 +428,7 @@ func run(args []string, logOut *os.File) error {
 	}
 
 	sopts := []server.Option{server.WithPolicies(policies), server.WithLogger(logger),
-		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))), server.WithGRPCReadTimeout(c.grpcReadTimeout),
+		server.WithGRPCOptions(grpc.MaxConcurrentStreams(uint32(c.maxStreams))), server.WithGRPCReadTimeout(c.grpcReadTimeout), //nolint:gosec // parseFlags refuses --max-concurrent-streams above MaxUint32
 		server.WithGRPCMaxBufferedBytes(c.grpcMaxBuffered), server.WithGRPCMaxBufferedBytesPerClient(c.grpcClientBuf),
 		server.WithHTTPMaxBodyBytes(c.httpMaxBody), server.WithHTTPMaxBufferedBytes(c.httpMaxBuffered), server.WithHTTPMaxBufferedBytesPerClient(c.httpClientBuf), server.WithHTTPReadTimeout(c.httpReadTimeout), server.WithHTTPAllowedHosts(c.httpHosts...),
 		server.WithSlowCallThreshold(c.slowCall)}

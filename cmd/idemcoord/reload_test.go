@@ -143,7 +143,7 @@ tenants:
 	// before its action.
 	refusals := func(why, marker string) int {
 		n := 0
-		for _, l := range strings.Split(p.logs.String(), "\n") {
+		for l := range strings.SplitSeq(p.logs.String(), "\n") {
 			if strings.Contains(l, "config reload refused") && strings.Contains(l, why) && strings.Contains(l, marker) {
 				n++
 			}

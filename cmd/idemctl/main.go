@@ -341,7 +341,7 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	for {
 		req.PageSize = maxPageSize
 		if *limit > 0 {
-			req.PageSize = int32(min(*limit-len(out.GetRecords()), maxPageSize))
+			req.PageSize = int32(min(*limit-len(out.GetRecords()), maxPageSize)) //nolint:gosec // min(..., maxPageSize) bounds it, and the loop runs only while the limit is not reached
 		}
 		resp, err := admin.ListRecords(ctx, req)
 		if err != nil {
@@ -411,7 +411,7 @@ func (c *cli) readBody(name string) ([]byte, error) {
 		}
 		return b, nil
 	}
-	b, err := os.ReadFile(name)
+	b, err := os.ReadFile(name) //nolint:gosec // the user names this file on the command line
 	if err != nil {
 		return nil, fmt.Errorf("read the body: %w", err)
 	}
@@ -456,18 +456,19 @@ func describe(err error) string {
 	if !ok {
 		return err.Error()
 	}
-	msg := codeName(st.Code().String()) + ": " + st.Message()
+	var msg strings.Builder
+	msg.WriteString(codeName(st.Code().String()) + ": " + st.Message())
 	for _, d := range st.Details() {
 		switch d := d.(type) {
 		case *errdetails.ErrorInfo:
-			msg += " (reason " + d.GetReason() + ")"
+			msg.WriteString(" (reason " + d.GetReason() + ")")
 		case *errdetails.BadRequest:
 			for _, v := range d.GetFieldViolations()[min(1, len(d.GetFieldViolations())):] {
-				msg += fmt.Sprintf("; invalid %s: %s", v.GetField(), v.GetDescription())
+				fmt.Fprintf(&msg, "; invalid %s: %s", v.GetField(), v.GetDescription())
 			}
 		}
 	}
-	return msg
+	return msg.String()
 }
 
 // codeName turns a codes.Code name (FailedPrecondition) into the spec's

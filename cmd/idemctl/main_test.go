@@ -81,7 +81,7 @@ func (e *env) begin(ctx context.Context, scope, key string, lease time.Duration)
 // and second is key, split into fields.
 func tableRow(t *testing.T, table, scope, key string) []string {
 	t.Helper()
-	for _, line := range strings.Split(table, "\n") {
+	for line := range strings.SplitSeq(table, "\n") {
 		f := strings.Fields(line)
 		if len(f) >= 3 && f[0] == scope && f[1] == key {
 			return f

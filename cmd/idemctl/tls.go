@@ -114,8 +114,8 @@ func speaksTLS(addr string) bool {
 	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
 	var sawCert bool
 	c := tls.Client(conn, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS12, //nolint:gosec // a probe only, nothing is sent
-		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
-			sawCert = len(raw) > 0
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			sawCert = len(cs.PeerCertificates) > 0
 			return errors.New("probe only")
 		}})
 	_ = c.Handshake()

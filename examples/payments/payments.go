@@ -263,5 +263,5 @@ func RiverConfig(store *ledger.Store, rescueAfter time.Duration, pause func(), l
 type fixedRetry struct{}
 
 func (fixedRetry) NextRetry(*rivertype.JobRow) time.Time {
-	return time.Now().Add(200*time.Millisecond + rand.N(300*time.Millisecond))
+	return time.Now().Add(200*time.Millisecond + rand.N(300*time.Millisecond)) //nolint:gosec // jitter of a retry time, not a secret
 }

@@ -153,15 +153,11 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 	work := make(chan int)
 	var clients sync.WaitGroup
 	for range parallel {
-		clients.Add(1)
-		go func() {
-			defer clients.Done()
+		clients.Go(func() {
 			for i := range work {
 				var dup sync.WaitGroup
 				for range 2 { // the same request twice at once, each retried until answered
-					dup.Add(1)
-					go func() {
-						defer dup.Done()
+					dup.Go(func() {
 						for time.Now().Before(giveUp) {
 							a, err := post(client, svc.addr, keyOf(i), requestFor(i))
 							if err == nil && (a.status == http.StatusCreated || a.status == http.StatusUnprocessableEntity) {
@@ -174,11 +170,11 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 							time.Sleep(time.Duration(10+rand.IntN(40)) * time.Millisecond)
 						}
 						t.Errorf("key %d: no answer in 10 minutes", i)
-					}()
+					})
 				}
 				dup.Wait()
 			}
-		}()
+		})
 	}
 	done := make(chan struct{})
 	done2 := make(chan struct{}) // closed when the killer is through

@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"sync"
 	"syscall"
 
@@ -156,8 +157,7 @@ func (f *FS) Unmount() error {
 }
 
 func (u *undoLog) rollBack() error {
-	for i := len(u.images) - 1; i >= 0; i-- {
-		im := u.images[i]
+	for _, im := range slices.Backward(u.images) {
 		if _, err := syscall.Pwrite(u.fd, im.data, im.off); err != nil {
 			return err
 		}

@@ -36,7 +36,7 @@ func flagDefaults(t *testing.T, pkg string) map[string]string {
 	ctlLine := regexp.MustCompile(`^\s+--([a-z0-9-]+)\s{2,}(.*)$`)
 	ctlDefault := regexp.MustCompile(`\(default (?:\$[A-Z_]+(?:, else )?)?([^)$]*)\)`)
 	var name, typ string
-	for _, line := range strings.Split(string(out), "\n") {
+	for line := range strings.SplitSeq(string(out), "\n") {
 		// idemctl's own usage: "  --name   what it is (default $VAR, else V)"
 		if m := ctlLine.FindStringSubmatch(line); m != nil {
 			name = ""

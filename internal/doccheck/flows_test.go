@@ -27,7 +27,7 @@ func TestOperatingConfigAndIdemctlFlow(t *testing.T) {
 	}
 	session := blocksOn(t, "docs/operating.md", "sh", "idemctl resolve")[0]
 	tokenLine := ""
-	for _, l := range strings.Split(session.text, "\n") {
+	for l := range strings.SplitSeq(session.text, "\n") {
 		if strings.HasPrefix(l, "export IDEMCOORD_TOKEN=") {
 			tokenLine = l
 		}

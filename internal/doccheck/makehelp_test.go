@@ -15,7 +15,7 @@ func makeTargets(t *testing.T) []string {
 	t.Helper()
 	rule := regexp.MustCompile(`^([A-Za-z0-9_-]+)\s*:([^=]|$)`)
 	var ts []string
-	for _, line := range strings.Split(mustRead(t, "Makefile"), "\n") {
+	for line := range strings.SplitSeq(mustRead(t, "Makefile"), "\n") {
 		if m := rule.FindStringSubmatch(line); m != nil && !slices.Contains(ts, m[1]) {
 			ts = append(ts, m[1])
 		}
@@ -31,7 +31,7 @@ func prerequisites(t *testing.T) map[string][]string {
 	t.Helper()
 	rule := regexp.MustCompile(`^([A-Za-z0-9_-]+)\s*:([^=].*|)$`)
 	out := map[string][]string{}
-	for _, line := range strings.Split(mustRead(t, "Makefile"), "\n") {
+	for line := range strings.SplitSeq(mustRead(t, "Makefile"), "\n") {
 		if m := rule.FindStringSubmatch(line); m != nil {
 			out[m[1]] = append(out[m[1]], strings.Fields(m[2])...)
 		}
@@ -50,7 +50,7 @@ func makeHelp(t *testing.T) map[string]string {
 	}
 	help := map[string]string{}
 	var name string
-	for _, line := range strings.Split(string(out), "\n") {
+	for line := range strings.SplitSeq(string(out), "\n") {
 		if strings.TrimSpace(line) == "" {
 			continue
 		}
@@ -105,7 +105,7 @@ func TestMakeHelpListsEveryTargetTruly(t *testing.T) {
 		own := dryRun(tg)
 		for _, pre := range prereqs[tg] {
 			if slices.Contains(targets, pre) {
-				for _, l := range strings.Split(dryRun(pre), "\n") {
+				for l := range strings.SplitSeq(dryRun(pre), "\n") {
 					if l != "" {
 						own = strings.Replace(own, l+"\n", "", 1)
 					}

@@ -28,7 +28,7 @@ func TestRepositoryStandsAlone(t *testing.T) {
 		t.Skipf("not a git checkout: %v", err)
 	}
 	checked := 0
-	for _, name := range strings.Split(strings.TrimRight(string(out), "\x00"), "\x00") {
+	for name := range strings.SplitSeq(strings.TrimRight(string(out), "\x00"), "\x00") {
 		if name == "" || strings.HasPrefix(name, "bench/results/") || strings.HasPrefix(name, "gen/") {
 			continue
 		}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -247,9 +248,9 @@ func (env *environment) newDatabase(t testing.TB) string {
 	// On Citus the workers' copies first, so that the coordinator node's
 	// copy never names a worker database that does not exist yet.
 	nodes := env.nodeURLs()
-	for i := len(nodes) - 1; i >= 0; i-- {
+	for _, node := range slices.Backward(nodes) {
 		for attempt := 1; ; attempt++ {
-			err := execOn(ctx, nodes[i], create)
+			err := execOn(ctx, node, create)
 			if err == nil {
 				break
 			}
@@ -258,7 +259,7 @@ func (env *environment) newDatabase(t testing.TB) string {
 			// gone yet.
 			var pgErr *pgconn.PgError
 			if !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
-				t.Fatalf("pgtest: create database %s on %s: %v", name, hostPort(nodes[i]), err)
+				t.Fatalf("pgtest: create database %s on %s: %v", name, hostPort(node), err)
 			}
 			time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
 		}

@@ -38,7 +38,7 @@ type Coalescer[T any] struct {
 // reject answers a request that the coalescer will not run (it was queued
 // when Close was called).
 func New[T any](workers, maxBatch int, timeout time.Duration, run func(context.Context, []T), reject func(T)) *Coalescer[T] {
-	base, cancel := context.WithCancel(context.Background())
+	base, cancel := context.WithCancel(context.Background()) //nolint:gosec // cancel is kept in the Coalescer and called by Close
 	c := &Coalescer[T]{queue: make(chan T, workers*maxBatch), max: maxBatch, timeout: timeout, run: run, reject: reject,
 		stop: make(chan struct{}), base: base, cancel: cancel}
 	for range workers {

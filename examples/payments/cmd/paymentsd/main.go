@@ -68,7 +68,7 @@ func run() error {
 
 	var pauseFn func()
 	if *pause > 0 {
-		pauseFn = func() { time.Sleep(rand.N(*pause)) }
+		pauseFn = func() { time.Sleep(rand.N(*pause)) } //nolint:gosec // a demo's random pause, not a secret
 	}
 	riverClient, err := river.NewClient(riverpgxv5.New(pool), payments.RiverConfig(store, *rescueAfter, pauseFn, logger))
 	if err != nil {
