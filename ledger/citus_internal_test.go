@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,7 +17,7 @@ import (
 
 // citusStore starts a Citus cluster, migrates a database on it and opens
 // a Store there; conn is a connection to its coordinator node.
-func citusStore(t *testing.T) (*pgtest.CitusCluster, *Store, *pgx.Conn) {
+func citusStore(t *testing.T, opts ...Option) (*pgtest.CitusCluster, *Store, *pgx.Conn) {
 	t.Helper()
 	cc := pgtest.StartCitusCluster(t, pgtest.ClusterOptions{})
 	ctx := t.Context()
@@ -27,7 +28,7 @@ func citusStore(t *testing.T) (*pgtest.CitusCluster, *Store, *pgx.Conn) {
 	if err := Migrate(ctx, url); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(ctx, url)
+	s, err := Open(ctx, url, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,5 +179,79 @@ func TestCitusWorkerDown(t *testing.T) {
 		if err := call(id); !errors.Is(err, ErrUnavailable) {
 			t.Errorf("key %s on the stopped worker: %v, want ErrUnavailable", id.Key, err)
 		}
+	}
+}
+
+// TestCitusReaperAndGauge: on Citus the reaper's passes (stale leases,
+// expiry, deletion, archiving, archive pruning) run on every shard, and
+// the records gauge counts without the planner's statistics.
+func TestCitusReaperAndGauge(t *testing.T) {
+	var clock atomic.Int64
+	clock.Store(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC).UnixMicro())
+	at := func() time.Time { return time.UnixMicro(clock.Load()).UTC() }
+	_, s, _ := citusStore(t, WithClock(at))
+	ctx := t.Context()
+	advance := func(d time.Duration) { clock.Add(d.Microseconds()) }
+
+	const n = 30
+	for i := range n {
+		id := Identity{Tenant: "t", Scope: fmt.Sprint("scope", i%2), Key: fmt.Sprint("k", i)}
+		res, err := s.Begin(ctx, &BeginParams{ID: id, Event: statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Minute}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%2 == 0 {
+			if _, err := s.Finish(ctx, &FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventComplete,
+				Token: res.Record.LeaseToken, Response: &statemachine.Response{Body: []byte("done")}}}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	s.exactCountBytes = 0 // the estimate path
+	counts, err := s.StateCounts(ctx)
+	if err != nil || counts.Counts[statemachine.StateInProgress] != n/2 || counts.Counts[statemachine.StateUnknown] != 0 {
+		t.Fatalf("StateCounts: %+v %v, want %d IN_PROGRESS", counts, err, n/2)
+	}
+
+	advance(2 * time.Hour)
+	counts, err = s.StateCounts(ctx)
+	if err != nil || counts.Counts[statemachine.StateInProgress] != 0 || counts.Counts[statemachine.StateUnknown] != n/2 {
+		t.Fatalf("StateCounts after the leases: %+v %v, want %d UNKNOWN", counts, err, n/2)
+	}
+	res, err := s.Reap(ctx, &ReapParams{BatchSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Unknown != n/2 || len(res.UnknownScopes) != n/2 || res.Expired != n/2 || res.Deleted != n/2 {
+		t.Fatalf("Reap: %+v, want %d unknown (with their scopes), expired and deleted", res, n/2)
+	}
+	for _, sc := range res.UnknownScopes {
+		if sc != "scope1" {
+			t.Fatalf("Reap: unknown scopes %v, want scope1 only", res.UnknownScopes)
+		}
+	}
+	advance(2 * time.Hour)
+	res, err = s.Reap(ctx, &ReapParams{UnknownRetention: time.Hour, ScopeRetention: []ScopeRetention{{Glob: "scope*", Retention: time.Hour}}})
+	if err != nil || res.Archived != n/2 || len(res.ArchivedScopes) != n/2 {
+		t.Fatalf("Reap archiving: %+v %v, want %d archived", res, err, n/2)
+	}
+	advance(2 * time.Hour)
+	res, err = s.Reap(ctx, &ReapParams{ArchiveRetention: time.Hour})
+	if err != nil || res.ArchivePruned != n/2 {
+		t.Fatalf("Reap pruning the archive: %+v %v, want %d pruned", res, err, n/2)
+	}
+	total, err := s.CountByState(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for st, c := range total {
+		if c != 0 {
+			t.Errorf("after reaping, %d records %v", c, st)
+		}
+	}
+	// With the database's clock.
+	s.clock = nil
+	if _, err := s.Reap(ctx, &ReapParams{UnknownRetention: time.Hour, ArchiveRetention: time.Hour}); err != nil {
+		t.Fatalf("Reap with the database's clock: %v", err)
 	}
 }

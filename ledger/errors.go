@@ -144,6 +144,9 @@ func classify(err error) error {
 		errors.Is(err, ErrUnavailable) {
 		return err
 	}
+	if _, ok := err.(shardsFailedError); ok {
+		return err // the workers' errors, already as text
+	}
 	var unavailable error
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {

@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -197,7 +198,9 @@ type statements struct {
 	// LOCKED, so replicas reaping at once never touch the same row, and
 	// returns one row per record, at most batch: reapStale,
 	// reapArchive and reapArchivePrune return its scope, the others a
-	// constant.
+	// constant. On Citus they run per shard (citusPerShard), at most
+	// batch rows per shard, with a second column: NULL, or what failed on
+	// a shard.
 	reapStale        func(now *time.Time, batch int) query
 	reapExpired      func(now *time.Time, batch int) query
 	reapDelete       func(now *time.Time, batch int, retention time.Duration) query
@@ -790,6 +793,33 @@ WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $4 AND r
 RETURNING ` + recordColumns + `, updated_at`), args: args}
 
 	}
+	// The records gauge: sizes and exact counts of IN_PROGRESS and
+	// UNKNOWN records summed over the shards; the planner's statistics of
+	// the coordinator node's table say nothing of the shards, so there is
+	// no estimate of the other states.
+	st.tableSize = func() query { return query{sql: `SELECT citus_relation_size('idempotency_records')`} }
+	st.stateCounts = func(now *time.Time) query {
+		return query{sql: stateSQL(`SELECT
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS}),
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
+	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
+	NULL::float8, NULL::int2[], NULL::float4[]`), args: []any{now}}
+	}
+	// The reaper's passes, per shard.
+	for _, f := range []*func(now *time.Time, batch int) query{&st.reapStale, &st.reapExpired} {
+		pg := *f
+		*f = func(now *time.Time, batch int) query { return citusPerShard(pg(now, batch), "idempotency_records") }
+	}
+	pgDelete, pgArchive, pgPrune := st.reapDelete, st.reapArchive, st.reapArchivePrune
+	st.reapDelete = func(now *time.Time, batch int, retention time.Duration) query {
+		return citusPerShard(pgDelete(now, batch, retention), "idempotency_records")
+	}
+	st.reapArchive = func(p *ReapParams, now *time.Time, batch int) query {
+		return citusPerShard(pgArchive(p, now, batch), "idempotency_records")
+	}
+	st.reapArchivePrune = func(now *time.Time, batch int, retention time.Duration) query {
+		return citusPerShard(pgPrune(now, batch, retention), "idempotency_archive")
+	}
 	return st
 }
 
@@ -801,4 +831,88 @@ func citusClock(now *time.Time, args *[]any) string {
 	}
 	*args = append(*args, *now)
 	return "$" + strconv.Itoa(len(*args)) + "::timestamptz"
+}
+
+// citusClockArg is how the PostgreSQL reaper statements read the clock:
+// their first parameter, or the database's clock.
+const citusClockArg = "coalesce($1::timestamptz, now())"
+
+// citusPerShard turns q, one of the PostgreSQL dialect's reaper statements
+// (which reads the clock as citusClockArg only, and takes integers and
+// text after it), into one run on every shard of table, and on the
+// archive's co-located shard where q names the archive too (Citus cannot
+// run q's FOR UPDATE SKIP LOCKED over distributed tables). Each shard's
+// statement runs on its worker in a transaction of its own, with the
+// coordinator node's clock and q's other parameters written into its
+// text. Its rows: one per row q returns on a shard, with the first column
+// of q's row (as text) and NULL; and one per shard where q failed, with
+// NULL and what failed.
+func citusPerShard(q query, table string) query {
+	text := q.sql
+	fn := "run_command_on_shards('" + table + "', "
+	if table == "idempotency_records" && strings.Contains(text, "idempotency_archive") {
+		fn = "run_command_on_colocated_placements('idempotency_records', 'idempotency_archive', "
+		text = strings.ReplaceAll(text, "idempotency_archive", "%%2$s")
+	}
+	text = strings.ReplaceAll(text, table, "%%1$s")
+	text = strings.ReplaceAll(text, citusClockArg, "%1$L::timestamptz")
+	// format's arguments: the clock, then q's $2.. as text. Replaced from
+	// the last, so $1 is never taken for the start of $12.
+	formatArgs := make([]string, len(q.args))
+	args := make([]any, len(q.args)+1)
+	args[1] = q.args[0]
+	formatArgs[0] = "coalesce($2::timestamptz, now())"
+	for i := len(q.args); i >= 2; i-- {
+		n := strconv.Itoa(i)
+		switch v := q.args[i-1].(type) {
+		case int:
+			text = strings.ReplaceAll(text, "$"+n, "(%"+n+"$s)")
+			args[i] = strconv.Itoa(v)
+		case int64:
+			text = strings.ReplaceAll(text, "$"+n, "(%"+n+"$s)")
+			args[i] = strconv.FormatInt(v, 10)
+		case string:
+			// run_command_on_* reads the text as a format too.
+			text = strings.ReplaceAll(text, "$"+n, "%"+n+"$L")
+			args[i] = strings.ReplaceAll(v, "%", "%%")
+		default:
+			panic(fmt.Sprintf("ledger: citusPerShard: parameter $%d is a %T", i, v))
+		}
+		formatArgs[i-1] = "$" + strconv.Itoa(i+1) + "::text"
+	}
+	// A data-modifying WITH must be at the top level: q's own CTEs go
+	// before done.
+	ctes, main := splitWith(text)
+	args[0] = "WITH " + ctes + "done AS (" + main + ") SELECT coalesce(json_agg(done), '[]') FROM done"
+	return query{sql: `SELECT (SELECT value FROM json_each_text(e) LIMIT 1), CASE WHEN NOT r.success THEN r.result END
+FROM ` + fn + `format($1::text, ` + strings.Join(formatArgs, ", ") + `)) r
+LEFT JOIN LATERAL json_array_elements(CASE WHEN r.success THEN r.result::json END) e ON true
+WHERE NOT r.success OR e IS NOT NULL`, args: args}
+}
+
+// splitWith splits a statement into its WITH list, each CTE followed by a
+// comma (empty without WITH), and the statement that follows it.
+func splitWith(sql string) (ctes, main string) {
+	if !strings.HasPrefix(sql, "WITH ") {
+		return "", sql
+	}
+	depth, quoted := 0, false
+	for i, c := range sql {
+		switch {
+		case c == '\'':
+			quoted = !quoted
+		case quoted:
+		case c == '(':
+			depth++
+		case c == ')':
+			depth--
+			if depth == 0 {
+				rest := strings.TrimLeft(sql[i+1:], " \t\n")
+				if !strings.HasPrefix(rest, ",") {
+					return strings.TrimPrefix(sql[:i+1], "WITH ") + ",\n", rest
+				}
+			}
+		}
+	}
+	return "", sql
 }
