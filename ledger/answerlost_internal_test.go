@@ -198,6 +198,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 	}
 
 	t.Run("Begin", func(t *testing.T) {
+		skipWithoutBatching(t, s)
 		batch := begins("lost-answer-a", "lost-answer-b")
 		sent := p.arm("lost-answer-")
 		done := make(chan struct{})
@@ -227,6 +228,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 	})
 
 	t.Run("Complete", func(t *testing.T) {
+		skipWithoutBatching(t, s)
 		var batch []*completeReq
 		for _, r := range begins("lost-completion-a", "lost-completion-b") {
 			res, err := s.begin(ctx, r.p, &r.ev)

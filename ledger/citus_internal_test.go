@@ -119,6 +119,28 @@ func TestCitusHotPathIsSingleShard(t *testing.T) {
 	if got := distributedTransactions(t, conn); got > before {
 		t.Errorf("%d two-phase commits on the hot path, want none", got-before)
 	}
+
+	// A Begin of a key another transaction is creating waits no longer
+	// than its lock_timeout, which must reach the worker.
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	held := Identity{Tenant: "t", Scope: "s", Key: "being-created"}
+	q := s.sql.begin(newRecord{id: held, token: "other", ttl: time.Hour, lease: time.Minute}, "", nil, time.Second)
+	if _, err := tx.Exec(ctx, q.sql, q.args...); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Minute, NewToken: "mine"}
+	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	if _, _, _, _, err := s.insertOrReadOnce(waitCtx, held, &ev, 200*time.Millisecond); !isLockTimeout(err) {
+		t.Errorf("Begin of a key being created elsewhere: %v after %v, want a lock timeout", err, time.Since(start))
+	} else if waited := time.Since(start); waited > 5*time.Second {
+		t.Errorf("Begin of a key being created elsewhere waited %v, lock_timeout 200ms", waited)
+	}
 }
 
 // TestCitusWorkerDown: with one worker stopped, the keys it holds answer

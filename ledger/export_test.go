@@ -1,6 +1,9 @@
 package ledger
 
-import "context"
+import (
+	"context"
+	"testing"
+)
 
 // WithNotifyQueueLimit sets the notification queue usage above which the
 // store's writes stop notifying (idemcoord.notify_queue_limit), so tests
@@ -17,4 +20,13 @@ func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) { return s.subs
 // a waiting Begin does (see watch).
 func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
 	return s.watch(ctx, id)
+}
+
+// SkipWithoutNotifications skips a test of change notifications or of the
+// replay cache on a store that has none (on Citus).
+func SkipWithoutNotifications(t testing.TB, s *Store) {
+	t.Helper()
+	if s.dialect == citus {
+		t.Skip("on Citus the store has no change notifications and no replay cache")
+	}
 }

@@ -194,6 +194,12 @@ type statements struct {
 	// in the current sealed form after the record after (nil: from the
 	// start), in identity order: tenant, scope, key, recordColumns.
 	legacyBatch func(after *Identity, limit int) query
+	// legacyLock, where its text is not empty, is how legacyBatch's rows
+	// are locked (legacyBatch then locks nothing): it locks the record
+	// id, unless another transaction holds it (SKIP LOCKED), and returns
+	// it as legacyBatch does while it is still not in the current sealed
+	// form.
+	legacyLock func(id Identity) query
 	// The reaper's passes (see Reap). Each locks its rows with SKIP
 	// LOCKED, so replicas reaping at once never touch the same row, and
 	// returns one row per record, at most batch: reapStale,
@@ -620,7 +626,8 @@ func postgreSQLStatements() *statements {
 				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args: args}
 
 		},
-		reapStale: func(now *time.Time, batch int) query { return query{sql: pgReapStaleSQL, args: []any{now, batch}} },
+		legacyLock: func(Identity) query { return query{} },
+		reapStale:  func(now *time.Time, batch int) query { return query{sql: pgReapStaleSQL, args: []any{now, batch}} },
 		reapExpired: func(now *time.Time, batch int) query {
 			return query{sql: pgReapExpiredSQL, args: []any{now, batch}}
 		},
@@ -804,6 +811,22 @@ RETURNING ` + recordColumns + `, updated_at`), args: args}
 	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
 	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
 	NULL::float8, NULL::int2[], NULL::float4[]`), args: []any{now}}
+	}
+	// Converting legacy rows: the candidates over every shard, unlocked,
+	// then each locked on its own shard.
+	st.legacyBatch = func(after *Identity, limit int) query {
+		args := []any{limit}
+		where := legacyRowSQL
+		if after != nil {
+			where += ` AND (tenant, scope, key) > ($2, $3, $4)`
+			args = append(args, after.Tenant, after.Scope, after.Key)
+		}
+		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1`, args: args}
+	}
+	st.legacyLock = func(id Identity) query {
+		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE tenant = $1 AND scope = $2 AND key = $3 AND ` + legacyRowSQL + ` FOR UPDATE SKIP LOCKED`, args: identity(id)}
 	}
 	// The reaper's passes, per shard.
 	for _, f := range []*func(now *time.Time, batch int) query{&st.reapStale, &st.reapExpired} {

@@ -28,6 +28,7 @@ type Store struct {
 	pool *pgxpool.Pool
 	// sql are the statements it runs, in its database's dialect.
 	sql      *statements
+	dialect  dialect
 	clock    func() time.Time
 	logger   *slog.Logger
 	notifier *notifier.Notifier
@@ -186,7 +187,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		pool.Close()
 		return nil, fmt.Errorf("ledger: find out what database this is: %w", classify(err))
 	}
-	s := &Store{pool: pool, sql: statementsFor(d), clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
+	s := &Store{pool: pool, sql: statementsFor(d), dialect: d, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
 	if d == citus {
 		// Changes notify on the worker that holds the record, where no
 		// replica listens: without notifications, waiting Begins poll and
