@@ -318,6 +318,9 @@ func (closedConn) Unwrap() error     { return pgconn.ErrConnClosed }
 func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 	t.Parallel()
 	p, s, direct, conn := lostAnswerStores(t)
+	if s.sql.begin(newRecord{}, "", nil, time.Second).local != "" {
+		t.Skip("the Begin's statement runs in a transaction here: an answer lost before its COMMIT commits nothing")
+	}
 	ctx := context.Background()
 
 	id := Identity{Tenant: "t", Scope: "s", Key: "waited-lost-answer"}
@@ -553,8 +556,9 @@ func TestWaitingRunTxLostAnswerBeforeCommit(t *testing.T) {
 	// reads it in a transaction.
 	nudge := func() {
 		t.Helper()
-		if _, err := conn.Exec(ctx, `UPDATE idempotency_records SET expires_at = coalesce(expires_at, now()) + interval '1 day'
-			WHERE key = $1`, id.Key); err != nil {
+		if _, err := conn.Exec(ctx, `UPDATE idempotency_records
+			SET expires_at = (coalesce(expires_at, $2) AT TIME ZONE 'UTC' + interval '1 day') AT TIME ZONE 'UTC'
+			WHERE key = $1`, id.Key, time.Now()); err != nil {
 			t.Fatal(err)
 		}
 	}

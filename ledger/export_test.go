@@ -22,6 +22,15 @@ func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
 	return s.watch(ctx, id)
 }
 
+// SkipWithoutBatching skips a test of batched calls on a store that runs
+// every Begin and Complete alone (on Citus).
+func SkipWithoutBatching(t testing.TB, s *Store) {
+	t.Helper()
+	if s.begins == nil {
+		t.Skip("this store does not batch (on Citus every Begin and Complete runs alone)")
+	}
+}
+
 // SkipWithoutNotifications skips a test of change notifications or of the
 // replay cache on a store that has none (on Citus).
 func SkipWithoutNotifications(t testing.TB, s *Store) {
