@@ -22,6 +22,14 @@ func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
 	return s.watch(ctx, id)
 }
 
+// SkipOnCitus skips a test that does not hold on Citus, saying why.
+func SkipOnCitus(t testing.TB, s *Store, why string) {
+	t.Helper()
+	if s.dialect == citus {
+		t.Skip("on Citus " + why)
+	}
+}
+
 // SkipWithoutBatching skips a test of batched calls on a store that runs
 // every Begin and Complete alone (on Citus).
 func SkipWithoutBatching(t testing.TB, s *Store) {

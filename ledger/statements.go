@@ -789,6 +789,14 @@ func citusStatements() *statements {
 	RETURNING true, ` + recordColumns + `, created_at`,
 			args: args, local: `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '` + lockTimeoutArg(lockWait) + `'`}
 	}
+	// RunTx's bound on its lock waits must reach the workers too (and so
+	// does its lifting, runTxLockDefault, a SET LOCAL in the same
+	// transaction).
+	st.runTxStart = func(lockWait time.Duration, now *time.Time) query {
+		return query{sql: `SELECT coalesce($1::timestamptz, clock_timestamp())`, args: []any{now},
+			local: `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '` +
+				strconv.FormatInt(lockWait.Milliseconds()+1, 10) + `ms'`}
+	}
 	st.completeHeld = func(id Identity, token string, r storedResponse, now *time.Time) query {
 		args := identity(id, token, r.has, r.schemaVersion, r.contentType, r.statusCode, r.body, r.metadata, r.keyID)
 		clock := citusClock(now, &args)
