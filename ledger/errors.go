@@ -144,7 +144,7 @@ func classify(err error) error {
 		errors.Is(err, ErrUnavailable) {
 		return err
 	}
-	if _, ok := err.(shardsFailedError); ok {
+	if _, ok := errors.AsType[shardsFailedError](err); ok {
 		return err // the workers' errors, already as text
 	}
 	var unavailable error
