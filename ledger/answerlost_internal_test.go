@@ -198,6 +198,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 	}
 
 	t.Run("Begin", func(t *testing.T) {
+		skipWithoutBatching(t, s)
 		batch := begins("lost-answer-a", "lost-answer-b")
 		sent := p.arm("lost-answer-")
 		done := make(chan struct{})
@@ -227,6 +228,7 @@ func TestBatchAnswerLostTellsCallersUnavailable(t *testing.T) {
 	})
 
 	t.Run("Complete", func(t *testing.T) {
+		skipWithoutBatching(t, s)
 		var batch []*completeReq
 		for _, r := range begins("lost-completion-a", "lost-completion-b") {
 			res, err := s.begin(ctx, r.p, &r.ev)
@@ -316,6 +318,9 @@ func (closedConnError) Unwrap() error     { return pgconn.ErrConnClosed }
 func TestWaitingBeginLostAnswerThenForgotten(t *testing.T) {
 	t.Parallel()
 	p, s, direct, conn := lostAnswerStores(t)
+	if s.sql.begin(newRecord{}, "", nil, time.Second).local != "" {
+		t.Skip("the Begin's statement runs in a transaction here: an answer lost before its COMMIT commits nothing")
+	}
 	ctx := context.Background()
 
 	id := Identity{Tenant: "t", Scope: "s", Key: "waited-lost-answer"}
@@ -551,8 +556,9 @@ func TestWaitingRunTxLostAnswerBeforeCommit(t *testing.T) {
 	// reads it in a transaction.
 	nudge := func() {
 		t.Helper()
-		if _, err := conn.Exec(ctx, `UPDATE idempotency_records SET expires_at = coalesce(expires_at, now()) + interval '1 day'
-			WHERE key = $1`, id.Key); err != nil {
+		if _, err := conn.Exec(ctx, `UPDATE idempotency_records
+			SET expires_at = (coalesce(expires_at, $2) AT TIME ZONE 'UTC' + interval '1 day') AT TIME ZONE 'UTC'
+			WHERE key = $1`, id.Key, time.Now()); err != nil {
 			t.Fatal(err)
 		}
 	}

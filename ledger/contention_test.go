@@ -167,6 +167,7 @@ func TestCloseAnswersQueuedCalls(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	ledger.SkipWithoutBatching(t, s)
 	ctx := context.Background() // a library caller without a deadline
 	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
 	const callers = 2000

@@ -142,6 +142,9 @@ func classify(err error) error {
 		errors.Is(err, ErrUnavailable) {
 		return err
 	}
+	if _, ok := errors.AsType[shardsFailedError](err); ok {
+		return err // the workers' errors, already as text
+	}
 	var unavailable error
 	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
 		switch {

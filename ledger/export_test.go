@@ -1,6 +1,9 @@
 package ledger
 
-import "context"
+import (
+	"context"
+	"testing"
+)
 
 // WithNotifyQueueLimit sets the notification queue usage above which the
 // store's writes stop notifying (idemcoord.notify_queue_limit), so tests
@@ -17,4 +20,30 @@ func (s *Store) Subscribe(id Identity) (<-chan struct{}, func()) { return s.subs
 // a waiting Begin does (see watch).
 func (s *Store) Watch(ctx context.Context, id Identity) (held bool, err error) {
 	return s.watch(ctx, id)
+}
+
+// SkipOnCitus skips a test that does not hold on Citus, saying why.
+func SkipOnCitus(t testing.TB, s *Store, why string) {
+	t.Helper()
+	if s.dialect == citus {
+		t.Skip("on Citus " + why)
+	}
+}
+
+// SkipWithoutBatching skips a test of batched calls on a store that runs
+// every Begin and Complete alone (on Citus).
+func SkipWithoutBatching(t testing.TB, s *Store) {
+	t.Helper()
+	if s.begins == nil {
+		t.Skip("this store does not batch (on Citus every Begin and Complete runs alone)")
+	}
+}
+
+// SkipWithoutNotifications skips a test of change notifications or of the
+// replay cache on a store that has none (on Citus).
+func SkipWithoutNotifications(t testing.TB, s *Store) {
+	t.Helper()
+	if s.dialect == citus {
+		t.Skip("on Citus the store has no change notifications and no replay cache")
+	}
 }

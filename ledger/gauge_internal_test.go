@@ -25,6 +25,9 @@ func TestStateCountsWithoutScanning(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
+	if s.dialect == citus {
+		t.Skip("on Citus the gauge has no estimate from the planner's statistics (TestCitusReaperAndGauge)")
+	}
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatal(err)

@@ -69,6 +69,32 @@ func (s *Store) ConvertLegacyRows(ctx context.Context, batchSize int) (converted
 			for _, r := range batch {
 				id := r.id
 				last = &id
+				if lq := s.sql.legacyLock(id); lq.sql != "" {
+					locked := false
+					err := func() error {
+						rows, err := tx.Query(ctx, lq.sql, lq.args...)
+						if err != nil {
+							return err
+						}
+						defer rows.Close()
+						if !rows.Next() {
+							return rows.Err()
+						}
+						dest, fin := s.scanTargets(&r.rec, &r.id)
+						if err := rows.Scan(append([]any{&r.id.Tenant, &r.id.Scope, &r.id.Key}, dest...)...); err != nil {
+							return err
+						}
+						r.err, locked = fin(), true
+						rows.Close()
+						return rows.Err()
+					}()
+					if err != nil {
+						return err
+					}
+					if !locked {
+						continue // held by another transaction, or converted meanwhile
+					}
+				}
 				if r.err != nil {
 					s.logger.Warn("legacy record does not open; left as it is", "tenant", id.Tenant, "scope", id.Scope, "err", r.err)
 					sk++

@@ -2,6 +2,8 @@ package ledger
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"time"
 )
 
@@ -132,16 +134,42 @@ func (s *Store) reapBatch(ctx context.Context, q query, scopes *[]string) (int, 
 		return 0, err
 	}
 	defer rows.Close()
+	// A statement run per shard has a second column: what failed on a
+	// shard, or NULL.
+	perShard := len(rows.FieldDescriptions()) == 2
 	n := 0
+	var failed []string
 	for rows.Next() {
-		n++
-		if scopes != nil {
+		switch {
+		case perShard:
+			var scope, failure *string
+			if err := rows.Scan(&scope, &failure); err != nil {
+				return n, err
+			}
+			if failure != nil {
+				failed = append(failed, *failure)
+				continue
+			}
+			if scopes != nil && scope != nil {
+				*scopes = append(*scopes, *scope)
+			}
+		case scopes != nil:
 			var scope string
 			if err := rows.Scan(&scope); err != nil {
 				return n, err
 			}
 			*scopes = append(*scopes, scope)
 		}
+		n++
 	}
-	return n, rows.Err()
+	if err := rows.Err(); err != nil || len(failed) == 0 {
+		return n, err
+	}
+	return n, shardsFailedError(fmt.Sprintf("ledger: reaping failed on %d shards: %s", len(failed), strings.Join(failed, "; ")))
 }
+
+// shardsFailedError is what failed on the shards where a statement run per
+// shard failed (their workers' own errors, as text).
+type shardsFailedError string
+
+func (e shardsFailedError) Error() string { return string(e) }

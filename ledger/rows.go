@@ -50,10 +50,30 @@ func (s *Store) insertOrRead(ctx context.Context, id Identity, ev *statemachine.
 
 func (s *Store) insertOrReadOnce(ctx context.Context, id Identity, ev *statemachine.Event, lockWait time.Duration) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	q := s.sql.begin(newRecordOf(id, *ev), s.newRowKeyID(), s.now(), lockWait)
-	rows, err := s.pool.Query(ctx, q.sql, q.args...)
-	if err != nil {
-		return rec, false, now, false, err
+	if q.local == "" {
+		rows, err := s.pool.Query(ctx, q.sql, q.args...)
+		if err != nil {
+			return rec, false, now, false, err
+		}
+		return s.scanBegin(rows, id)
 	}
+	err = withTx(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, q.local); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, q.sql, q.args...)
+		if err != nil {
+			return err
+		}
+		rec, inserted, now, found, err = s.scanBegin(rows, id)
+		return err
+	})
+	return rec, inserted, now, found, err
+}
+
+// scanBegin reads the begin statement's row of the record id, if any, and
+// closes rows.
+func (s *Store) scanBegin(rows pgx.Rows, id Identity) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
 	defer rows.Close()
 	if !rows.Next() {
 		return rec, false, now, false, rows.Err()

@@ -335,6 +335,11 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	lockTimeout := max(time.Until(giveUp), time.Millisecond)
 	var now time.Time
 	q := s.sql.runTxStart(lockTimeout, s.now())
+	if q.local != "" {
+		if _, err := tx.Exec(ctx, q.local); err != nil {
+			return dbErr(err)
+		}
+	}
 	if err := tx.QueryRow(ctx, q.sql, q.args...).Scan(&now); err != nil {
 		return dbErr(err)
 	}

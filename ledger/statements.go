@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -27,6 +28,9 @@ import (
 type query struct {
 	sql  string
 	args []any
+	// local, when set, is run first in the same transaction (a SET LOCAL
+	// that must reach every node the statement runs on).
+	local string
 }
 
 // dialect names a database the ledger runs on.
@@ -36,7 +40,29 @@ const (
 	// postgreSQL is a single PostgreSQL server (a primary and its
 	// standbys).
 	postgreSQL dialect = iota
+	// citus is a Citus coordinator node whose records table is
+	// distributed.
+	citus
 )
+
+// String names the dialect as start-up logs it.
+func (d dialect) String() string {
+	switch d {
+	case postgreSQL:
+		return "PostgreSQL"
+	case citus:
+		return "Citus"
+	}
+	return "dialect " + strconv.Itoa(int(d))
+}
+
+// citusInstalledSQL reports whether the database has the citus extension.
+const citusInstalledSQL = `SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')`
+
+// citusDistributedSQL reports whether the records table is distributed (on
+// a database with the citus extension only).
+const citusDistributedSQL = `SELECT EXISTS (SELECT 1 FROM pg_dist_partition
+	WHERE logicalrelid = to_regclass('idempotency_records'))`
 
 // newRecord is what creating a key stores beyond its constant columns.
 type newRecord struct {
@@ -168,11 +194,19 @@ type statements struct {
 	// in the current sealed form after the record after (nil: from the
 	// start), in identity order: tenant, scope, key, recordColumns.
 	legacyBatch func(after *Identity, limit int) query
+	// legacyLock, where its text is not empty, is how legacyBatch's rows
+	// are locked (legacyBatch then locks nothing): it locks the record
+	// id, unless another transaction holds it (SKIP LOCKED), and returns
+	// it as legacyBatch does while it is still not in the current sealed
+	// form.
+	legacyLock func(id Identity) query
 	// The reaper's passes (see Reap). Each locks its rows with SKIP
 	// LOCKED, so replicas reaping at once never touch the same row, and
 	// returns one row per record, at most batch: reapStale,
 	// reapArchive and reapArchivePrune return its scope, the others a
-	// constant.
+	// constant. On Citus they run per shard (citusPerShard), at most
+	// batch rows per shard, with a second column: NULL, or what failed on
+	// a shard.
 	reapStale        func(now *time.Time, batch int) query
 	reapExpired      func(now *time.Time, batch int) query
 	reapDelete       func(now *time.Time, batch int, retention time.Duration) query
@@ -204,6 +238,8 @@ func statementsFor(d dialect) *statements {
 	switch d {
 	case postgreSQL:
 		return postgreSQLStatements()
+	case citus:
+		return citusStatements()
 	}
 	panic("ledger: no statements for dialect " + strconv.Itoa(int(d)))
 }
@@ -498,24 +534,26 @@ func postgreSQLStatements() *statements {
 	fixed := func(sql string) func() query { return func() query { return query{sql: sql} } }
 	return &statements{
 		begin: func(n newRecord, keyID string, now *time.Time, lockWait time.Duration) query {
-			return query{pgBeginSQL, identity(n.id, storedFingerprint(n.fingerprint), n.token, n.attemptID,
+			return query{sql: pgBeginSQL, args: identity(n.id, storedFingerprint(n.fingerprint), n.token, n.attemptID,
 				n.ttl.Microseconds(), n.failureTTL.Microseconds(), n.lease.Microseconds(), now,
 				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait))}
+
 		},
 		completeHeld: func(id Identity, token string, r storedResponse, now *time.Time) query {
-			return query{pgCompleteHeldSQL, identity(id, now, token, r.has, r.schemaVersion, r.contentType,
+			return query{sql: pgCompleteHeldSQL, args: identity(id, now, token, r.has, r.schemaVersion, r.contentType,
 				r.statusCode, r.body, r.metadata, r.keyID)}
+
 		},
-		read:    func(id Identity, now *time.Time) query { return query{pgReadSQL, identity(id, now)} },
-		lock:    func(id Identity, now *time.Time) query { return query{pgLockSQL, identity(id, now)} },
-		lockNow: func(id Identity, now *time.Time) query { return query{pgLockNowSQL, identity(id, now)} },
-		insert:  func(id Identity, cols []any) query { return query{pgInsertSQL, identity(id, cols...)} },
-		update:  func(id Identity, cols []any) query { return query{pgUpdateSQL, identity(id, cols...)} },
+		read:    func(id Identity, now *time.Time) query { return query{sql: pgReadSQL, args: identity(id, now)} },
+		lock:    func(id Identity, now *time.Time) query { return query{sql: pgLockSQL, args: identity(id, now)} },
+		lockNow: func(id Identity, now *time.Time) query { return query{sql: pgLockNowSQL, args: identity(id, now)} },
+		insert:  func(id Identity, cols []any) query { return query{sql: pgInsertSQL, args: identity(id, cols...)} },
+		update:  func(id Identity, cols []any) query { return query{sql: pgUpdateSQL, args: identity(id, cols...)} },
 		remove: func(id Identity) query {
-			return query{`DELETE FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`, identity(id)}
+			return query{sql: `DELETE FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`, args: identity(id)}
 		},
-		forget: func(id Identity, now *time.Time) query { return query{pgForgetSQL, identity(id, now)} },
-		watch:  func(id Identity) query { return query{pgWatchSQL, identity(id)} },
+		forget: func(id Identity, now *time.Time) query { return query{sql: pgForgetSQL, args: identity(id, now)} },
+		watch:  func(id Identity) query { return query{sql: pgWatchSQL, args: identity(id)} },
 
 		beginBatch: func(recs []newRecord, keyID string, now *time.Time, lockWait time.Duration) query {
 			n := len(recs)
@@ -527,8 +565,9 @@ func postgreSQLStatements() *statements {
 				fps[i], tokens[i], attemptIDs[i] = storedFingerprint(r.fingerprint), r.token, r.attemptID
 				ttls[i], fttls[i], leases[i] = r.ttl.Microseconds(), r.failureTTL.Microseconds(), r.lease.Microseconds()
 			}
-			return query{pgBeginBatchSQL, []any{now, tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
+			return query{sql: pgBeginBatchSQL, args: []any{now, tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
 				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait)}}
+
 		},
 		completeBatch: func(cs []heldCompletion, now *time.Time) query {
 			n := len(cs)
@@ -543,36 +582,38 @@ func postgreSQLStatements() *statements {
 				has[i], svs[i], cts[i], codes[i] = r.has, r.schemaVersion, r.contentType, r.statusCode
 				bodies[i], metas[i], keyIDs[i] = r.body, r.metadata, r.keyID
 			}
-			return query{pgCompleteBatchSQL, []any{now, tenants, scopes, keys, tokens, has, svs, cts, codes, bodies, metas, keyIDs}}
+			return query{sql: pgCompleteBatchSQL, args: []any{now, tenants, scopes, keys, tokens, has, svs, cts, codes, bodies, metas, keyIDs}}
 		},
 
 		clock: fixed(`SELECT now()`),
 		runTxStart: func(lockWait time.Duration, now *time.Time) query {
-			return query{`SELECT coalesce($2::timestamptz, clock_timestamp()) FROM set_config('lock_timeout', $1, true)`,
-				[]any{strconv.FormatInt(lockWait.Milliseconds()+1, 10) + "ms", now}}
+			return query{sql: `SELECT coalesce($2::timestamptz, clock_timestamp()) FROM set_config('lock_timeout', $1, true)`, args: []any{strconv.FormatInt(lockWait.Milliseconds()+1, 10) + "ms", now}}
+
 		},
 		runTxLockDefault: fixed(`SET LOCAL lock_timeout TO DEFAULT`),
 		runTxClock: func(now *time.Time) query {
-			return query{`SELECT coalesce($1::timestamptz, clock_timestamp())`, []any{now}}
+			return query{sql: `SELECT coalesce($1::timestamptz, clock_timestamp())`, args: []any{now}}
 		},
 
 		list: pgList,
 		count: func(tenant string, limit int, now *time.Time) query {
-			return query{`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+			return query{sql: `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT scope, ` + effectiveStateSQL + ` AS effective, count(*)
 		FROM idempotency_records, clock
 		WHERE tenant = $2
 		GROUP BY scope, effective
 		ORDER BY scope, effective
-		LIMIT $3`, []any{now, tenant, limit}}
+		LIMIT $3`, args: []any{now, tenant, limit}}
+
 		},
 		countByState: func(now *time.Time) query {
-			return query{`WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
+			return query{sql: `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT ` + effectiveStateSQL + ` AS effective, count(*)
-		FROM idempotency_records, clock GROUP BY effective`, []any{now}}
+		FROM idempotency_records, clock GROUP BY effective`, args: []any{now}}
+
 		},
 		tableSize:   fixed(`SELECT pg_relation_size('idempotency_records')`),
-		stateCounts: func(now *time.Time) query { return query{pgStateCountsSQL, []any{now}} },
+		stateCounts: func(now *time.Time) query { return query{sql: pgStateCountsSQL, args: []any{now}} },
 		countLegacy: fixed(`SELECT count(*) FROM idempotency_records WHERE ` + legacyRowSQL),
 		legacyBatch: func(after *Identity, limit int) query {
 			args := []any{limit}
@@ -581,37 +622,41 @@ func postgreSQLStatements() *statements {
 				where += ` AND (tenant, scope, key) > ($2, $3, $4)`
 				args = append(args, after.Tenant, after.Scope, after.Key)
 			}
-			return query{`SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
-				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args}
+			return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args: args}
+
 		},
-		reapStale: func(now *time.Time, batch int) query { return query{pgReapStaleSQL, []any{now, batch}} },
+		legacyLock: func(Identity) query { return query{} },
+		reapStale:  func(now *time.Time, batch int) query { return query{sql: pgReapStaleSQL, args: []any{now, batch}} },
 		reapExpired: func(now *time.Time, batch int) query {
-			return query{pgReapExpiredSQL, []any{now, batch}}
+			return query{sql: pgReapExpiredSQL, args: []any{now, batch}}
 		},
 		reapDelete: func(now *time.Time, batch int, retention time.Duration) query {
-			return query{pgReapDeleteSQL, []any{now, batch, retention.Microseconds()}}
+			return query{sql: pgReapDeleteSQL, args: []any{now, batch, retention.Microseconds()}}
 		},
 		reapArchive: pgReapArchive,
 		reapArchivePrune: func(now *time.Time, batch int, retention time.Duration) query {
-			return query{pgReapArchivePruneSQL, []any{now, batch, retention.Microseconds()}}
+			return query{sql: pgReapArchivePruneSQL, args: []any{now, batch, retention.Microseconds()}}
 		},
 
 		sessionCreate: func(p *CreateSessionParams, now *time.Time, sweep int) query {
-			return query{pgSessionCreateSQL, []any{now, p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential,
+			return query{sql: pgSessionCreateSQL, args: []any{now, p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential,
 				p.IdleTimeout.Microseconds(), p.MaxLifetime.Microseconds(), sweep}}
+
 		},
 		sessionTouch: func(idSHA256 []byte, now *time.Time) query {
-			return query{pgSessionTouchSQL, []any{now, idSHA256}}
+			return query{sql: pgSessionTouchSQL, args: []any{now, idSHA256}}
 		},
 		sessionDeleteExpired: func(idSHA256 []byte, now *time.Time) query {
-			return query{`DELETE FROM idempotency_console_sessions
-WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, []any{now, idSHA256}}
+			return query{sql: `DELETE FROM idempotency_console_sessions
+WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, args: []any{now, idSHA256}}
+
 		},
 		sessionDelete: func(idSHA256 []byte) query {
-			return query{`DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, []any{idSHA256}}
+			return query{sql: `DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, args: []any{idSHA256}}
 		},
 		sessionRevoke: func(tokenSHA256s [][]byte) query {
-			return query{`DELETE FROM idempotency_console_sessions WHERE token_sha256 = ANY($1::bytea[])`, []any{tokenSHA256s}}
+			return query{sql: `DELETE FROM idempotency_console_sessions WHERE token_sha256 = ANY($1::bytea[])`, args: []any{tokenSHA256s}}
 		},
 
 		notifier: notifier.Statements{
@@ -664,7 +709,7 @@ func pgList(p *ListParams, now *time.Time, limit int) query {
 		WHERE ` + where.String() + `
 		ORDER BY ` + order + `
 		LIMIT ` + arg(limit)
-	return query{sql, args}
+	return query{sql: sql, args: args}
 }
 
 // pgReapArchive builds the reaper's archiving pass for p: $1 now, $2 the
@@ -693,7 +738,7 @@ func pgReapArchive(p *ReapParams, now *time.Time, batch int) query {
 	cutoff := func(us string) string {
 		return "coalesce($1::timestamptz, now()) - " + us + " * interval '1 microsecond'"
 	}
-	return query{stateSQL(`WITH batch AS (
+	return query{sql: stateSQL(`WITH batch AS (
 	SELECT tenant, scope, key FROM idempotency_records
 	WHERE ((state = {UNKNOWN} AND updated_at <= ` + cutoff("$3") + `)
 		OR (state = {IN_PROGRESS} AND lease_expires_at <= ` + cutoff("$3") + `))
@@ -705,5 +750,200 @@ moved AS (
 	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
 INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
 SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
-RETURNING scope`), append([]any{now, batch}, args...)}
+RETURNING scope`), args: append([]any{now, batch}, args...)}
+
+}
+
+// citusStatements are the statements of a Citus coordinator node whose
+// records (and archive) are distributed by hash of key: the PostgreSQL
+// set with the statements Citus cannot run, or runs on more than one
+// shard, replaced.
+//
+// Citus routes a statement whose WHERE (or VALUES) names the key with
+// equality to the one shard that holds it, with no intermediate results,
+// as long as the statement has no CTE, no COALESCE or CASE over a
+// function that is not IMMUTABLE, no such function in RETURNING, and no
+// STABLE function or operator next to a column reference (it evaluates
+// now() on the coordinator node, once, before it sends the statement). So
+// the clock is written inline: the parameter of the injected clock, or
+// now(); the statement returns it as the column it was written to; and
+// "clock + ttl" is computed in UTC with the IMMUTABLE timestamp
+// arithmetic.
+func citusStatements() *statements {
+	st := postgreSQLStatements()
+	identity := func(id Identity, more ...any) []any {
+		return append([]any{id.Tenant, id.Scope, id.Key}, more...)
+	}
+	st.begin = func(n newRecord, keyID string, now *time.Time, lockWait time.Duration) query {
+		args := identity(n.id, storedFingerprint(n.fingerprint), n.token, n.attemptID,
+			n.ttl.Microseconds(), n.failureTTL.Microseconds(), n.lease.Microseconds(), keyID, int16(keyring.SealVersion))
+		clock := citusClock(now, &args)
+		// An existing key returns no row: the Begin then decides on the
+		// locked path, which reads it under its row lock.
+		return query{sql: `INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, attempt, generation,
+		lease_token, attempt_id, ttl_us, failure_ttl_us, created_at, updated_at, lease_expires_at,
+		enc_key_id, seal_version)
+	VALUES ($1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, ` + clock + `, ` + clock + `,
+		` + clock + ` + $9 * interval '1 microsecond', $10, $11)
+	ON CONFLICT DO NOTHING
+	RETURNING true, ` + recordColumns + `, created_at`,
+			args: args, local: `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '` + lockTimeoutArg(lockWait) + `'`}
+	}
+	// RunTx's bound on its lock waits must reach the workers too (and so
+	// does its lifting, runTxLockDefault, a SET LOCAL in the same
+	// transaction).
+	st.runTxStart = func(lockWait time.Duration, now *time.Time) query {
+		return query{sql: `SELECT coalesce($1::timestamptz, clock_timestamp())`, args: []any{now},
+			local: `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '` +
+				strconv.FormatInt(lockWait.Milliseconds()+1, 10) + `ms'`}
+	}
+	st.completeHeld = func(id Identity, token string, r storedResponse, now *time.Time) query {
+		args := identity(id, token, r.has, r.schemaVersion, r.contentType, r.statusCode, r.body, r.metadata, r.keyID)
+		clock := citusClock(now, &args)
+		return query{sql: stateSQL(`UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPLETED},
+	has_response = $5, schema_version = $6, content_type = $7, status_code = $8, body = $9, metadata = $10,
+	enc_key_id = $11, failure_reason = '', lease_expires_at = NULL, updated_at = ` + clock + `, uncertain = false,
+	expires_at = ((` + clock + `) AT TIME ZONE 'UTC' + r.ttl_us * interval '1 microsecond') AT TIME ZONE 'UTC'
+WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $4 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
+RETURNING ` + recordColumns + `, updated_at`), args: args}
+
+	}
+	// The records gauge: sizes and exact counts of IN_PROGRESS and
+	// UNKNOWN records summed over the shards; the planner's statistics of
+	// the coordinator node's table say nothing of the shards, so there is
+	// no estimate of the other states.
+	st.tableSize = func() query { return query{sql: `SELECT citus_relation_size('idempotency_records')`} }
+	st.stateCounts = func(now *time.Time) query {
+		return query{sql: stateSQL(`SELECT
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS}),
+	(SELECT count(*) FROM idempotency_records WHERE state = {IN_PROGRESS} AND lease_expires_at <= coalesce($1::timestamptz, now())),
+	(SELECT count(*) FROM idempotency_records WHERE state = {UNKNOWN}),
+	NULL::float8, NULL::int2[], NULL::float4[]`), args: []any{now}}
+	}
+	// Converting legacy rows: the candidates over every shard, unlocked,
+	// then each locked on its own shard.
+	st.legacyBatch = func(after *Identity, limit int) query {
+		args := []any{limit}
+		where := legacyRowSQL
+		if after != nil {
+			where += ` AND (tenant, scope, key) > ($2, $3, $4)`
+			args = append(args, after.Tenant, after.Scope, after.Key)
+		}
+		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1`, args: args}
+	}
+	st.legacyLock = func(id Identity) query {
+		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE tenant = $1 AND scope = $2 AND key = $3 AND ` + legacyRowSQL + ` FOR UPDATE SKIP LOCKED`, args: identity(id)}
+	}
+	// The reaper's passes, per shard.
+	for _, f := range []*func(now *time.Time, batch int) query{&st.reapStale, &st.reapExpired} {
+		pg := *f
+		*f = func(now *time.Time, batch int) query { return citusPerShard(pg(now, batch), "idempotency_records") }
+	}
+	pgDelete, pgArchive, pgPrune := st.reapDelete, st.reapArchive, st.reapArchivePrune
+	st.reapDelete = func(now *time.Time, batch int, retention time.Duration) query {
+		return citusPerShard(pgDelete(now, batch, retention), "idempotency_records")
+	}
+	st.reapArchive = func(p *ReapParams, now *time.Time, batch int) query {
+		return citusPerShard(pgArchive(p, now, batch), "idempotency_records")
+	}
+	st.reapArchivePrune = func(now *time.Time, batch int, retention time.Duration) query {
+		return citusPerShard(pgPrune(now, batch, retention), "idempotency_archive")
+	}
+	return st
+}
+
+// citusClock is the clock written inline in a Citus statement: the
+// injected clock, appended to args as the last parameter, or now().
+func citusClock(now *time.Time, args *[]any) string {
+	if now == nil {
+		return "now()"
+	}
+	*args = append(*args, *now)
+	return "$" + strconv.Itoa(len(*args)) + "::timestamptz"
+}
+
+// citusClockArg is how the PostgreSQL reaper statements read the clock:
+// their first parameter, or the database's clock.
+const citusClockArg = "coalesce($1::timestamptz, now())"
+
+// citusPerShard turns q, one of the PostgreSQL dialect's reaper statements
+// (which reads the clock as citusClockArg only, and takes integers and
+// text after it), into one run on every shard of table, and on the
+// archive's co-located shard where q names the archive too (Citus cannot
+// run q's FOR UPDATE SKIP LOCKED over distributed tables). Each shard's
+// statement runs on its worker in a transaction of its own, with the
+// coordinator node's clock and q's other parameters written into its
+// text. Its rows: one per row q returns on a shard, with the first column
+// of q's row (as text) and NULL; and one per shard where q failed, with
+// NULL and what failed.
+func citusPerShard(q query, table string) query {
+	text := q.sql
+	fn := "run_command_on_shards('" + table + "', "
+	if table == "idempotency_records" && strings.Contains(text, "idempotency_archive") {
+		fn = "run_command_on_colocated_placements('idempotency_records', 'idempotency_archive', "
+		text = strings.ReplaceAll(text, "idempotency_archive", "%%2$s")
+	}
+	text = strings.ReplaceAll(text, table, "%%1$s")
+	text = strings.ReplaceAll(text, citusClockArg, "%1$L::timestamptz")
+	// format's arguments: the clock, then q's $2.. as text. Replaced from
+	// the last, so $1 is never taken for the start of $12.
+	formatArgs := make([]string, len(q.args))
+	args := make([]any, len(q.args)+1)
+	args[1] = q.args[0]
+	formatArgs[0] = "coalesce($2::timestamptz, now())"
+	for i := len(q.args); i >= 2; i-- {
+		n := strconv.Itoa(i)
+		switch v := q.args[i-1].(type) {
+		case int:
+			text = strings.ReplaceAll(text, "$"+n, "(%"+n+"$s)")
+			args[i] = strconv.Itoa(v)
+		case int64:
+			text = strings.ReplaceAll(text, "$"+n, "(%"+n+"$s)")
+			args[i] = strconv.FormatInt(v, 10)
+		case string:
+			// run_command_on_* reads the text as a format too.
+			text = strings.ReplaceAll(text, "$"+n, "%"+n+"$L")
+			args[i] = strings.ReplaceAll(v, "%", "%%")
+		default:
+			panic(fmt.Sprintf("ledger: citusPerShard: parameter $%d is a %T", i, v))
+		}
+		formatArgs[i-1] = "$" + strconv.Itoa(i+1) + "::text"
+	}
+	// A data-modifying WITH must be at the top level: q's own CTEs go
+	// before done.
+	ctes, main := splitWith(text)
+	args[0] = "WITH " + ctes + "done AS (" + main + ") SELECT coalesce(json_agg(done), '[]') FROM done"
+	return query{sql: `SELECT (SELECT value FROM json_each_text(e) LIMIT 1), CASE WHEN NOT r.success THEN r.result END
+FROM ` + fn + `format($1::text, ` + strings.Join(formatArgs, ", ") + `)) r
+LEFT JOIN LATERAL json_array_elements(CASE WHEN r.success THEN r.result::json END) e ON true
+WHERE NOT r.success OR e IS NOT NULL`, args: args}
+}
+
+// splitWith splits a statement into its WITH list, each CTE followed by a
+// comma (empty without WITH), and the statement that follows it.
+func splitWith(sql string) (ctes, main string) {
+	if !strings.HasPrefix(sql, "WITH ") {
+		return "", sql
+	}
+	depth, quoted := 0, false
+	for i, c := range sql {
+		switch {
+		case c == '\'':
+			quoted = !quoted
+		case quoted:
+		case c == '(':
+			depth++
+		case c == ')':
+			depth--
+			if depth == 0 {
+				rest := strings.TrimLeft(sql[i+1:], " \t\n")
+				if !strings.HasPrefix(rest, ",") {
+					return strings.TrimPrefix(sql[:i+1], "WITH ") + ",\n", rest
+				}
+			}
+		}
+	}
+	return "", sql
 }

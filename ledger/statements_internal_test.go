@@ -16,7 +16,7 @@ import (
 // TestStatementsComplete: every dialect sets every statement, so a
 // dialect that misses one fails here rather than at its first call.
 func TestStatementsComplete(t *testing.T) {
-	for _, d := range []dialect{postgreSQL} {
+	for _, d := range []dialect{postgreSQL, citus} {
 		st := reflect.ValueOf(statementsFor(d)).Elem()
 		for i := range st.NumField() {
 			f := st.Field(i)

@@ -28,6 +28,7 @@ type Store struct {
 	pool *pgxpool.Pool
 	// sql are the statements it runs, in its database's dialect.
 	sql      *statements
+	dialect  dialect
 	clock    func() time.Time
 	logger   *slog.Logger
 	notifier *notifier.Notifier
@@ -181,7 +182,24 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	if err != nil {
 		return nil, fmt.Errorf("ledger: create pool: %w", err)
 	}
-	s := &Store{pool: pool, sql: statementsFor(postgreSQL), clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
+	d, err := detectDialect(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("ledger: find out what database this is: %w", classify(err))
+	}
+	s := &Store{pool: pool, sql: statementsFor(d), dialect: d, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
+	if d == citus {
+		// Changes notify on the worker that holds the record, where no
+		// replica listens: without notifications, waiting Begins poll and
+		// there is no replay cache (which could replay a record Forgotten
+		// through another replica). Each Begin and Complete runs its own
+		// statement, routed to its key's shard: a batch of keys of
+		// several shards would be a two-phase commit.
+		o.noNotify, o.noBatch = true, true
+		o.logger.Info("ledger: the database is Citus (records distributed): change notifications, the replay cache and batching are off")
+	} else {
+		o.logger.Info("ledger: the database is PostgreSQL")
+	}
 	listenCfg := cfg.ConnConfig.Copy()
 	if o.notifyURL != "" {
 		ncfg, err := pgx.ParseConfig(o.notifyURL)
@@ -868,4 +886,19 @@ func (s *Store) CountByState(ctx context.Context) (map[statemachine.State]int64,
 		out[statemachine.State(st)] = n
 	}
 	return out, classify(rows.Err())
+}
+
+// detectDialect finds out what database pool reaches: Citus when it has
+// the citus extension and the records table is distributed, PostgreSQL
+// otherwise (a Citus database migrated before the extension existed keeps
+// a local records table, which the PostgreSQL statements serve).
+func detectDialect(ctx context.Context, pool *pgxpool.Pool) (dialect, error) {
+	var installed, distributed bool
+	if err := pool.QueryRow(ctx, citusInstalledSQL).Scan(&installed); err != nil || !installed {
+		return postgreSQL, err
+	}
+	if err := pool.QueryRow(ctx, citusDistributedSQL).Scan(&distributed); err != nil || !distributed {
+		return postgreSQL, err
+	}
+	return citus, nil
 }

@@ -16,6 +16,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/pgtest"
 	"github.com/idemcoord/idemcoord/ledger"
 	"github.com/idemcoord/idemcoord/server"
 	"github.com/idemcoord/idemcoord/statemachine"
@@ -176,4 +177,13 @@ func holdNewKey(t *testing.T, dbURL string, id ledger.Identity) (svc *ledger.Sto
 	}
 	t.Cleanup(rollBack) // before svc.Close, should the test fail with the row held
 	return svc, rollBack
+}
+
+// skipOnCitus skips a test that does not hold on Citus (the tests run there
+// with pgtest.CitusEnv set), saying why.
+func skipOnCitus(t *testing.T, why string) {
+	t.Helper()
+	if os.Getenv(pgtest.CitusEnv) == "1" {
+		t.Skip("on Citus " + why)
+	}
 }
