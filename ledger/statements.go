@@ -537,12 +537,10 @@ func postgreSQLStatements() *statements {
 			return query{sql: pgBeginSQL, args: identity(n.id, storedFingerprint(n.fingerprint), n.token, n.attemptID,
 				n.ttl.Microseconds(), n.failureTTL.Microseconds(), n.lease.Microseconds(), now,
 				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait))}
-
 		},
 		completeHeld: func(id Identity, token string, r storedResponse, now *time.Time) query {
 			return query{sql: pgCompleteHeldSQL, args: identity(id, now, token, r.has, r.schemaVersion, r.contentType,
 				r.statusCode, r.body, r.metadata, r.keyID)}
-
 		},
 		read:    func(id Identity, now *time.Time) query { return query{sql: pgReadSQL, args: identity(id, now)} },
 		lock:    func(id Identity, now *time.Time) query { return query{sql: pgLockSQL, args: identity(id, now)} },
@@ -567,7 +565,6 @@ func postgreSQLStatements() *statements {
 			}
 			return query{sql: pgBeginBatchSQL, args: []any{now, tenants, scopes, keys, fps, tokens, attemptIDs, ttls, fttls, leases,
 				keyID, int16(keyring.SealVersion), lockTimeoutArg(lockWait)}}
-
 		},
 		completeBatch: func(cs []heldCompletion, now *time.Time) query {
 			n := len(cs)
@@ -588,7 +585,6 @@ func postgreSQLStatements() *statements {
 		clock: fixed(`SELECT now()`),
 		runTxStart: func(lockWait time.Duration, now *time.Time) query {
 			return query{sql: `SELECT coalesce($2::timestamptz, clock_timestamp()) FROM set_config('lock_timeout', $1, true)`, args: []any{strconv.FormatInt(lockWait.Milliseconds()+1, 10) + "ms", now}}
-
 		},
 		runTxLockDefault: fixed(`SET LOCAL lock_timeout TO DEFAULT`),
 		runTxClock: func(now *time.Time) query {
@@ -604,13 +600,11 @@ func postgreSQLStatements() *statements {
 		GROUP BY scope, effective
 		ORDER BY scope, effective
 		LIMIT $3`, args: []any{now, tenant, limit}}
-
 		},
 		countByState: func(now *time.Time) query {
 			return query{sql: `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT ` + effectiveStateSQL + ` AS effective, count(*)
 		FROM idempotency_records, clock GROUP BY effective`, args: []any{now}}
-
 		},
 		tableSize:   fixed(`SELECT pg_relation_size('idempotency_records')`),
 		stateCounts: func(now *time.Time) query { return query{sql: pgStateCountsSQL, args: []any{now}} },
@@ -624,7 +618,6 @@ func postgreSQLStatements() *statements {
 			}
 			return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
 				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args: args}
-
 		},
 		legacyLock: func(Identity) query { return query{} },
 		reapStale:  func(now *time.Time, batch int) query { return query{sql: pgReapStaleSQL, args: []any{now, batch}} },
@@ -642,7 +635,6 @@ func postgreSQLStatements() *statements {
 		sessionCreate: func(p *CreateSessionParams, now *time.Time, sweep int) query {
 			return query{sql: pgSessionCreateSQL, args: []any{now, p.IDSHA256, p.Tenant, p.TokenSHA256, p.Credential,
 				p.IdleTimeout.Microseconds(), p.MaxLifetime.Microseconds(), sweep}}
-
 		},
 		sessionTouch: func(idSHA256 []byte, now *time.Time) query {
 			return query{sql: pgSessionTouchSQL, args: []any{now, idSHA256}}
@@ -650,7 +642,6 @@ func postgreSQLStatements() *statements {
 		sessionDeleteExpired: func(idSHA256 []byte, now *time.Time) query {
 			return query{sql: `DELETE FROM idempotency_console_sessions
 WHERE id_sha256 = $2 AND expires_at <= coalesce($1::timestamptz, now())`, args: []any{now, idSHA256}}
-
 		},
 		sessionDelete: func(idSHA256 []byte) query {
 			return query{sql: `DELETE FROM idempotency_console_sessions WHERE id_sha256 = $1`, args: []any{idSHA256}}
@@ -751,7 +742,6 @@ moved AS (
 INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
 SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
 RETURNING scope`), args: append([]any{now, batch}, args...)}
-
 }
 
 // citusStatements are the statements of a Citus coordinator node whose
@@ -806,7 +796,6 @@ func citusStatements() *statements {
 	expires_at = ((` + clock + `) AT TIME ZONE 'UTC' + r.ttl_us * interval '1 microsecond') AT TIME ZONE 'UTC'
 WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $4 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
 RETURNING ` + recordColumns + `, updated_at`), args: args}
-
 	}
 	// The records gauge: sizes and exact counts of IN_PROGRESS and
 	// UNKNOWN records summed over the shards; the planner's statistics of
