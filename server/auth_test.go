@@ -2,21 +2,12 @@ package server_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/hex"
 	"fmt"
-	"math/big"
-	"net"
-	"net/url"
 	"strings"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -26,6 +17,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -156,58 +148,19 @@ func TestBadTenantConfigIsRefused(t *testing.T) {
 	}
 }
 
-// pki is a throwaway CA issuing server and client certificates.
-type pki struct {
-	ca     *x509.Certificate
-	caKey  *ecdsa.PrivateKey
-	serial int64
-}
-
-func newPKI(t *testing.T) *pki {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &pki{ca: ca, caKey: key, serial: 1}
-}
-
-func (p *pki) issue(t *testing.T, cn string, uri string, server bool) tls.Certificate {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.serial++
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(p.serial), Subject: pkix.Name{CommonName: cn},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), KeyUsage: x509.KeyUsageDigitalSignature}
+// issue is a certificate of ca for cn, with uri as a URI name when set: a
+// server certificate for 127.0.0.1 when server is set, else a client one.
+func issue(ca *testkit.CA, cn, uri string, server bool) tls.Certificate {
 	if server {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
-	} else {
-		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+		_, _, pair := ca.Issue(cn, cn, "127.0.0.1")
+		return pair
 	}
 	if uri != "" {
-		u, err := url.Parse(uri)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tmpl.URIs = []*url.URL{u}
+		_, _, pair := ca.IssueClientURI(cn, cn, uri)
+		return pair
 	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.ca, &key.PublicKey, p.caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+	_, _, pair := ca.Issue(cn, cn)
+	return pair
 }
 
 // TestClientCertificateNamesTenant: a verified certificate selects a tenant
@@ -217,10 +170,9 @@ func (p *pki) issue(t *testing.T, cn string, uri string, server bool) tls.Certif
 // leaves the token to decide.
 func TestClientCertificateNamesTenant(t *testing.T) {
 	t.Parallel()
-	p := newPKI(t)
-	pool := x509.NewCertPool()
-	pool.AddCert(p.ca)
-	serverTLS := &tls.Config{Certificates: []tls.Certificate{p.issue(t, "idemcoord", "", true)},
+	ca := testkit.NewCA(t)
+	pool := ca.Pool()
+	serverTLS := &tls.Config{Certificates: []tls.Certificate{issue(ca, "idemcoord", "", true)},
 		ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
 	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
 		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
@@ -237,12 +189,12 @@ func TestClientCertificateNamesTenant(t *testing.T) {
 	coord := func(conn *grpc.ClientConn) idempotencyv1.CoordinatorClient {
 		return idempotencyv1.NewCoordinatorClient(conn)
 	}
-	byCN := coord(dial(p.issue(t, "builds", "", false)))
-	byURI := coord(dial(p.issue(t, "someone", "spiffe://example.org/ci", false)))
-	stranger := coord(dial(p.issue(t, "stranger", "", false)))
+	byCN := coord(dial(issue(ca, "builds", "", false)))
+	byURI := coord(dial(issue(ca, "someone", "spiffe://example.org/ci", false)))
+	stranger := coord(dial(issue(ca, "stranger", "", false)))
 	tokenOnly := coord(dial())
-	asAdminConn := dial(p.issue(t, "ops", "", false))
-	asAdmin, asPayments := coord(asAdminConn), coord(dial(p.issue(t, "payments", "spiffe://payments", false)))
+	asAdminConn := dial(issue(ca, "ops", "", false))
+	asAdmin, asPayments := coord(asAdminConn), coord(dial(issue(ca, "payments", "spiffe://payments", false)))
 
 	if _, err := byCN.Begin(context.Background(), &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil {
 		t.Fatalf("certificate CN builds: %v", err)

@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -26,6 +25,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -347,10 +347,9 @@ func TestHTTPAuth(t *testing.T) {
 // it does over gRPC.
 func TestHTTPClientCertificate(t *testing.T) {
 	t.Parallel()
-	p := newPKI(t)
-	pool := x509.NewCertPool()
-	pool.AddCert(p.ca)
-	serverTLS := &tls.Config{Certificates: []tls.Certificate{p.issue(t, "idemcoord", "", true)},
+	ca := testkit.NewCA(t)
+	pool := ca.Pool()
+	serverTLS := &tls.Config{Certificates: []tls.Certificate{issue(ca, "idemcoord", "", true)},
 		ClientCAs: pool, ClientAuth: tls.VerifyClientCertIfGiven, MinVersion: tls.VersionTLS12}
 	c := coordtest.Start(t, coordtest.Options{Config: authConfig(),
 		ServerOptions: []server.Option{server.WithGRPCOptions(grpc.Creds(credentials.NewTLS(serverTLS)))}})
@@ -362,12 +361,12 @@ func TestHTTPClientCertificate(t *testing.T) {
 		return &httpAPI{t: t, url: srv.URL, client: &http.Client{Transport: &http.Transport{
 			TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: certs, MinVersion: tls.VersionTLS12}}}}
 	}
-	byCN := client(p.issue(t, "builds", "", false))
+	byCN := client(issue(ca, "builds", "", false))
 	if r := byCN.post(httpBegin, `{"scope":"build","key":"k"}`); r.status != http.StatusOK || r.json(t)["outcome"] != "OUTCOME_ACQUIRED" {
 		t.Fatalf("certificate CN builds: HTTP %d %s", r.status, r.body)
 	}
 	byCN.post(httpBegin, `{"scope":"deploy","key":"k"}`).wantError(t, http.StatusForbidden, "permission_denied", "")
-	client(p.issue(t, "stranger", "", false)).post(httpBegin, `{"scope":"build","key":"k"}`).
+	client(issue(ca, "stranger", "", false)).post(httpBegin, `{"scope":"build","key":"k"}`).
 		wantError(t, http.StatusUnauthorized, "unauthenticated", "")
 	// The token of the same tenant sees the record the certificate made.
 	if r := client().post(httpBegin, `{"scope":"build","key":"k"}`, "Authorization: Bearer build-secret"); r.json(t)["outcome"] != "OUTCOME_IN_PROGRESS" {

@@ -18,6 +18,7 @@ import (
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 	"github.com/idemcoord/idemcoord/server"
 )
 
@@ -64,13 +65,13 @@ tenants:
 
 	// A verified client certificate given as the peer authenticates the
 	// tenant that lists its common name in client_cert_names.
-	p := newPKI(t)
-	cert, err := x509.ParseCertificate(p.issue(t, "ops", "", false).Certificate[0])
+	ca := testkit.NewCA(t)
+	cert, err := x509.ParseCertificate(issue(ca, "ops", "", false).Certificate[0])
 	if err != nil {
 		t.Fatal(err)
 	}
 	certCtx := peer.NewContext(context.Background(), &peer.Peer{Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)},
-		AuthInfo: credentials.TLSInfo{State: tls.ConnectionState{VerifiedChains: [][]*x509.Certificate{{cert, p.ca}}}}})
+		AuthInfo: credentials.TLSInfo{State: tls.ConnectionState{VerifiedChains: [][]*x509.Certificate{{cert, ca.Cert()}}}}})
 	hdr = nil
 	r, err := admin.Resolve(certCtx, &idempotencyv1.ResolveRequest{Scope: "a/b", Key: "k",
 		Resolution: idempotencyv1.Resolution_RESOLUTION_COMPLETED,

@@ -2,9 +2,7 @@ package main
 
 import (
 	"context"
-	"io"
 	"maps"
-	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -129,19 +127,11 @@ func TestExportedMetricsList(t *testing.T) {
 // process's (which depend on the platform).
 func scrapeNames(t *testing.T, httpAddr string) []string {
 	t.Helper()
-	resp, err := http.Get("http://" + httpAddr + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
+	body := scrapeMetrics(t, httpAddr)
 	labels := map[string]map[string]bool{}
 	name := regexp.MustCompile(`^[a-zA-Z_:][a-zA-Z0-9_:]*`)
 	label := regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)="`)
-	for l := range strings.SplitSeq(string(body), "\n") {
+	for l := range strings.SplitSeq(body, "\n") {
 		if l == "" || strings.HasPrefix(l, "#") {
 			continue
 		}

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"io"
-	"net/http"
 	"regexp"
 	"strconv"
 	"testing"
@@ -62,18 +60,10 @@ func TestMemoryLimit(t *testing.T) {
 // /metrics.
 func runtimeMetric(t *testing.T, httpAddr, name string) string {
 	t.Helper()
-	resp, err := http.Get("http://" + httpAddr + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindSubmatch(b)
+	b := scrapeMetrics(t, httpAddr)
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindStringSubmatch(b)
 	if m == nil {
 		t.Fatalf("no %s on /metrics:\n%s", name, b)
 	}
-	return string(m[1])
+	return m[1]
 }

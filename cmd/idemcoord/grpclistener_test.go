@@ -243,39 +243,12 @@ func TestGRPCUnauthenticatedFloodBoundsMemory(t *testing.T) {
 	msg := grpcMessage(t, largeBegin())
 	before := processMemory(t, p.cmd.Process.Pid)
 	const conns, calls = 2, 200
-	deadline := time.Now().Add(30 * time.Second)
-	var wg sync.WaitGroup
-	type call struct {
-		c  *rawGRPCConn
-		id uint32
-	}
-	var all []call
-	for range conns {
-		c := dialRawGRPC(t, p.grpcAddr)
-		for range calls {
-			id, err := c.open(beginMethod)
-			if err != nil {
-				t.Fatal(err)
-			}
-			all = append(all, call{c, id})
-			wg.Go(func() { c.send(id, msg[:len(msg)-1], deadline) })
-		}
-	}
-	wg.Wait()
-	time.Sleep(time.Second)
+	all := floodBegins(t, p.grpcAddr, msg, conns, calls)
 	// Each body held would be 4 MiB: bounded, the coordinator holds no
 	// body, only the connections and refused streams, plus garbage the
 	// collector has not yet reclaimed.
 	wantMemoryBounded(t, p, fmt.Sprintf("%d×%d unauthenticated 4 MiB Begins, all but their last byte", conns, calls), before, 2*rssBoundBytes)
-	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer pay-secret")
-	if r, err := idempotencyv1.NewCoordinatorClient(conn).Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
-		t.Fatalf("Begin with a valid token after the flood: %v %v", r, err)
-	}
+	wantBeginAcquired(t, p.grpcAddr, "pay-secret", "Begin with a valid token after the flood")
 	for _, c := range all {
 		if got := c.c.waitEnded(c.id, time.Now().Add(5*time.Second)); got != strconv.Itoa(16) {
 			t.Fatalf("an unauthenticated Begin's call ended %q, want grpc-status 16 (UNAUTHENTICATED)", got)
@@ -294,40 +267,13 @@ func TestGRPCAuthenticatedFloodBoundsMemory(t *testing.T) {
 	msg := grpcMessage(t, largeBegin())
 	before := processMemory(t, p.cmd.Process.Pid)
 	const conns, calls = 2, 200
-	deadline := time.Now().Add(30 * time.Second)
-	var wg sync.WaitGroup
-	type call struct {
-		c  *rawGRPCConn
-		id uint32
-	}
-	var all []call
-	for range conns {
-		c := dialRawGRPC(t, p.grpcAddr)
-		for range calls {
-			id, err := c.open(beginMethod, "authorization", "Bearer pay-secret")
-			if err != nil {
-				t.Fatal(err)
-			}
-			all = append(all, call{c, id})
-			wg.Go(func() { c.send(id, msg[:len(msg)-1], deadline) })
-		}
-	}
-	wg.Wait()
-	time.Sleep(time.Second)
+	all := floodBegins(t, p.grpcAddr, msg, conns, calls, "authorization", "Bearer pay-secret")
 	// Each body held would be 4 MiB (1.6 GB in all): bounded, the tenant
 	// holds its share of the budget (2 calls of 8 MiB by default), and
 	// the calls waiting for it at most their 64 KiB windows, plus
 	// garbage the collector has not yet reclaimed.
 	wantMemoryBounded(t, p, fmt.Sprintf("%d×%d authenticated 4 MiB Begins, all but their last byte", conns, calls), before, 256<<20)
-	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer ship-secret")
-	if r, err := idempotencyv1.NewCoordinatorClient(conn).Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
-		t.Fatalf("another tenant's Begin during the flood: %v %v", r, err)
-	}
+	wantBeginAcquired(t, p.grpcAddr, "ship-secret", "another tenant's Begin during the flood")
 	refused := 0
 	for _, c := range all {
 		if got := c.c.waitEnded(c.id, time.Now()); got == strconv.Itoa(int(codes.ResourceExhausted)) {
@@ -343,6 +289,52 @@ func TestGRPCAuthenticatedFloodBoundsMemory(t *testing.T) {
 		_ = c.c.conn.Close() // the calls still holding their share
 	}
 	p.stop()
+}
+
+// floodCall is one call of a flood on a raw connection.
+type floodCall struct {
+	c  *rawGRPCConn
+	id uint32
+}
+
+// floodBegins opens calls Begin calls (with metadata md) on each of conns
+// raw connections to addr, sends each all but the last byte of msg, and
+// returns them once every send has ended (a second later, so the
+// coordinator has taken what it will).
+func floodBegins(t *testing.T, addr string, msg []byte, conns, calls int, md ...string) []floodCall {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	var wg sync.WaitGroup
+	var all []floodCall
+	for range conns {
+		c := dialRawGRPC(t, addr)
+		for range calls {
+			id, err := c.open(beginMethod, md...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, floodCall{c, id})
+			wg.Go(func() { c.send(id, msg[:len(msg)-1], deadline) })
+		}
+	}
+	wg.Wait()
+	time.Sleep(time.Second)
+	return all
+}
+
+// wantBeginAcquired fails t unless a Begin with token, through the real
+// client, acquires a new key.
+func wantBeginAcquired(t *testing.T, addr, token, what string) {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx := metadata.AppendToOutgoingContext(callCtx(t), "authorization", "Bearer "+token)
+	if r, err := idempotencyv1.NewCoordinatorClient(conn).Begin(ctx, &idempotencyv1.BeginRequest{Scope: "build", Key: "k"}); err != nil || r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_ACQUIRED {
+		t.Fatalf("%s: %v %v", what, r, err)
+	}
 }
 
 // beginMethod is the full name of Coordinator.Begin.

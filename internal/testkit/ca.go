@@ -10,6 +10,7 @@ import (
 	"encoding/pem"
 	"math/big"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"sync"
@@ -56,6 +57,9 @@ func NewCA(t *testing.T) *CA {
 // File is the path of the CA's certificate (PEM).
 func (ca *CA) File() string { return filepath.Join(ca.dir, "ca.pem") }
 
+// Cert is the CA's certificate.
+func (ca *CA) Cert() *x509.Certificate { return ca.cert }
+
 // Pool is a certificate pool holding the CA's certificate.
 func (ca *CA) Pool() *x509.CertPool {
 	pool := x509.NewCertPool()
@@ -76,6 +80,18 @@ func (ca *CA) write(name, typ string, der []byte) string {
 // a server certificate for those names and addresses; without, a client
 // certificate.
 func (ca *CA) Issue(name, cn string, dnsOrIP ...string) (certFile, keyFile string, pair tls.Certificate) {
+	ca.t.Helper()
+	return ca.issue(name, cn, "", dnsOrIP)
+}
+
+// IssueClientURI is Issue of a client certificate that also names uri as a
+// URI subject alternative name (a SPIFFE id, say).
+func (ca *CA) IssueClientURI(name, cn, uri string) (certFile, keyFile string, pair tls.Certificate) {
+	ca.t.Helper()
+	return ca.issue(name, cn, uri, nil)
+}
+
+func (ca *CA) issue(name, cn, uri string, dnsOrIP []string) (certFile, keyFile string, pair tls.Certificate) {
 	t := ca.t
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
@@ -98,6 +114,13 @@ func (ca *CA) Issue(name, cn string, dnsOrIP ...string) (certFile, keyFile strin
 				tmpl.DNSNames = append(tmpl.DNSNames, n)
 			}
 		}
+	}
+	if uri != "" {
+		u, err := url.Parse(uri)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl.URIs = []*url.URL{u}
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
