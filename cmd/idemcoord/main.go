@@ -173,21 +173,25 @@ func parseFlags(args []string) (*config, error) {
 	if c.httpMaxBody, err = strconv.ParseInt(*maxBody, 10, 64); err != nil || c.httpMaxBody < 1 || c.httpMaxBody > math.MaxUint32 {
 		return nil, fmt.Errorf("--http-max-body-bytes %q: want a number of bytes from 1 to %d", *maxBody, uint32(math.MaxUint32))
 	}
-	if c.httpMaxBuffered, err = strconv.ParseInt(*maxBuffered, 10, 64); err != nil || c.httpMaxBuffered < 0 ||
-		(c.httpMaxBuffered > 0 && c.httpMaxBuffered < c.httpMaxBody) {
-		return nil, fmt.Errorf("--http-max-buffered-bytes %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *maxBuffered, c.httpMaxBody)
-	}
-	if c.httpClientBuf, err = strconv.ParseInt(*perClient, 10, 64); err != nil || c.httpClientBuf < 0 ||
-		(c.httpClientBuf > 0 && c.httpClientBuf < c.httpMaxBody) {
-		return nil, fmt.Errorf("--http-max-buffered-bytes-per-client %q: want a number of bytes, at least --http-max-body-bytes (%d), or 0 for the default", *perClient, c.httpMaxBody)
-	}
-	if c.grpcMaxBuffered, err = strconv.ParseInt(*grpcMaxBuffered, 10, 64); err != nil || c.grpcMaxBuffered < 0 ||
-		(c.grpcMaxBuffered > 0 && c.grpcMaxBuffered < server.GRPCBufferedCallBytes) {
-		return nil, fmt.Errorf("--grpc-max-buffered-bytes %q: want a number of bytes, at least one call's charge (%d), or 0 for the default", *grpcMaxBuffered, server.GRPCBufferedCallBytes)
-	}
-	if c.grpcClientBuf, err = strconv.ParseInt(*grpcPerClient, 10, 64); err != nil || c.grpcClientBuf < 0 ||
-		(c.grpcClientBuf > 0 && c.grpcClientBuf < server.GRPCBufferedCallBytes) {
-		return nil, fmt.Errorf("--grpc-max-buffered-bytes-per-client %q: want a number of bytes, at least one call's charge (%d), or 0 for the default", *grpcPerClient, server.GRPCBufferedCallBytes)
+	bodyMin := fmt.Sprintf("--http-max-body-bytes (%d)", c.httpMaxBody)
+	callMin := fmt.Sprintf("one call's charge (%d)", server.GRPCBufferedCallBytes)
+	for _, b := range []struct {
+		flag, value string
+		min         int64
+		minWhat     string
+		into        *int64
+	}{
+		{"--http-max-buffered-bytes", *maxBuffered, c.httpMaxBody, bodyMin, &c.httpMaxBuffered},
+		{"--http-max-buffered-bytes-per-client", *perClient, c.httpMaxBody, bodyMin, &c.httpClientBuf},
+		{"--grpc-max-buffered-bytes", *grpcMaxBuffered, server.GRPCBufferedCallBytes, callMin, &c.grpcMaxBuffered},
+		{"--grpc-max-buffered-bytes-per-client", *grpcPerClient, server.GRPCBufferedCallBytes, callMin, &c.grpcClientBuf},
+	} {
+		// A budget is a number of bytes, at least min, or 0 for its default.
+		n, err := strconv.ParseInt(b.value, 10, 64)
+		if err != nil || n < 0 || (n > 0 && n < b.min) {
+			return nil, fmt.Errorf("%s %q: want a number of bytes, at least %s, or 0 for the default", b.flag, b.value, b.minWhat)
+		}
+		*b.into = n
 	}
 	if c.httpReadTimeout, err = time.ParseDuration(*readTimeout); err != nil || c.httpReadTimeout <= 0 {
 		return nil, fmt.Errorf("--http-read-timeout %q: want a duration such as 30s", *readTimeout)
