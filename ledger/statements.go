@@ -610,14 +610,7 @@ func postgreSQLStatements() *statements {
 		stateCounts: func(now *time.Time) query { return query{sql: pgStateCountsSQL, args: []any{now}} },
 		countLegacy: fixed(`SELECT count(*) FROM idempotency_records WHERE ` + legacyRowSQL),
 		legacyBatch: func(after *Identity, limit int) query {
-			args := []any{limit}
-			where := legacyRowSQL
-			if after != nil {
-				where += ` AND (tenant, scope, key) > ($2, $3, $4)`
-				args = append(args, after.Tenant, after.Scope, after.Key)
-			}
-			return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
-				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1 FOR UPDATE SKIP LOCKED`, args: args}
+			return legacyRows(after, limit, ` FOR UPDATE SKIP LOCKED`)
 		},
 		legacyLock: func(Identity) query { return query{} },
 		reapStale:  func(now *time.Time, batch int) query { return query{sql: pgReapStaleSQL, args: []any{now, batch}} },
@@ -811,16 +804,7 @@ RETURNING ` + recordColumns + `, updated_at`), args: args}
 	}
 	// Converting legacy rows: the candidates over every shard, unlocked,
 	// then each locked on its own shard.
-	st.legacyBatch = func(after *Identity, limit int) query {
-		args := []any{limit}
-		where := legacyRowSQL
-		if after != nil {
-			where += ` AND (tenant, scope, key) > ($2, $3, $4)`
-			args = append(args, after.Tenant, after.Scope, after.Key)
-		}
-		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
-				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1`, args: args}
-	}
+	st.legacyBatch = func(after *Identity, limit int) query { return legacyRows(after, limit, "") }
 	st.legacyLock = func(id Identity) query {
 		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
 				WHERE tenant = $1 AND scope = $2 AND key = $3 AND ` + legacyRowSQL + ` FOR UPDATE SKIP LOCKED`, args: identity(id)}
@@ -935,4 +919,18 @@ func splitWith(sql string) (ctes, main string) {
 		}
 	}
 	return "", sql
+}
+
+// legacyRows reads the next limit legacy rows after after (from the start
+// when nil), in key order, with lock appended (a locking clause, or
+// nothing).
+func legacyRows(after *Identity, limit int, lock string) query {
+	args := []any{limit}
+	where := legacyRowSQL
+	if after != nil {
+		where += ` AND (tenant, scope, key) > ($2, $3, $4)`
+		args = append(args, after.Tenant, after.Scope, after.Key)
+	}
+	return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1` + lock, args: args}
 }
