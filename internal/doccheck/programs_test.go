@@ -197,14 +197,7 @@ func lookPython(t *testing.T, modules ...string) string {
 // buildGoBlock builds one Go block as a program of this module.
 func buildGoBlock(t *testing.T, b block, text string) string {
 	t.Helper()
-	dir, err := os.MkdirTemp(root, "_docrun")
-	if err == nil {
-		dir, err = filepath.Abs(dir)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := docRunDir(t)
 	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}

@@ -47,14 +47,7 @@ func TestGoBlocksRunAgainstAuthOnCoordinator(t *testing.T) {
 		t.Fatal("no Go block reads IDEMCOORD_TOKEN and IDEMCOORD_ADDR: the Go client snippet of docs/go.md should")
 	}
 	coord := startAuthOn(t)
-	dir, err := os.MkdirTemp(root, "_docrun")
-	if err == nil {
-		dir, err = filepath.Abs(dir)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	dir := docRunDir(t)
 	for i, b := range runnable {
 		sub := filepath.Join(dir, fmt.Sprintf("b%d", i))
 		if err := os.MkdirAll(sub, 0o755); err != nil {
@@ -84,4 +77,19 @@ func TestGoBlocksRunAgainstAuthOnCoordinator(t *testing.T) {
 			t.Logf("%s: ran against an auth-on coordinator:\n%s", b, out)
 		}
 	}
+}
+
+// docRunDir is a directory inside the module (so a program built there
+// uses this module's go.mod), removed when t ends.
+func docRunDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp(root, "_docrun")
+	if err == nil {
+		dir, err = filepath.Abs(dir)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }
