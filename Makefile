@@ -31,6 +31,12 @@ help:
 run: build
 	@scripts/run-local.sh
 
+## test-citus: the ledger's and the server's tests against a local Citus cluster (a coordinator node and two
+## workers that internal/pgtest starts; Citus from ../shared/citus/build.sh), as .ci/run runs them
+.PHONY: test-citus
+test-citus:
+	IDEMCOORD_TEST_CITUS=1 go test -count=1 -timeout 25m ./ledger/ ./server/
+
 ## test-pgbouncer: every server behaviour test with the coordinator behind a PgBouncer in transaction
 ## pooling mode, LISTEN direct and notifications off (`make test` runs a representative set)
 .PHONY: test-pgbouncer
