@@ -812,7 +812,10 @@ func startRetryFaults(t *testing.T, tp *toxiproxy, seed uint64, clientProxies, c
 				}
 				// A control call that times out restarts toxiproxy
 				// (errToxiproxyRestarted): the toxic is gone with the
-				// old server, and the faults carry on.
+				// old server, and the faults carry on. Another proxy's
+				// call may restart it while this toxic is on: then its
+				// removal finds it gone (404) under a new generation.
+				gen := tp.generation()
 				if err := tp.add(proxy, tx); errors.Is(err, errToxiproxyRestarted) {
 					continue
 				} else if err != nil {
@@ -820,7 +823,7 @@ func startRetryFaults(t *testing.T, tp *toxiproxy, seed uint64, clientProxies, c
 					return
 				}
 				time.Sleep(window)
-				if err := tp.remove(proxy, tx.Name); err != nil && !errors.Is(err, errToxiproxyRestarted) {
+				if err := tp.remove(proxy, tx.Name); err != nil && !errors.Is(err, errToxiproxyRestarted) && tp.generation() == gen {
 					t.Errorf("toxiproxy: %v", err)
 					return
 				}

@@ -188,6 +188,15 @@ func (tp *toxiproxy) pid() int {
 	return tp.proc.cmd.Process.Pid
 }
 
+// generation counts the servers so far: a toxic added under one
+// generation is gone once it has changed (a restart adds only the steady
+// ones again).
+func (tp *toxiproxy) generation() int {
+	tp.mu.RLock()
+	defer tp.mu.RUnlock()
+	return tp.gen
+}
+
 // restartCount is how many times the server was restarted.
 func (tp *toxiproxy) restartCount() int {
 	tp.mu.RLock()
