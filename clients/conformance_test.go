@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -32,6 +33,7 @@ type conformanceScenario[O any, S conformanceStepper] struct {
 	Skip         map[string]string `json:"skip"`
 	HoldKey      bool              `json:"hold_key"`
 	Scope        string            `json:"scope"` // of the stack's records, when not the runner's
+	Key          string            `json:"key"`   // of the record the state is read from, when not the run's key
 	Options      O                 `json:"options"`
 	Steps        []S               `json:"steps"`
 	State        string            `json:"state"`
@@ -107,6 +109,10 @@ func (r conformanceRunner[O, S]) scenario(t *testing.T, idem *clients.Client, sc
 	var b [12]byte
 	_, _ = rand.Read(b[:])
 	key := "conf-" + hex.EncodeToString(b[:])
+	recordKey := key
+	if sc.Key != "" {
+		recordKey = strings.ReplaceAll(sc.Key, "{key}", key)
+	}
 	scope := r.scope
 	if sc.Scope != "" {
 		scope = sc.Scope
@@ -114,7 +120,7 @@ func (r conformanceRunner[O, S]) scenario(t *testing.T, idem *clients.Client, sc
 	lookup := func() string {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: scope, Key: key})
+		res, err := idem.Lookup(ctx, &idempotencyv1.LookupRequest{Scope: scope, Key: recordKey})
 		if status.Code(err) == codes.NotFound {
 			return "absent"
 		}

@@ -115,6 +115,11 @@ type HTTPPrincipalFunc func(r *http.Request) (string, error)
 // bytes; empty skips the check) from the request and its whole body.
 type HTTPFingerprintFunc func(r *http.Request, body []byte) ([]byte, error)
 
+// HTTPKeyFunc returns the idempotency key of a request that has no
+// Idempotency-Key header, from the request and its whole body; "" means
+// the request has no key. See WithHTTPKeyFunc.
+type HTTPKeyFunc func(r *http.Request, body []byte) (string, error)
+
 type httpOptions struct {
 	wait          time.Duration
 	requireKey    bool
@@ -123,6 +128,7 @@ type httpOptions struct {
 	principalSet  bool // WithHTTPPrincipal or WithoutHTTPPrincipal was given
 	methods       map[string]bool
 	fingerprint   HTTPFingerprintFunc
+	keyFunc       HTTPKeyFunc
 	replayHeaders []string // canonical names, Content-Type handled apart
 	replayable    map[int]bool
 	scope         string // "": the operation's (httpOperationScope)
@@ -211,6 +217,22 @@ func WithHTTPMethods(methods ...string) HTTPOption {
 // (ProblemKeyReused). An error from f answers 400.
 func WithHTTPFingerprintFunc(f HTTPFingerprintFunc) HTTPOption {
 	return func(o *httpOptions) { o.fingerprint = f }
+}
+
+// WithHTTPKeyFunc takes the key of a request that sends no Idempotency-Key
+// header from the request itself, as f returns it (a field of the payload,
+// say: an order id or a message id); an Idempotency-Key header, when sent,
+// always wins. The returned key is used as a header's would be: it must be
+// 1-255 bytes of UTF-8 without control characters (else 400,
+// ProblemKeyInvalid), it is echoed in the Idempotency-Key answer header,
+// and it is folded with WithHTTPPrincipal. f returning "" means no key:
+// the handler runs unprotected, or the answer is 400 with
+// WithHTTPRequireKey. f returning an error answers 400 (ProblemKeyInvalid)
+// and runs nothing. With f set, the body of every guarded request without
+// the header is read whole (up to WithHTTPMaxBodyBytes) before f is called,
+// and handed to the handler as it was.
+func WithHTTPKeyFunc(f HTTPKeyFunc) HTTPOption {
+	return func(o *httpOptions) { o.keyFunc = f }
 }
 
 // WithHTTPReplayHeaders adds response headers that are stored and replayed,
@@ -403,9 +425,10 @@ func HTTPFingerprint(r *http.Request, body []byte) []byte {
 //
 // Every answer to a request with a key echoes it in the Idempotency-Key
 // response header. Answers the middleware writes itself are
-// application/problem+json (RFC 9457). A guarded request without a key runs
-// the handler unprotected, or answers 400 with WithHTTPRequireKey; other
-// methods pass through.
+// application/problem+json (RFC 9457). A guarded request without an
+// Idempotency-Key header takes its key from WithHTTPKeyFunc when set; one
+// without a key runs the handler unprotected, or answers 400 with
+// WithHTTPRequireKey; other methods pass through.
 func HTTPMiddleware(c *Client, opts ...HTTPOption) func(http.Handler) http.Handler {
 	o := defaultHTTPOptions()
 	for _, opt := range opts {
@@ -440,7 +463,44 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	raw := r.Header.Values(HTTPKeyHeader)
-	if len(raw) == 0 {
+	var (
+		key, echo string
+		body      []byte
+		bodyRead  bool
+	)
+	switch {
+	case len(raw) > 1:
+		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
+			"send one Idempotency-Key header")
+		return
+	case len(raw) == 1:
+		k, err := ParseIdempotencyKey(raw[0])
+		if err != nil {
+			writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid", err.Error())
+			return
+		}
+		key, echo = k, raw[0]
+	case m.o.keyFunc != nil:
+		if body, bodyRead = m.readBody(w, r); !bodyRead {
+			return
+		}
+		k, err := m.o.keyFunc(r, body)
+		r.Body = io.NopCloser(bytes.NewReader(body)) // the function may have read it
+		if err != nil {
+			writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency key is invalid",
+				"the idempotency key could not be taken from the request: "+err.Error())
+			return
+		}
+		if k != "" {
+			if err := checkKey(k); err != nil {
+				writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency key is invalid",
+					"the idempotency key taken from the request "+err.Error())
+				return
+			}
+			key, echo = k, k
+		}
+	}
+	if key == "" {
 		if m.o.requireKey {
 			writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "Idempotency-Key is missing",
 				"this request requires an Idempotency-Key header")
@@ -449,17 +509,7 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		m.next.ServeHTTP(w, r)
 		return
 	}
-	if len(raw) > 1 {
-		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
-			"send one Idempotency-Key header")
-		return
-	}
-	key, err := ParseIdempotencyKey(raw[0])
-	if err != nil {
-		writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid", err.Error())
-		return
-	}
-	w.Header().Set(HTTPKeyHeader, raw[0])
+	w.Header().Set(HTTPKeyHeader, echo)
 	if m.o.principal != nil {
 		p, err := m.o.principal(r)
 		if err != nil {
@@ -468,18 +518,11 @@ func (m *httpMiddleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		key = FoldPrincipal(p, key)
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.o.maxBody))
-	if err != nil {
-		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
-				fmt.Sprintf("a request with an Idempotency-Key may have at most %d bytes of body", m.o.maxBody))
+	if !bodyRead {
+		if body, bodyRead = m.readBody(w, r); !bodyRead {
 			return
 		}
-		writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "reading the request body: "+err.Error())
-		return
 	}
-	_ = r.Body.Close()
-	r.Body = io.NopCloser(bytes.NewReader(body))
 	fp, err := m.o.fingerprint(r, body)
 	if err != nil {
 		writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "idempotency fingerprint: "+err.Error())
@@ -781,6 +824,25 @@ func replayHTTP(w http.ResponseWriter, resp *idempotencyv1.StoredResponse) {
 	_, _ = w.Write(resp.GetBody())
 }
 
+// readBody reads r's whole body, up to WithHTTPMaxBodyBytes, and puts it
+// back for the handler; it answers 413 or 400 itself and reports false when
+// the body cannot be read.
+func (m *httpMiddleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.o.maxBody))
+	if err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
+				fmt.Sprintf("a request with an Idempotency-Key may have at most %d bytes of body", m.o.maxBody))
+			return nil, false
+		}
+		writeProblem(w, http.StatusBadRequest, "about:blank", "Bad Request", "reading the request body: "+err.Error())
+		return nil, false
+	}
+	_ = r.Body.Close()
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	return body, true
+}
+
 // ParseIdempotencyKey returns the key of an Idempotency-Key header value:
 // the value itself, or the content of a structured-field string (RFC 8941:
 // quoted, with \" and \\ escapes). The key must be 1-255 bytes of valid
@@ -798,17 +860,26 @@ func ParseIdempotencyKey(value string) (string, error) {
 		}
 		v = str
 	}
-	switch {
-	case v == "":
-		return "", errors.New("Idempotency-Key is empty")
-	case len(v) > 255:
-		return "", fmt.Errorf("Idempotency-Key is %d bytes long, more than 255", len(v))
-	case !utf8.ValidString(v):
-		return "", errors.New("Idempotency-Key is not valid UTF-8")
-	case strings.IndexFunc(v, unicode.IsControl) >= 0:
-		return "", errors.New("Idempotency-Key holds a control character")
+	if err := checkKey(v); err != nil {
+		return "", fmt.Errorf("Idempotency-Key %w", err)
 	}
 	return v, nil
+}
+
+// checkKey checks what every key must be: 1-255 bytes of UTF-8 without
+// control characters. Its errors read after the key's name.
+func checkKey(v string) error {
+	switch {
+	case v == "":
+		return errors.New("is empty")
+	case len(v) > 255:
+		return fmt.Errorf("is %d bytes long, more than 255", len(v))
+	case !utf8.ValidString(v):
+		return errors.New("is not valid UTF-8")
+	case strings.IndexFunc(v, unicode.IsControl) >= 0:
+		return errors.New("holds a control character")
+	}
+	return nil
 }
 
 // writeProblem answers an RFC 9457 problem.

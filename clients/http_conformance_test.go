@@ -29,6 +29,7 @@ type httpOptions struct {
 	MaxBodyBytes       int64    `json:"max_body_bytes"`
 	PrincipalHeader    string   `json:"principal_header"`
 	Service            string   `json:"service"`
+	KeyFromJSONField   string   `json:"key_from_json_field"`
 }
 
 type conformanceStep struct {
@@ -141,6 +142,16 @@ func TestHTTPConformance(t *testing.T) {
 			if o.Service != "" {
 				opts = append(opts, clients.WithHTTPService(o.Service))
 			}
+			if f := o.KeyFromJSONField; f != "" {
+				opts = append(opts, clients.WithHTTPKeyFunc(func(_ *http.Request, body []byte) (string, error) {
+					var fields map[string]any
+					if json.Unmarshal(body, &fields) != nil {
+						return "", nil
+					}
+					k, _ := fields[f].(string)
+					return k, nil
+				}))
+			}
 			if h := o.PrincipalHeader; h != "" {
 				opts = append(opts, clients.WithHTTPPrincipal(func(r *http.Request) (string, error) { return r.Header.Get(h), nil }))
 			}
@@ -179,7 +190,7 @@ func fmtCounts(m map[string]int) string {
 func conformanceSend(base, key string, st conformanceStep) (string, error) {
 	fill := func(s string) string { return strings.ReplaceAll(s, "{key}", key) }
 	rq := st.Request
-	req, err := http.NewRequest(rq.Method, base+rq.Path, strings.NewReader(rq.Body))
+	req, err := http.NewRequest(rq.Method, base+rq.Path, strings.NewReader(fill(rq.Body)))
 	if err != nil {
 		return "", err
 	}
