@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"sync/atomic"
 	"testing"
 
@@ -80,4 +81,14 @@ func BenchmarkPair(b *testing.B) {
 			}
 		}
 	})
+}
+
+// BenchmarkPairAt64 is BenchmarkPair from 64 concurrent callers (32 per
+// CPU on two), where concurrent calls share statements and commits, as in
+// make bench's 64-caller row through the generated stub. Profile the
+// coordinator's side with GOGC=400 (the binary's default):
+// GOGC=400 go test -run '^$' -bench PairAt64 -cpuprofile cpu.out ./server
+func BenchmarkPairAt64(b *testing.B) {
+	b.SetParallelism(64 / max(1, runtime.GOMAXPROCS(0)))
+	BenchmarkPair(b)
 }
