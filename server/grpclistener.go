@@ -26,9 +26,10 @@ const DefaultGRPCReadTimeout = 30 * time.Second
 
 // WithGRPCReadTimeout bounds how long the gRPC listener waits for a call's
 // request message (for a streaming call, its first message) after
-// the call's headers: a call that has not sent it by then ends
-// DEADLINE_EXCEEDED and what it sent is freed. The default is
-// DefaultGRPCReadTimeout.
+// the call's headers: a call that has not sent it by then is cancelled (it
+// ends CANCELLED: gRPC reports a call whose context ended before its
+// message was read so, whatever the cause) and what it sent is freed. The
+// default is DefaultGRPCReadTimeout.
 func WithGRPCReadTimeout(d time.Duration) Option { return func(o *options) { o.grpcReadTimeout = d } }
 
 // While auth is on, calls of the services that need no credentials
@@ -179,7 +180,8 @@ type messageReadKey struct{}
 type bufferedClientKey struct{}
 
 // errReadTimeout is the cause of a call cancelled because its request
-// message did not arrive within the read timeout.
+// message did not arrive within the read timeout (for the server's own
+// code: the caller sees CANCELLED, see WithGRPCReadTimeout).
 var errReadTimeout = status.Error(codes.DeadlineExceeded, "the request message did not arrive in time")
 
 // admitCall runs on a new call's headers, before gRPC reads its request

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
@@ -482,4 +484,48 @@ func TestGRPCHealthNotStarvedByWatchers(t *testing.T) {
 		t.Fatalf("a health check while one unauthenticated connection holds 16 Watch calls: %v %v", r, err)
 	}
 	p.stop()
+}
+
+// TestGRPCReadTimeoutEndsAStalledCall: a call that sends its headers and
+// part of its request message, then stalls, is ended after
+// --grpc-read-timeout, CANCELLED (what gRPC answers for a call whose
+// context ended before its message was read), and writes nothing.
+func TestGRPCReadTimeoutEndsAStalledCall(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDatabase(t)
+	grpcAddr := coordtest.FreeAddr(t)
+	startBinary(t, coordtest.BuildBinary(t), db, grpcAddr, coordtest.FreeAddr(t), "--grpc-read-timeout", "1s")
+	c := dialRawGRPC(t, grpcAddr)
+	id, err := c.open("/idempotency.v1.Coordinator/Begin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := grpcMessage(t, &idempotencyv1.BeginRequest{Scope: "build", Key: "stalled"})
+	if n := c.send(id, msg[:len(msg)-1], time.Now().Add(10*time.Second)); n != len(msg)-1 {
+		t.Fatalf("sent %d of %d bytes", n, len(msg)-1)
+	}
+	ended := c.waitEnded(id, time.Now().Add(30*time.Second))
+	if want := strconv.Itoa(int(codes.Canceled)); ended != want {
+		t.Fatalf("the stalled call ended %q, want grpc-status %s (CANCELLED)", ended, want)
+	}
+	wantNoRecord(t, db, "stalled")
+}
+
+// wantNoRecord fails t when the database at dbURL holds a record of key.
+func wantNoRecord(t *testing.T, dbURL, key string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	var n int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM idempotency_records WHERE key = $1", key).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Fatalf("%d records of key %q, want none", n, key)
+	}
 }
