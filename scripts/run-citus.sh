@@ -135,7 +135,8 @@ SQL
 
 export DATABASE_URL="postgres://postgres@127.0.0.1:$base/idemcoord?sslmode=disable"
 say "Citus: coordinator node 127.0.0.1:$base, workers 127.0.0.1:${worker_ports[0]} and 127.0.0.1:${worker_ports[1]} (data and logs in $dir)"
-say "DATABASE_URL=$DATABASE_URL; coordinator gRPC ${IDEMCOORD_LISTEN:-127.0.0.1:50051}, metrics/health http://${IDEMCOORD_HTTP_LISTEN:-127.0.0.1:9090}"
+coordinator_addrs "$@"
+say "DATABASE_URL=$DATABASE_URL; coordinator gRPC $grpc_addr, metrics/health http://$http_addr"
 
 # In the background so that the traps run as soon as a signal arrives.
 "$bin" "$@" &

@@ -35,6 +35,8 @@ ha=${IDEMCOORD_HA_DIR:-$root/.data-ha}
 
 say() { echo "run-ha: $*" >&2; }
 die() { say "$*"; exit 1; }
+# shellcheck source=lib/pgnode.sh
+source "$root/scripts/lib/pgnode.sh"
 
 pgbin=${PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -t/ -k5,5n | tail -n 1 || true)}
 [[ -n $pgbin && -x $pgbin/pg_ctl ]] || die "no PostgreSQL server binaries found (PG_BIN, /usr/lib/postgresql/*/bin)"
@@ -186,7 +188,8 @@ if [[ $cluster_only == 1 ]]; then
 	say "cluster ready: DATABASE_URL=$DATABASE_URL"
 	while true; do sleep 1; done
 fi
-say "coordinator gRPC ${IDEMCOORD_LISTEN:-127.0.0.1:50051}, metrics/health http://${IDEMCOORD_HTTP_LISTEN:-127.0.0.1:9090}; 'scripts/run-ha.sh failover' in another terminal fails over"
+coordinator_addrs "$@"
+say "coordinator gRPC $grpc_addr, metrics/health http://$http_addr; 'scripts/run-ha.sh failover' in another terminal fails over"
 
 "$bin" "$@" &
 child=$!

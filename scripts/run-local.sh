@@ -87,7 +87,8 @@ SELECT 'CREATE DATABASE idemcoord' WHERE NOT EXISTS (SELECT FROM pg_database WHE
 SQL
 
 export DATABASE_URL="postgres://postgres@127.0.0.1:$port/idemcoord?sslmode=disable"
-say "PostgreSQL data in $data (log $log); DATABASE_URL=$DATABASE_URL; coordinator gRPC ${IDEMCOORD_LISTEN:-127.0.0.1:50051}, metrics/health http://${IDEMCOORD_HTTP_LISTEN:-127.0.0.1:9090}"
+coordinator_addrs "$@"
+say "PostgreSQL data in $data (log $log); DATABASE_URL=$DATABASE_URL; coordinator gRPC $grpc_addr, metrics/health http://$http_addr"
 
 # In the background so that the traps run as soon as a signal arrives.
 "$bin" "$@" &

@@ -596,3 +596,33 @@ func runScript(t *testing.T, name string, env, dataDirs []string, exercise func(
 		}
 	}
 }
+
+// TestScriptsSayWhereTheCoordinatorListens checks coordinator_addrs, with
+// which make run, make run-citus and run-ha.sh print the coordinator's
+// addresses: the flags passed to the coordinator win over the environment,
+// which wins over the defaults, in every spelling the flag package takes.
+func TestScriptsSayWhereTheCoordinatorListens(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		env  []string
+		args string
+		want string
+	}{
+		{nil, "", "127.0.0.1:50051 127.0.0.1:9090"},
+		{[]string{"IDEMCOORD_LISTEN=10.0.0.1:1", "IDEMCOORD_HTTP_LISTEN=10.0.0.1:2"}, "", "10.0.0.1:1 10.0.0.1:2"},
+		{[]string{"IDEMCOORD_LISTEN=10.0.0.1:1"}, "--listen 127.0.0.1:7000 --log-level debug", "127.0.0.1:7000 127.0.0.1:9090"},
+		{nil, "-listen=:7001 --http-listen=:7002", ":7001 :7002"},
+		{nil, "--http-listen :7003 -http-listen :7004 --listen", "127.0.0.1:50051 :7004"},
+	} {
+		cmd := exec.Command("bash", "-c", `source scripts/lib/pgnode.sh && coordinator_addrs `+tc.args+` && echo "$grpc_addr $http_addr"`)
+		cmd.Dir = filepath.Join("..", "..")
+		cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, tc.env...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%v %q: %v\n%s", tc.env, tc.args, err, out)
+		}
+		if got := strings.TrimSpace(string(out)); got != tc.want {
+			t.Errorf("%v %q: %q, want %q", tc.env, tc.args, got, tc.want)
+		}
+	}
+}

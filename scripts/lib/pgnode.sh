@@ -15,6 +15,10 @@
 #   pgnode_start D R LOG PORT [SETTING...]   starts a durable server
 #   pgnode_stop D LOG      fast shutdown
 #   pgnode_stop_process PID   SIGTERM, then SIGKILL after 30 s; waits for it
+#   coordinator_addrs ARG...   sets grpc_addr and http_addr: where the
+#                          coordinator run with ARG... listens (its last
+#                          --listen/--http-listen, else IDEMCOORD_LISTEN and
+#                          IDEMCOORD_HTTP_LISTEN, else the defaults)
 
 pgnode_find_bin() {
 	pgbin=${PG_BIN:-}
@@ -129,4 +133,25 @@ pgnode_stop_process() {
 	done
 	kill -KILL "$pid" 2>/dev/null || true
 	wait "$pid" 2>/dev/null || true
+}
+
+coordinator_addrs() {
+	grpc_addr=${IDEMCOORD_LISTEN:-127.0.0.1:50051}
+	http_addr=${IDEMCOORD_HTTP_LISTEN:-127.0.0.1:9090}
+	while (($#)); do
+		case $1 in
+		--listen=* | -listen=*) grpc_addr=${1#*=} ;;
+		--http-listen=* | -http-listen=*) http_addr=${1#*=} ;;
+		--listen | -listen | --http-listen | -http-listen)
+			if (($# >= 2)); then
+				case $1 in
+				*http*) http_addr=$2 ;;
+				*) grpc_addr=$2 ;;
+				esac
+				shift
+			fi
+			;;
+		esac
+		shift
+	done
 }
