@@ -514,12 +514,14 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 		if err := charge(gzipStateBytes); err != nil {
 			return nil, charged, err
 		}
-		zr, err := gzip.NewReader(raw)
+		br := bufio.NewReaderSize(raw, gzipReadBufferBytes)
+		zr, err := gzip.NewReader(br)
 		if err != nil {
 			return nil, charged, fmt.Errorf("the body is not gzip: %w", err)
 		}
 		defer zr.Close()
-		src = zr
+		zr.Multistream(false)
+		src = &gzipMembers{zr: zr, br: br}
 	} else if r.ContentLength > 0 {
 		limit = r.ContentLength + 1
 	}
@@ -547,6 +549,53 @@ func readBody(w http.ResponseWriter, r *http.Request, gz bool, maxBytes int64, b
 		}
 	}
 }
+
+// gzipReadBufferBytes is the buffer between a gzip body and its inflater,
+// within gzipStateBytes.
+const gzipReadBufferBytes = 4 << 10
+
+// gzipMembers inflates a gzip body of one or more members (RFC 1952 allows
+// several one after the other, as "cat a.gz b.gz" makes), and tells bytes
+// after the last member that are not gzip from a body cut short: zr reads
+// from br one member at a time, and at the end of each, what br still
+// holds must be another member.
+type gzipMembers struct {
+	zr *gzip.Reader
+	br *bufio.Reader
+}
+
+func (g *gzipMembers) Read(p []byte) (int, error) {
+	for {
+		n, err := g.zr.Read(p)
+		if !errors.Is(err, io.EOF) {
+			return n, err
+		}
+		// A member ended: the body ends here, or another member starts
+		// (with a header of at least 10 bytes).
+		header, err := g.br.Peek(10)
+		switch {
+		case len(header) == 0 && errors.Is(err, io.EOF):
+			return n, io.EOF
+		case err != nil && !errors.Is(err, io.EOF):
+			return n, err // the body was cut short
+		case len(header) < 10:
+			return n, fmt.Errorf("%w (%d bytes)", errGzipTrailer, len(header))
+		}
+		if err := g.zr.Reset(g.br); errors.Is(err, gzip.ErrHeader) {
+			return n, errGzipTrailer
+		} else if err != nil {
+			return n, err
+		}
+		g.zr.Multistream(false)
+		if n > 0 {
+			return n, nil
+		}
+	}
+}
+
+// errGzipTrailer is readBody's error for a gzip body that goes on after
+// the end of its last member with bytes that are not gzip.
+var errGzipTrailer = errors.New("the body goes on after the end of its gzip stream with bytes that are not gzip")
 
 // errBodyCut is readBody's error for a body that ends before its end: the
 // connection closed before Content-Length bytes, the last chunk or the end

@@ -3,6 +3,7 @@ package server_test
 import (
 	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -22,6 +23,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
@@ -588,5 +590,44 @@ func TestHTTPUndecodableBodyAnsweredOnce(t *testing.T) {
 		if err := json.Unmarshal(r.body, &e); err != nil || (e.Code != "invalid_argument" && e.Code != "deadline_exceeded") {
 			t.Fatalf("HTTP %d %s, want invalid_argument or deadline_exceeded", r.status, r.body)
 		}
+	}
+}
+
+// TestHTTPGzipMembersAndTrailers: a gzip body of two members (as
+// "cat a.gz b.gz" makes) is one body; bytes after the last member that are
+// not gzip, short or long, answer 400 saying so (a short trailer was taken
+// for a body cut short), and nothing is written.
+func TestHTTPGzipMembersAndTrailers(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	api := newHTTPAPI(t, c)
+	member := func(s string) []byte {
+		var b bytes.Buffer
+		zw := gzip.NewWriter(&b)
+		_, _ = zw.Write([]byte(s))
+		_ = zw.Close()
+		return b.Bytes()
+	}
+	send := func(body []byte) httpReply {
+		req, err := http.NewRequest(http.MethodPost, api.url+"/"+httpBegin, bytes.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Content-Encoding", "gzip")
+		return api.do(req)
+	}
+	two := append(member(`{"scope":"build",`), member(`"key":"two-members"}`)...)
+	if r := send(two); r.status != http.StatusOK || !strings.Contains(string(r.body), "OUTCOME_ACQUIRED") {
+		t.Fatalf("two gzip members: HTTP %d %s, want the Begin acquired", r.status, r.body)
+	}
+	for _, junk := range []string{"x", "abc", strings.Repeat("junk", 10)} {
+		r := send(append(member(`{"scope":"build","key":"junk"}`), junk...))
+		if r.status != http.StatusBadRequest || !strings.Contains(string(r.body), "after the end of its gzip stream") {
+			t.Errorf("%d bytes of junk after the gzip stream: HTTP %d %s, want 400 saying so", len(junk), r.status, r.body)
+		}
+	}
+	if _, err := idempotencyv1.NewCoordinatorClient(c.Dial(t)).Lookup(ctx(t), &idempotencyv1.LookupRequest{Scope: "build", Key: "junk"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("a refused body left a record: %v", err)
 	}
 }
