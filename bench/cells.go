@@ -25,6 +25,9 @@ const (
 	kindReplays  cellKind = "replays"  // Begin on a COMPLETED key through gRPC
 	kindBaseline cellKind = "baseline" // INSERT + UPDATE straight to PostgreSQL, on the coordinator's table
 	kindLean     cellKind = "lean"     // INSERT + UPDATE straight to PostgreSQL, on a hand-written table
+	// Pairs and replays through the generated stub (see paths.go).
+	kindStubPairs   cellKind = pathStub + "-pairs"
+	kindStubReplays cellKind = pathStub + "-replays"
 )
 
 // direct reports that the kind talks to PostgreSQL without the coordinator.
@@ -36,6 +39,9 @@ var cellCalls = map[cellKind][]string{
 	kindReplays:  {"begin"},
 	kindBaseline: {"insert", "update"},
 	kindLean:     {"insert", "update"},
+
+	kindStubPairs:   {"begin", "complete"},
+	kindStubReplays: {"begin"},
 }
 
 // benchScope is the scope of every record the bench writes.
@@ -85,9 +91,13 @@ type op func(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) erro
 func (e *environment) op(kind cellKind) op {
 	switch kind {
 	case kindPairs:
-		return e.pair
+		return e.pairOp(e.client)
 	case kindReplays:
-		return e.replay
+		return e.replayOp(e.client)
+	case kindStubPairs:
+		return e.pairOp(e.stub)
+	case kindStubReplays:
+		return e.replayOp(e.stub)
 	case kindLean:
 		return e.leanPair
 	default:
@@ -95,9 +105,25 @@ func (e *environment) op(kind cellKind) op {
 	}
 }
 
+// pairOp is Begin on a new key, then Complete with the lease token,
+// through client(w) of caller w.
+func (e *environment) pairOp(client func(w int) coordinatorCalls) op {
+	return func(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) error {
+		return e.pair(ctx, client(w), r, lat)
+	}
+}
+
+// replayOp is Begin on one of the COMPLETED replay keys, through client(w)
+// of caller w.
+func (e *environment) replayOp(client func(w int) coordinatorCalls) op {
+	return func(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) error {
+		return e.replay(ctx, client(w), r, lat)
+	}
+}
+
 // pair is Begin on a new key, then Complete with the lease token.
-func (e *environment) pair(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) error {
-	c, key := e.client(w), newKey(r)
+func (e *environment) pair(ctx context.Context, c coordinatorCalls, r *rand.Rand, lat []time.Duration) error {
+	key := newKey(r)
 	t0 := time.Now()
 	br, err := c.Begin(ctx, &idempotencyv1.BeginRequest{Scope: benchScope, Key: key, Fingerprint: e.payload.fingerprint})
 	t1 := time.Now()
@@ -118,10 +144,10 @@ func (e *environment) pair(ctx context.Context, w int, r *rand.Rand, lat []time.
 }
 
 // replay is Begin on one of the COMPLETED replay keys.
-func (e *environment) replay(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) error {
+func (e *environment) replay(ctx context.Context, c coordinatorCalls, r *rand.Rand, lat []time.Duration) error {
 	key := replayKey(r.IntN(e.s.ReplayKeys))
 	t0 := time.Now()
-	br, err := e.client(w).Begin(ctx, &idempotencyv1.BeginRequest{Scope: benchScope, Key: key, Fingerprint: e.payload.fingerprint})
+	br, err := c.Begin(ctx, &idempotencyv1.BeginRequest{Scope: benchScope, Key: key, Fingerprint: e.payload.fingerprint})
 	lat[0] = time.Since(t0)
 	if err != nil {
 		return fmt.Errorf("Begin: %w", err)

@@ -41,6 +41,7 @@ type environment struct {
 	coordDone chan struct{} // closed when the coordinator has exited
 	conns     []*grpc.ClientConn
 	clients   []coordinatorCalls // one per connection, of the -client kind
+	stubs     []coordinatorCalls // one per connection, the generated stub (the stub path)
 	// admin runs the bench's own statements (CHECKPOINT, the scale
 	// check's loads and counts); baseline and lean are the baselines'
 	// pools, open only during their cells.
@@ -180,6 +181,7 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 		}
 		e.conns = append(e.conns, conn)
 		e.clients = append(e.clients, newCoordinatorCalls(e.s, conn))
+		e.stubs = append(e.stubs, newStub(conn))
 	}
 	health := healthpb.NewHealthClient(e.conns[0])
 	deadline := time.Now().Add(60 * time.Second)

@@ -87,6 +87,10 @@ type settings struct {
 	Client string `json:"client"`
 	// ClientBatching is -client go's clients.WithCallBatching (0: none).
 	ClientBatching int `json:"client_batching,omitempty"`
+	// Paths are the other ways of calling the coordinator measured in the
+	// same run (-paths; see paths.go), at PathConcurrency callers.
+	Paths           []string `json:"paths,omitempty"`
+	PathConcurrency []int    `json:"paths_concurrency,omitempty"`
 	// Quick marks a short run (fewer cells, shorter ones): its figures are
 	// rougher and the 10M-record goals are not measured.
 	Quick         bool   `json:"quick,omitempty"`
@@ -128,6 +132,10 @@ func parseFlags(args []string) (*settings, error) {
 		clientStub+" (the generated idempotencyv1 client) or "+clientGo+" (the Go client library, clients.New), one per connection (BENCH_CLIENT)")
 	fs.IntVar(&s.ClientBatching, "client-batching", envInt("BENCH_CLIENT_BATCHING", 2), "with -client go: the Go client's clients.WithCallBatching, "+
 		"how many Batch RPCs its calls share at a time (0: every call unary; must be 0 with -client stub) (BENCH_CLIENT_BATCHING)")
+	paths := fs.String("paths", env("BENCH_PATHS", "stub,node,python"), "other ways of calling the coordinator measured in the same run, "+
+		"pairs and replays each: stub (the generated client, one unary RPC per call), node and python (their libraries' clients, "+
+		"with call batching as -client-batching says, driven by clients/node/bench and clients/python/bench); empty for none (BENCH_PATHS)")
+	pathConc := fs.String("paths-concurrency", env("BENCH_PATHS_CONCURRENCY", "64,256"), "callers of the -paths cells (BENCH_PATHS_CONCURRENCY)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
@@ -147,12 +155,15 @@ func parseFlags(args []string) (*settings, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	for f := range strings.SplitSeq(*conc, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || n < 1 {
-			return nil, fmt.Errorf("-concurrency %q: want positive integers separated by commas", *conc)
-		}
-		s.Concurrency = append(s.Concurrency, n)
+	var err error
+	if s.Concurrency, err = parseCounts("-concurrency", *conc); err != nil {
+		return nil, err
+	}
+	if s.Paths, err = parsePaths(*paths); err != nil {
+		return nil, err
+	}
+	if s.PathConcurrency, err = parseCounts("-paths-concurrency", *pathConc); err != nil {
+		return nil, err
 	}
 	switch {
 	case s.Duration <= 0 || s.Warmup < 0:
@@ -168,6 +179,19 @@ func parseFlags(args []string) (*settings, error) {
 	}
 	s.WarmupSeconds, s.DurationSeconds = s.Warmup.Seconds(), s.Duration.Seconds()
 	return s, nil
+}
+
+// parseCounts parses a flag of positive integers separated by commas.
+func parseCounts(flag, v string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(v, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s %q: want positive integers separated by commas", flag, v)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }
 
 func env(name, def string) string {
@@ -270,6 +294,12 @@ func run(ctx context.Context, args []string) error {
 		}
 		rep.Cells = append(rep.Cells, cell)
 	}
+	pathCells, skipped, err := env.runPaths(ctx)
+	if err != nil {
+		return err
+	}
+	rep.Cells = append(rep.Cells, pathCells...)
+	rep.PathsSkipped = skipped
 	if s.ghz != "" {
 		g, err := env.runGhz(ctx)
 		if err != nil {

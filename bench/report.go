@@ -26,10 +26,14 @@ type report struct {
 	Postgres     postgresInfo `json:"postgres"`
 	Settings     *settings    `json:"settings"`
 	// Rows is the table: one row per concurrency, from Cells.
-	Rows  []Row   `json:"rows"`
-	Ghz   *GhzRow `json:"ghz,omitempty"`
-	Scale *Scale  `json:"scale,omitempty"`
-	Goals []Goal  `json:"goals"`
+	Rows []Row `json:"rows"`
+	// Paths are the other ways of calling the coordinator (-paths), by
+	// path and concurrency; PathsSkipped those whose runtime was missing.
+	Paths        []PathRow `json:"paths,omitempty"`
+	PathsSkipped []PathRow `json:"paths_skipped,omitempty"`
+	Ghz          *GhzRow   `json:"ghz,omitempty"`
+	Scale        *Scale    `json:"scale,omitempty"`
+	Goals        []Goal    `json:"goals"`
 	// Coordinator is what the coordinator process used over the whole run.
 	Coordinator coordinatorTotals `json:"coordinator"`
 	// Cells are the raw measurements the rows come from.
@@ -194,6 +198,7 @@ func (r *report) finish() {
 			}
 		}
 	}
+	r.Paths = r.pathRows(r.PathsSkipped)
 	r.Goals = r.goals()
 }
 
@@ -243,11 +248,43 @@ func (r *report) goals() []Goal {
 	// Speed: faster and lighter on PostgreSQL than the table a user would
 	// write by hand.
 	lean64 := v(row64, func(x *Row) float64 { return x.LeanRatio })
-	add("speed", "pairs/s vs lean baseline at 64 callers", ">= 1.2x", "x", lean64, has(row64), lean64 >= 1.2)
+	add("speed", "pairs/s vs lean baseline at 64 callers", ">= 1.5x", "x", lean64, has(row64), lean64 >= 1.5)
 	lean256 := v(row256, func(x *Row) float64 { return x.LeanRatio })
-	add("speed", "pairs/s vs lean baseline at 256 callers", ">= 2.5x", "x", lean256, has(row256), lean256 >= 2.5)
+	add("speed", "pairs/s vs lean baseline at 256 callers", ">= 3.0x", "x", lean256, has(row256), lean256 >= 3.0)
 	rp64 := v(row64, func(x *Row) float64 { return x.ReplayPairRatio })
 	add("speed", "replays/s vs pairs/s at 64 callers", ">= 8.0x", "x", rp64, row64 != nil, rp64 >= 8.0)
+	// The other paths (-paths): the generated stub against the lean
+	// table, Node's and Python's clients against the main table's client,
+	// and replays against pairs on each.
+	for _, c := range []struct {
+		n      int
+		target float64
+	}{{64, 1.0}, {256, 2.0}} {
+		p := r.pathRow(pathStub, c.n)
+		val := 0.0
+		if p != nil {
+			val = p.LeanRatio
+		}
+		add("speed", fmt.Sprintf("stub (unary) pairs/s vs lean at %d callers", c.n), fmt.Sprintf(">= %.1fx", c.target), "x",
+			val, p != nil && p.LeanRatio > 0, val >= c.target)
+	}
+	for _, path := range []string{pathNode, pathPython} {
+		p := r.pathRow(path, 64)
+		val := 0.0
+		if p != nil {
+			val = p.MainRatio
+		}
+		add("speed", fmt.Sprintf("%s client pairs/s vs the %s client at 64", path, r.Settings.Client), ">= 0.8x", "x",
+			val, p != nil && p.MainRatio > 0, val >= 0.8)
+	}
+	for _, path := range []string{pathStub, pathNode, pathPython} {
+		p := r.pathRow(path, 64)
+		val := 0.0
+		if p != nil {
+			val = p.ReplayPairRatio
+		}
+		add("speed", path+" replays/s vs pairs/s at 64 callers", ">= 8.0x", "x", val, p != nil, val >= 8.0)
+	}
 	pgCPU := v(row64, func(x *Row) float64 { return x.PGCPUPerPairRatio })
 	g := add("speed", "PostgreSQL CPU/pair vs lean's PostgreSQL at 64", "<= 0.5x", "x", pgCPU,
 		has(row64) && row64.LeanPGPer1000 > 0, pgCPU <= 0.5)
@@ -263,6 +300,9 @@ func (r *report) goals() []Goal {
 	var errs int64
 	for _, row := range r.Rows {
 		errs += row.Errors
+	}
+	for _, p := range r.Paths {
+		errs += p.Errors
 	}
 	add("speed", "no errors (sum over the rows)", "= 0", "", float64(errs), len(r.Rows) > 0, errs == 0)
 
@@ -336,6 +376,25 @@ func (r *report) print(out io.Writer) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if len(r.Paths) > 0 {
+		fmt.Fprintf(out, "\nother callers' paths, same run (vs %s: the table's pairs/s at the same callers):\n", s.Client)
+		tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintf(tw, "path\tcallers\tpairs/s\tvs lean\tvs %s\treplays/s\treplay/pair\tBegin p99 ms\tCPU s/1k pairs coord+PG\tcallers\terrors\t\n", s.Client)
+		var skipped []string
+		for _, p := range r.Paths {
+			if p.Skipped != "" {
+				skipped = append(skipped, fmt.Sprintf("  %s at %d callers not measured: %s\n", p.Path, p.Concurrency, p.Skipped))
+				continue
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%.0f\t%.2f\t%.2f\t%.0f\t%.2f\t%.2f\t%.3f+%.3f\t%.3f\t%d\t\n", p.Path, p.Concurrency,
+				p.PairsPerSec, p.LeanRatio, p.MainRatio, p.ReplaysPerSec, p.ReplayPairRatio, p.BeginP99MS,
+				p.CoordCPUPer1000, p.PGCPUPer1000, p.CallersCPUPer1000, p.Errors)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		fmt.Fprint(out, strings.Join(skipped, ""))
 	}
 	if g := r.Ghz; g != nil {
 		fmt.Fprintf(out, "\nghz %s, %s at %d callers: %.0f/s, p50 %.2f ms, p99 %.2f ms, load generator %.3f CPU s/1k calls (%d OK, %d cut at the end)\n",
