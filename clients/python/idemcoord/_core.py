@@ -207,6 +207,61 @@ class LeaseTimer:
         return now >= self.until
 
 
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """Send a heartbeat with this timeout; send back the lease it granted in seconds (0: not told), or its exception."""
+
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelAttempt:
+    """Cancel the attempt: lost, a heartbeat was refused (LeaseLost); else the lease went unconfirmed (LeaseUnconfirmed)."""
+
+    lost: bool
+
+
+KeepAliveSteps = Generator[Union[Pause, Beat, CancelAttempt], Any, None]
+
+
+def keep_alive(timer: LeaseTimer, now: Callable[[], float], lease_gone: Callable[[BaseException], bool],
+               cancelled: Callable[[], bool], stop_when_unconfirmed: bool) -> KeepAliveSteps:
+    """The heartbeats of a holder while its attempt runs, after timer.start: the one loop of both clients.
+
+    A generator: it yields Pause (sleep, then send back None; a holder
+    that stops its heartbeats closes the generator instead), Beat (send
+    back the granted lease or the exception) and CancelAttempt (send back
+    None). A heartbeat goes out a third of the lease after the last
+    confirmation, sooner after one went unanswered; a heartbeat refused
+    because the lease is gone (lease_gone) cancels the attempt as lost and
+    ends the loop. A lease that no heartbeat confirmed before it would run
+    out (less the margin) cancels the attempt as unconfirmed, unless
+    cancelled() says it is cancelled already; then the loop ends when
+    stop_when_unconfirmed (asyncio cancels the attempt's task), else it
+    goes on heartbeating (a thread cannot be stopped: the key stays held
+    while it runs on).
+    """
+    while True:
+        t = now()
+        if timer.expired(t) and not cancelled():
+            yield CancelAttempt(lost=False)
+            if stop_when_unconfirmed:
+                return
+        wake = timer.next_beat if cancelled() else min(timer.next_beat, timer.until)
+        yield Pause(max(0.0, wake - t))
+        if now() < timer.next_beat:
+            continue
+        sent = now()
+        answer = yield Beat(timer.beat_timeout)
+        if isinstance(answer, BaseException):
+            if lease_gone(answer):
+                yield CancelAttempt(lost=True)
+                return
+            timer.beat_unanswered(now())
+        else:
+            timer.beat_confirmed(sent, float(answer))
+
+
 # The server interceptors.
 
 @dataclasses.dataclass(frozen=True)

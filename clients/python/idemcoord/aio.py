@@ -277,28 +277,27 @@ class _AsyncHolder(_HolderBase):
         return value, error, attempt._marked, True
 
     async def _keep_alive(self, attempt: Attempt, on_cancel: Callable[[], None]) -> None:
-        timer = self.timer
-        while True:
-            now = time.monotonic()
-            if timer.expired(now):
-                self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
-                                         "cancelling the attempt", self.scope, self.key)
-                attempt.cancel(LeaseUnconfirmed())
-                on_cancel()
-                return
-            await asyncio.sleep(max(0.0, min(timer.next_beat, timer.until) - now))
-            if time.monotonic() < timer.next_beat:
-                continue
-            sent = time.monotonic()
-            try:
-                timer.beat_confirmed(sent, await self.heartbeat(timeout=timer.beat_timeout))
-            except grpc.aio.AioRpcError as err:
-                if _lease_gone(err):
-                    self.lost = True
-                    attempt.cancel(LeaseLost())
+        """Heartbeats while fn runs (_core.keep_alive decides when); a lost or unconfirmed lease cancels attempt."""
+        steps = _core.keep_alive(self.timer, time.monotonic, _lease_gone, lambda: False, stop_when_unconfirmed=True)
+        answer: Any = None
+        try:
+            while True:
+                step = steps.send(answer)
+                answer = None
+                if isinstance(step, _core.Pause):
+                    await asyncio.sleep(step.seconds)
+                elif isinstance(step, _core.Beat):
+                    try:
+                        answer = await self.heartbeat(timeout=step.timeout)
+                    except grpc.aio.AioRpcError as err:
+                        answer = err
+                else:
+                    self._cancel(attempt, step.lost)
                     on_cancel()
-                    return
-                timer.beat_unanswered(time.monotonic())
+        except StopIteration:
+            return
+        finally:
+            steps.close()
 
     async def _send(self, ending: Mapping[str, Any], timeout: float) -> Any:
         method, fields = self._ending_call(ending)

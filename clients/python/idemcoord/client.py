@@ -638,6 +638,16 @@ class _HolderBase:
         return "fail", dict(kind=ending["kind"], response=ending.get("response"), reason=ending.get("reason", ""),
                             **base)
 
+    def _cancel(self, attempt: Attempt, lost: bool) -> None:
+        """Cancels attempt as _core.keep_alive's CancelAttempt says: the lease was lost, or went unconfirmed."""
+        if lost:
+            self.lost = True
+            attempt.cancel(LeaseLost())
+            return
+        self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
+                                 "cancelling the attempt", self.scope, self.key)
+        attempt.cancel(LeaseUnconfirmed())
+
     @staticmethod
     def _unstored(err: BaseException, ending: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         """The ending to send instead when the coordinator refused ending's response with err, else None."""
@@ -715,36 +725,39 @@ class _Holder(_HolderBase):
         return self.gave_up
 
     def _keep_alive(self, attempt: Attempt, stop: threading.Event) -> None:
-        """Heartbeats a third of the lease after the last confirmation, more often while unreachable.
+        """Heartbeats while fn runs (_core.keep_alive decides when), until stop is set.
 
         Cancels the attempt with LeaseLost when a heartbeat is refused, and
         with LeaseUnconfirmed when no heartbeat confirmed the lease before it
-        would run out by the local clock (less the margin).
+        would run out by the local clock (less the margin); after that it
+        goes on heartbeating while fn runs on. Setting the caller's
+        cancel_event cancels the attempt.
         """
-        timer = self.timer
-        while True:
-            now = time.monotonic()
-            if timer.expired(now) and not attempt.cancelled.is_set():
-                self.client._log.warning("idemcoord: could not confirm the lease of %s/%s before it would run out; "
-                                         "cancelling the attempt", self.scope, self.key)
-                attempt.cancel(LeaseUnconfirmed())
+        def cancelled() -> bool:
             outer = attempt._outer
             if outer is not None and outer.is_set():
                 attempt.cancel(attempt.reason or RuntimeError("idemcoord: cancelled by the caller"))
-            wake = timer.next_beat if attempt.cancelled.is_set() else min(timer.next_beat, timer.until)
-            if stop.wait(max(0.0, wake - now)):
-                return
-            if time.monotonic() < timer.next_beat:
-                continue
-            sent = time.monotonic()
-            try:
-                timer.beat_confirmed(sent, self.heartbeat(timeout=timer.beat_timeout))
-            except grpc.RpcError as err:
-                if _lease_gone(err):
-                    self.lost = True
-                    attempt.cancel(LeaseLost())
-                    return
-                timer.beat_unanswered(time.monotonic())
+            return attempt.cancelled.is_set()
+        steps = _core.keep_alive(self.timer, time.monotonic, _lease_gone, cancelled, stop_when_unconfirmed=False)
+        answer: Any = None
+        try:
+            while True:
+                step = steps.send(answer)
+                answer = None
+                if isinstance(step, _core.Pause):
+                    if stop.wait(step.seconds):
+                        return
+                elif isinstance(step, _core.Beat):
+                    try:
+                        answer = self.heartbeat(timeout=step.timeout)
+                    except grpc.RpcError as err:
+                        answer = err
+                else:
+                    self._cancel(attempt, step.lost)
+        except StopIteration:
+            return
+        finally:
+            steps.close()
 
     def heartbeat(self, timeout: Optional[float] = None) -> float:
         """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
