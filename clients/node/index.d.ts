@@ -161,6 +161,18 @@ export interface ClientOptions {
   channelOptions?: ChannelOptions;
   interceptors?: Interceptor[];
   logger?: Logger;
+  /**
+   * Concurrent calls share RPCs: begin (without a wait), complete, fail, lookup and heartbeat go to
+   * the coordinator's Batch method, at most this many Batch RPCs in flight (2 is a good value; 0, the
+   * default, sends every call as its own RPC). Nothing waits for a batch to fill: the calls made while
+   * all are in flight go together in the next one. Each call keeps its own answer or error (the same
+   * codes and details as alone), its timeoutMs (sent as the call's timeout), signal and retries. A
+   * request over 64 KiB and a begin that waits go alone, and every call does once the coordinator
+   * answers that it has no Batch (an older version). interceptors see Batch RPCs. A begin given up
+   * after its batch was sent settles once the answer is in (at most 3 s, then it is awaited in the
+   * background), having released what it acquired.
+   */
+  callBatching?: number;
 }
 
 export interface CallOptions { signal?: AbortSignal; timeoutMs?: number }

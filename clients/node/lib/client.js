@@ -4,6 +4,7 @@ const crypto = require('node:crypto');
 const { AsyncLocalStorage } = require('node:async_hooks');
 const grpc = require('@grpc/grpc-js');
 const api = require('./api');
+const { Batcher, MAX_ANSWER_BYTES } = require('./batching');
 const {
   SCHEMA_VERSION_STATUS, CONTENT_TYPE_PROTO, LeaseLostError, LeaseUnconfirmedError, UnknownHeldError,
   FailureError, StoredFailureError,
@@ -146,12 +147,13 @@ class Client {
   /**
    * @param {string} address host:port of the coordinator
    * @param {object} [options] token, tls, maxAttempts, backoffMs,
-   *   maxBackoffMs, timeoutMs, leaseMs, channelOptions, interceptors, logger
+   *   maxBackoffMs, timeoutMs, leaseMs, channelOptions, interceptors, logger,
+   *   callBatching (see index.d.ts)
    */
   constructor(address, options = {}) {
     const {
       token = '', tls = false, maxAttempts = 5, backoffMs = 100, maxBackoffMs = 2000, timeoutMs = 10000,
-      leaseMs = 0, channelOptions = {}, interceptors, logger = null,
+      leaseMs = 0, channelOptions = {}, interceptors, logger = null, callBatching = 0,
     } = options;
     this._token = token;
     this._opts = { maxAttempts: Math.max(1, maxAttempts), backoffMs, maxBackoffMs, timeoutMs, leaseMs };
@@ -160,7 +162,12 @@ class Client {
     if (interceptors) {
       chan.interceptors = interceptors;
     }
+    const batching = Math.max(Math.floor(Number(callBatching) || 0), 0);
+    if (batching > 0) {
+      chan['grpc.max_receive_message_length'] ??= MAX_ANSWER_BYTES;
+    }
     this._rpc = new api.CoordinatorClient(address, channelCredentials(tls), chan);
+    this._batcher = batching > 0 ? new Batcher(this, batching) : null;
     this._background = new Set();
     this._bg = new AbortController();
   }
@@ -227,12 +234,20 @@ class Client {
     });
   }
 
-  /** A unary call retried on UNAVAILABLE with exponential backoff and jitter. */
+  /**
+   * A call retried on UNAVAILABLE with exponential backoff and jitter: a
+   * unary RPC, or with callBatching a call in a Batch RPC (each try of it
+   * in the next batch).
+   */
   async _call(method, request, opts = {}, extraMs = 0) {
     const timeoutMs = (opts.timeoutMs ?? this._opts.timeoutMs) + extraMs;
+    const batched = this._batcher?.encode(method, request);
     let delay = this._opts.backoffMs;
     for (let attempt = 1; ; attempt++) {
       try {
+        if (batched) {
+          return await this._batcher.call(method, request, batched, opts.signal, timeoutMs);
+        }
         return await this._invoke(method, request, opts.signal, timeoutMs);
       } catch (err) {
         if (err?.code !== S.UNAVAILABLE || attempt >= this._opts.maxAttempts || opts.signal?.aborted) {

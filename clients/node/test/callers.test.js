@@ -8,7 +8,7 @@ const assert = require('node:assert/strict');
 const http = require('node:http');
 const grpc = require('@grpc/grpc-js');
 const { Client, clientInterceptor, stampIdempotencyKey, httpMiddleware } = require('..');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 
 const json = { serialize: (o) => Buffer.from(JSON.stringify(o)), deserialize: (b) => JSON.parse(b.toString()) };
 const Orders = {
@@ -83,7 +83,7 @@ test('clientInterceptor stamps one key per call, the same on every retry of grpc
 
 test('stampIdempotencyKey stamps a fetch request once, before its retry loop', async () => {
   const coord = await startCoordinator();
-  const client = new Client(coord.addr, { token: coord.token });
+  const client = new Client(coord.addr, clientOptions(coord));
   const guard = httpMiddleware(client, { withoutPrincipal: true });
   let runs = 0;
   let failures = 1;

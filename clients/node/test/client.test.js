@@ -8,7 +8,7 @@ const grpc = require('@grpc/grpc-js');
 const {
   Client, markSideEffect, currentLease, FailureError, StoredFailureError, LeaseLostError, LeaseUnconfirmedError,
 } = require('..');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 const { fault, until } = require('./fault');
 
 let coord;
@@ -24,7 +24,7 @@ test.after(async () => {
 });
 
 function newClient(options = {}) {
-  const c = new Client(coord.addr, { token: coord.token, ...options });
+  const c = new Client(coord.addr, clientOptions(coord, options));
   clients.push(c);
   return c;
 }

@@ -30,4 +30,24 @@ async function startCoordinator() {
   };
 }
 
-module.exports = { startCoordinator };
+/**
+ * The environment variable that, set to a number, makes the suites'
+ * Clients share RPCs (the callBatching option with that many Batch RPCs
+ * in flight), so that every promise tested through them is tested through
+ * Batch RPCs too: `IDEMCOORD_TEST_CALL_BATCHING=2 npm test`.
+ */
+const CALL_BATCHING_ENV = 'IDEMCOORD_TEST_CALL_BATCHING';
+
+/**
+ * The options of a suite's Client of coord: its token and options, with
+ * callBatching from CALL_BATCHING_ENV when set, unless options name
+ * interceptors (the tests' faults act on a unary method by name) or
+ * callBatching.
+ */
+function clientOptions(coord, options = {}) {
+  const n = Number(process.env[CALL_BATCHING_ENV]);
+  const batching = n > 0 && !options.interceptors && options.callBatching === undefined ? { callBatching: n } : {};
+  return { token: coord.token, ...batching, ...options };
+}
+
+module.exports = { startCoordinator, clientOptions, CALL_BATCHING_ENV };

@@ -8,7 +8,7 @@ const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const { Client, serverInterceptor, markSideEffect, currentLease } = require('..');
 const api = require('../lib/api');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 const { loadSuite, runScenario } = require('./conformance');
 
 const suite = loadSuite('grpc_conformance.json');
@@ -21,7 +21,7 @@ const calls = new Map();
 
 test.before(async () => {
   coord = await startCoordinator();
-  client = new Client(coord.addr, { token: coord.token, leaseMs: suite.client_lease_ms });
+  client = new Client(coord.addr, clientOptions(coord, { leaseMs: suite.client_lease_ms }));
 });
 
 test.after(async () => {

@@ -8,7 +8,7 @@ const assert = require('node:assert/strict');
 const crypto = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const { Client, serverInterceptor } = require('..');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 
 const json = {
   serialize: (o) => Buffer.from(JSON.stringify(o)),
@@ -30,7 +30,7 @@ let client;
 
 test.before(async () => {
   coord = await startCoordinator();
-  client = new Client(coord.addr, { token: coord.token });
+  client = new Client(coord.addr, clientOptions(coord));
 });
 
 test.after(async () => {
@@ -109,7 +109,7 @@ test('serverInterceptor(client) alone guards every unary method with the call\'s
 test('an interceptor that would guard nothing says so when built', () => {
   const warnings = [];
   const logger = { warn: (msg) => warnings.push(msg) };
-  const quiet = new Client(coord.addr, { token: coord.token, logger });
+  const quiet = new Client(coord.addr, clientOptions(coord, { logger }));
   try {
     serverInterceptor(quiet, { withoutPrincipal: true });
     assert.deepEqual(warnings, [], 'the one-line install guards every unary method: nothing to warn about');

@@ -30,10 +30,11 @@ test('npm pack installs into an empty project and runs from ESM and CommonJS', {
     const out = execFileSync(npm, ['pack', '--json', '--pack-destination', dir], { cwd: pkgDir, encoding: 'utf8' });
     const [{ filename, files }] = JSON.parse(out);
     const packed = files.map((f) => f.path);
-    for (const f of ['index.js', 'index.mjs', 'index.d.ts', 'idempotency.binpb', 'shared_tables.json', 'lib/grpc.js']) {
+    for (const f of ['index.js', 'index.mjs', 'index.d.ts', 'idempotency.binpb', 'shared_tables.json', 'lib/grpc.js', 'lib/batching.js']) {
       assert.ok(packed.includes(f), `the tarball holds ${f}: ${packed.join(' ')}`);
     }
     assert.ok(!packed.some((f) => f.startsWith('test/')), 'the tests stay out of the tarball');
+    assert.ok(!packed.some((f) => f.startsWith('bench/')), 'the load generator stays out of the tarball');
 
     const app = path.join(dir, 'app');
     fs.mkdirSync(app);

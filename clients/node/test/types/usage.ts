@@ -25,6 +25,8 @@ async function charge(client: Client, user: string, name: string): Promise<Buffe
 const client = new Client('127.0.0.1:50051', { token: 'secret', tls: false, leaseMs: 30000 });
 void charge(client, 'u1', 'Flower Shop');
 void client.begin({ scope: 's', key: 'k', lease: 5000, wait: { seconds: 1 } }).then((r) => r.record?.uncertain);
+const batching = new Client('127.0.0.1:50051', { callBatching: 2, interceptors: [], logger: console });
+void batching.lookup({ scope: 's', key: 'k' }, { timeoutMs: 500 });
 
 // The HTTP middleware, as an Express app and a Fastify app install it.
 import { httpMiddleware, fastifyPlugin, foldPrincipal, PROBLEMS, HttpMiddlewareOptions } from '../..';
