@@ -314,6 +314,15 @@ export interface HttpMiddlewareOptions {
   withoutPrincipal?: boolean;
   /** Guarded methods (default POST and PATCH); others pass through. */
   methods?: string[];
+  /**
+   * The key of a request that sends no Idempotency-Key header, from the request and its whole body
+   * (a field of the payload, say); a header key always wins. The key is used as a header's would be:
+   * checked (1-255 bytes of UTF-8, no control characters; else 400 idempotency-key-invalid), echoed in
+   * Idempotency-Key, folded with principal. Nothing (undefined, null, '') means no key: the request
+   * runs unprotected, or answers 400 with requireKey. A throw answers 400 idempotency-key-invalid and
+   * runs nothing. With key set, the body of every guarded request is read (up to maxBodyBytes) first.
+   */
+  key?: (req: IncomingMessage, body: Buffer) => string | null | undefined | Promise<string | null | undefined>;
   /** The request's fingerprint (default httpFingerprint: method, path with query, body); a throw answers 400. */
   fingerprint?: (req: IncomingMessage, body: Buffer) => Bytes | null | Promise<Bytes | null>;
   /** Response headers stored and replayed besides Content-Type and Location. */

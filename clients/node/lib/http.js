@@ -84,6 +84,28 @@ function parseIdempotencyKey(value) {
   return key;
 }
 
+/**
+ * Why key (a key a key function returned) is not a valid idempotency key,
+ * as a phrase ('is empty'), or '' when it is one: 1-255 bytes of valid
+ * UTF-8 without control characters, as a header's key must be.
+ */
+function checkKey(key) {
+  const n = Buffer.byteLength(key, 'utf8');
+  if (n === 0) {
+    return 'is empty';
+  }
+  if (n > 255) {
+    return `is ${n} bytes long, more than 255`;
+  }
+  if (/\p{Cs}/u.test(key)) {
+    return 'is not valid UTF-8'; // a lone surrogate
+  }
+  if (/\p{Cc}/u.test(key)) {
+    return 'holds a control character';
+  }
+  return '';
+}
+
 /** The key stored for principal's key: base64url(SHA-256(principal)) ":" key, as Go's FoldPrincipal. */
 function foldPrincipal(principal, key) {
   return `${crypto.createHash('sha256').update(String(principal), 'utf8').digest('base64url')}:${key}`;
@@ -194,6 +216,7 @@ function normalizeOptions(client, options = {}) {
     mismatchStatus,
     lingerMs: Math.max(options.lingerMs ?? DEFAULT_LINGER_MS, 0),
     onReplay: options.onReplay ?? null,
+    key: options.key ?? null,
   };
 }
 
@@ -347,6 +370,33 @@ class Guard {
   }
 
   /**
+   * The whole body of req: body when the framework read it already (or
+   * this guard did), else read from req (at most maxBodyBytes) and put
+   * back for the parsers after the middleware. Answers 413 (or 400) when
+   * it cannot, and says so with answered.
+   */
+  async readWholeBody(req, res, body) {
+    try {
+      if (body == null) {
+        const read = await readBody(req, this.o.maxBodyBytes);
+        refill(req, read);
+        return { body: read };
+      }
+      if (body.length > this.o.maxBodyBytes) {
+        throw new HttpError(413, PROBLEMS.bodyTooLarge, 'Request body too large',
+          `a request with an Idempotency-Key may have at most ${this.o.maxBodyBytes} bytes of body`);
+      }
+      return { body };
+    } catch (err) {
+      if (err instanceof HttpError) {
+        this.problem(res, err.status, err.type, err.title, err.detail);
+        return { answered: true };
+      }
+      throw err;
+    }
+  }
+
+  /**
    * Everything before the handler: key, principal, body, fingerprint,
    * Begin. body is the raw body when the framework read it already
    * (Fastify), else null (read from req).
@@ -357,25 +407,55 @@ class Guard {
       return { pass: true };
     }
     const raw = req.headersDistinct?.['idempotency-key'] ?? (req.headers['idempotency-key'] != null ? [req.headers['idempotency-key']] : []);
-    if (raw.length === 0) {
+    if (raw.length > 1) {
+      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', 'send one Idempotency-Key header');
+      return { answered: true };
+    }
+    let key = '';
+    let echo = '';
+    if (raw.length === 1) {
+      try {
+        key = parseIdempotencyKey(raw[0]);
+      } catch (err) {
+        this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', err.message);
+        return { answered: true };
+      }
+      echo = raw[0];
+    } else if (o.key) {
+      const read = await this.readWholeBody(req, res, body);
+      if (read.answered) {
+        return read;
+      }
+      body = read.body;
+      let k;
+      try {
+        k = await o.key(req, body);
+        if (k != null && typeof k !== 'string') {
+          throw new TypeError(`the key function returned a ${typeof k}, not a string`);
+        }
+      } catch (err) {
+        this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency key is invalid',
+          `the idempotency key could not be taken from the request: ${err?.message ?? err}`);
+        return { answered: true };
+      }
+      if (k) {
+        const bad = checkKey(k);
+        if (bad) {
+          this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency key is invalid', `the idempotency key taken from the request ${bad}`);
+          return { answered: true };
+        }
+        key = k;
+        echo = Buffer.from(k, 'utf8').toString('latin1'); // its UTF-8 bytes, as a header value is sent
+      }
+    }
+    if (!key) {
       if (o.requireKey) {
         this.problem(res, 400, PROBLEMS.keyMissing, 'Idempotency-Key is missing', 'this request requires an Idempotency-Key header');
         return { answered: true };
       }
       return { pass: true };
     }
-    if (raw.length > 1) {
-      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', 'send one Idempotency-Key header');
-      return { answered: true };
-    }
-    let key;
-    try {
-      key = parseIdempotencyKey(raw[0]);
-    } catch (err) {
-      this.problem(res, 400, PROBLEMS.keyInvalid, 'Idempotency-Key is invalid', err.message);
-      return { answered: true };
-    }
-    res.setHeader(KEY_HEADER, raw[0]);
+    res.setHeader(KEY_HEADER, echo);
     if (o.principal) {
       try {
         key = foldPrincipal(await o.principal(req), key);
@@ -384,21 +464,11 @@ class Guard {
         return { answered: true };
       }
     }
-    try {
-      if (body == null) {
-        body = await readBody(req, o.maxBodyBytes);
-        refill(req, body);
-      } else if (body.length > o.maxBodyBytes) {
-        throw new HttpError(413, PROBLEMS.bodyTooLarge, 'Request body too large',
-          `a request with an Idempotency-Key may have at most ${o.maxBodyBytes} bytes of body`);
-      }
-    } catch (err) {
-      if (err instanceof HttpError) {
-        this.problem(res, err.status, err.type, err.title, err.detail);
-        return { answered: true };
-      }
-      throw err;
+    const read = await this.readWholeBody(req, res, body);
+    if (read.answered) {
+      return read;
     }
+    body = read.body;
     let fp;
     try {
       fp = o.fingerprint ? await o.fingerprint(req, body) : httpFingerprint(req.method, req.originalUrl ?? req.url, body);
@@ -611,6 +681,22 @@ class Guard {
 }
 
 /**
+ * A string chunk of write or end (with its encoding in rest) as bytes:
+ * Node sends the headers in the encoding of a string first chunk written
+ * with them, which would send a header value's bytes above 0x7F (an echoed
+ * UTF-8 key) as UTF-8 of their latin1 reading; a Buffer keeps them as set.
+ */
+function asBytes(chunk, rest) {
+  if (typeof chunk !== 'string') {
+    return [chunk, rest];
+  }
+  if (typeof rest[0] === 'string') {
+    return [Buffer.from(chunk, rest[0]), rest.slice(1)];
+  }
+  return [Buffer.from(chunk, 'utf8'), rest];
+}
+
+/**
  * Passes the handler's response through res and keeps a copy of what is
  * stored: the status, the replayed headers as they were when the status
  * was written, and the body. Once withheld, what the handler writes is
@@ -659,6 +745,7 @@ class Recorder {
       if (!self.wrote && !this.headersSent) {
         self.head(this.statusCode, []);
       }
+      [chunk, rest] = asBytes(chunk, rest);
       self.keep(chunk, typeof rest[0] === 'string' ? rest[0] : undefined);
       if (self.withheld) {
         calledBack(rest);
@@ -678,7 +765,8 @@ class Recorder {
         self.head(this.statusCode, []);
       }
       if (chunk != null) {
-        self.keep(chunk, typeof rest[0] === 'string' ? rest[0] : undefined);
+        [chunk, rest] = asBytes(chunk, rest);
+        self.keep(chunk, undefined);
       }
       self.ended = true;
       let r = this;
@@ -819,7 +907,7 @@ function fastifyPlugin(fastify, opts, done) {
   }
   const guard = new Guard(client, o);
   fastify.addHook('preParsing', async (request, reply, payload) => {
-    if (!o.methods.has(request.raw.method) || request.headers['idempotency-key'] == null) {
+    if (!o.methods.has(request.raw.method) || (request.headers['idempotency-key'] == null && !o.key)) {
       return payload;
     }
     let body;

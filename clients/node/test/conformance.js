@@ -27,6 +27,20 @@ function middlewareOptions(o = {}) {
   if (o.replayable_statuses) out.replayableStatuses = o.replayable_statuses;
   if (o.max_body_bytes) out.maxBodyBytes = o.max_body_bytes;
   if (o.service) out.service = o.service;
+  if (o.key_from_json_field) {
+    const field = o.key_from_json_field;
+    // A body that is not a JSON object has no key.
+    out.key = (req, body) => {
+      let fields;
+      try {
+        fields = JSON.parse(body.toString('utf8'));
+      } catch {
+        return undefined;
+      }
+      const k = fields?.[field];
+      return typeof k === 'string' && k !== '' ? k : undefined;
+    };
+  }
   if (o.principal_header) {
     const h = o.principal_header.toLowerCase();
     out.principal = (req) => req.headers[h] ?? '';
@@ -66,7 +80,7 @@ async function send(base, key, st) {
   const rq = st.request;
   const headers = { 'X-Scenario': key, 'X-Conformance': JSON.stringify(st.handler ?? {}) };
   for (const [k, v] of Object.entries(rq.headers ?? {})) headers[k] = fill(v);
-  const init = { method: rq.method, headers, body: rq.body };
+  const init = { method: rq.method, headers, body: typeof rq.body === 'string' ? fill(rq.body) : rq.body };
   if (st.timeout_ms) init.signal = AbortSignal.timeout(st.timeout_ms);
   const e = st.expect ?? {};
   let resp;
@@ -107,9 +121,11 @@ async function send(base, key, st) {
  */
 async function runScenario({ client, scope, sc, calls, send: sendStep, checksState, countsLabel, holdMustAcquire }) {
   const key = `conf-${crypto.randomBytes(12).toString('hex')}`;
+  // The record the state is read from: the scenario's key, else the run's.
+  const recordKey = (sc.key ?? '{key}').replaceAll('{key}', key);
   const lookup = async () => {
     try {
-      return (await client.lookup({ scope, key })).record.state;
+      return (await client.lookup({ scope, key: recordKey })).record.state;
     } catch (err) {
       if (err.code === 5) return 'absent'; // NOT_FOUND
       throw err;

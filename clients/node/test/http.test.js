@@ -9,9 +9,9 @@ const express = require('express');
 const Fastify = require('fastify');
 const grpc = require('@grpc/grpc-js');
 const {
-  Client, httpMiddleware, fastifyPlugin, serverInterceptor, PROBLEMS, httpOperationScope,
+  Client, httpMiddleware, fastifyPlugin, serverInterceptor, PROBLEMS, httpOperationScope, foldPrincipal,
 } = require('..');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 const { runHttpConformance, suite } = require('./conformance');
 const { fault } = require('./fault');
 
@@ -20,7 +20,7 @@ let client;
 
 test.before(async () => {
   coord = await startCoordinator();
-  client = new Client(coord.addr, { token: coord.token, leaseMs: suite.client_lease_ms });
+  client = new Client(coord.addr, clientOptions(coord, { leaseMs: suite.client_lease_ms }));
 });
 
 test.after(async () => {
@@ -216,8 +216,8 @@ for (const [stack, start] of Object.entries(STACKS)) {
   test(`${stack}: the lease cannot be confirmed while a careless handler runs: nothing is recorded RETRYABLE, the client gets 503 lease-lost, the handler's answer is recorded`, TIMEOUT, async () => {
     const beats = fault('Heartbeat');
     beats.cutOff = true; // no heartbeat reaches the coordinator
-    const c = new Client(coord.addr, { token: coord.token });
-    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000, maxAttempts: 1, interceptors: [beats.interceptor] });
+    const c = new Client(coord.addr, clientOptions(coord));
+    const served = new Client(coord.addr, clientOptions(coord, { leaseMs: 1000, maxAttempts: 1, interceptors: [beats.interceptor] }));
     const h = carelessHandler(2500);
     const svc = await start({ withoutPrincipal: true }, h.act, served);
     try {
@@ -245,8 +245,8 @@ for (const [stack, start] of Object.entries(STACKS)) {
   test(`${stack}: a heartbeat is refused while a careless handler runs: nothing is recorded, the client gets 503 lease-lost, not the handler's 201`, TIMEOUT, async () => {
     const beats = fault('Heartbeat');
     beats.rewrite = (req) => ({ ...req, lease_token: 'not-the-holders-token' }); // the coordinator refuses it
-    const c = new Client(coord.addr, { token: coord.token });
-    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000, interceptors: [beats.interceptor] });
+    const c = new Client(coord.addr, clientOptions(coord));
+    const served = new Client(coord.addr, clientOptions(coord, { leaseMs: 1000, interceptors: [beats.interceptor] }));
     const h = carelessHandler(2000);
     const svc = await start({ withoutPrincipal: true }, h.act, served);
     try {
@@ -267,8 +267,8 @@ for (const [stack, start] of Object.entries(STACKS)) {
   });
 
   test(`${stack}: a handler that has not answered lingerMs after its client went away leaves the lease to run out (UNKNOWN), and its late answer is still recorded`, TIMEOUT, async () => {
-    const c = new Client(coord.addr, { token: coord.token });
-    const served = new Client(coord.addr, { token: coord.token, leaseMs: 1000 });
+    const c = new Client(coord.addr, clientOptions(coord));
+    const served = new Client(coord.addr, clientOptions(coord, { leaseMs: 1000 }));
     const h = carelessHandler(3000);
     const svc = await start({ withoutPrincipal: true, lingerMs: 200 }, h.act, served);
     try {
@@ -313,7 +313,7 @@ test('httpOperationScope: [service ]METHOD /path; a scope longer than 255 bytes 
 
 test('built without principal or withoutPrincipal, or without service or scope, the middlewares and the interceptor warn (logger, else a process warning)', TIMEOUT, async () => {
   const warned = [];
-  const logged = new Client(coord.addr, { token: coord.token, logger: { warn: (msg) => warned.push(msg) } });
+  const logged = new Client(coord.addr, clientOptions(coord, { logger: { warn: (msg) => warned.push(msg) } }));
   try {
     httpMiddleware(logged, { service: 'svc' });
     assert.equal(warned.length, 1);
@@ -351,7 +351,7 @@ test('built without principal or withoutPrincipal, or without service or scope, 
 test('a Begin slower than timeoutMs, cut off CANCELLED after its deadline, is the coordinator unreachable: 503 + Retry-After, or the handler runs with failOpen', TIMEOUT, async () => {
   const begins = fault('Begin');
   begins.resetAtDeadline = true;
-  const slow = new Client(coord.addr, { token: coord.token, timeoutMs: 200, interceptors: [begins.interceptor] });
+  const slow = new Client(coord.addr, clientOptions(coord, { timeoutMs: 200, interceptors: [begins.interceptor] }));
   const ran = [];
   const apps = [];
   const start = async (options) => {
@@ -385,5 +385,144 @@ test('a Begin slower than timeoutMs, cut off CANCELLED after its deadline, is th
       server.close();
     }
     slow.close();
+  }
+});
+
+/**
+ * Starts stack (startExpress or startFastify) with the key option key (and
+ * options) and a handler that counts its runs and echoes the body it got.
+ */
+async function startKeyed(stack, key, options = {}) {
+  let runs = 0;
+  const svc = await stack({ withoutPrincipal: true, service: 'keyed', key, ...options }, async () => {
+    runs++;
+    return { status: 201, headers: { 'Content-Type': 'application/json' }, body: `{"run":${runs}}` };
+  });
+  return { ...svc, runs: () => runs };
+}
+
+/** A key function over the JSON body's order_id (a string), as the conformance runner maps key_from_json_field. */
+const orderId = (req, body) => {
+  try {
+    const id = JSON.parse(body.toString()).order_id;
+    return typeof id === 'string' ? id : undefined;
+  } catch {
+    return undefined;
+  }
+};
+
+/** The state of the record of key in the keyed service's scope once its ending landed (it may land after the answer). */
+async function settledState(key) {
+  for (let i = 0; ; i++) {
+    const { state } = (await client.lookup({ scope: 'keyed POST /items', key })).record;
+    if (state !== 'STATE_IN_PROGRESS' || i >= 200) {
+      return state;
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+const post = (url, body, headers = {}) => fetch(`${url}/items`, { method: 'POST', headers: { 'Content-Type': 'application/json', ...headers }, body });
+
+async function problemOf(resp) {
+  assert.equal(resp.headers.get('content-type'), 'application/problem+json');
+  return resp.json();
+}
+
+for (const [name, stack] of [['Express', startExpress], ['Fastify', startFastify]]) {
+  test(`${name}: the key option takes the key from the payload, checked, echoed and folded as a header's`, TIMEOUT, async () => {
+    const svc = await startKeyed(stack, async (req, body) => orderId(req, body)); // a Promise works too
+    const plain = await startKeyed(stack, orderId, { withoutPrincipal: false, principal: (req) => req.headers['x-user'] ?? '' });
+    try {
+      const id = `ключ-${crypto.randomUUID()}`; // not ASCII: echoed as its UTF-8 bytes
+      const body = JSON.stringify({ order_id: id });
+      const first = await post(svc.url, body);
+      assert.equal(first.status, 201);
+      assert.equal(first.headers.get('idempotency-result'), 'created');
+      assert.equal(Buffer.from(first.headers.get('idempotency-key'), 'latin1').toString('utf8'), id);
+      const again = await post(svc.url, body);
+      assert.equal(again.headers.get('idempotency-result'), 'replayed');
+      assert.equal(await again.text(), '{"run":1}');
+      assert.equal(svc.runs(), 1);
+      assert.equal(await settledState(id), 'STATE_COMPLETED');
+
+      // Folded with the principal as a header key is.
+      const folded = await post(plain.url, body, { 'X-User': 'u1' });
+      assert.equal(folded.status, 201);
+      assert.equal(await settledState(foldPrincipal('u1', id)), 'STATE_COMPLETED');
+    } finally {
+      await svc.close();
+      await plain.close();
+    }
+  });
+
+  test(`${name}: a key function that throws, or returns an invalid key, answers 400 key-invalid and runs nothing`, TIMEOUT, async () => {
+    const cases = [
+      [() => { throw new Error('no order here'); }, 'could not be taken from the request: no order here'],
+      [async () => { throw new Error('async refusal'); }, 'async refusal'],
+      [() => 'x'.repeat(256), 'is 256 bytes long, more than 255'],
+      [() => 'tab\there', 'holds a control character'],
+      [() => 'lone \ud800', 'is not valid UTF-8'],
+      [() => 42, 'returned a number, not a string'],
+    ];
+    for (const [key, detail] of cases) {
+      const svc = await startKeyed(stack, key);
+      try {
+        const resp = await post(svc.url, '{}');
+        assert.equal(resp.status, 400);
+        const p = await problemOf(resp);
+        assert.equal(p.type, PROBLEMS.keyInvalid);
+        assert.ok(p.detail.includes(detail), `${p.detail} lacks ${detail}`);
+        assert.equal(resp.headers.get('idempotency-key'), null);
+        assert.equal(svc.runs(), 0);
+      } finally {
+        await svc.close();
+      }
+    }
+  });
+
+  test(`${name}: a key function that returns nothing leaves the request unprotected, or 400 with requireKey; a header key wins`, TIMEOUT, async () => {
+    const svc = await startKeyed(stack, orderId);
+    const strict = await startKeyed(stack, orderId, { requireKey: true });
+    try {
+      for (const body of ['{"other":1}', 'not json', '{"order_id":""}']) {
+        const resp = await post(svc.url, body);
+        assert.equal(resp.status, 201);
+        assert.equal(resp.headers.get('idempotency-result'), null);
+        assert.equal(resp.headers.get('idempotency-key'), null);
+        const refused = await post(strict.url, body);
+        assert.equal(refused.status, 400);
+        assert.equal((await problemOf(refused)).type, PROBLEMS.keyMissing);
+      }
+      assert.equal(svc.runs(), 3);
+      assert.equal(strict.runs(), 0);
+
+      const header = `hdr-${crypto.randomUUID()}`;
+      const payload = `pay-${crypto.randomUUID()}`;
+      const resp = await post(svc.url, JSON.stringify({ order_id: payload }), { 'Idempotency-Key': header });
+      assert.equal(resp.headers.get('idempotency-key'), header);
+      assert.equal(await settledState(header), 'STATE_COMPLETED');
+      await assert.rejects(client.lookup({ scope: 'keyed POST /items', key: payload }), (err) => err.code === grpc.status.NOT_FOUND);
+    } finally {
+      await svc.close();
+      await strict.close();
+    }
+  });
+}
+
+test('Express: with a key option, body parsers after the middleware still get the body of an unprotected request', TIMEOUT, async () => {
+  const app = express();
+  app.use(httpMiddleware(client, { withoutPrincipal: true, service: 'keyed', key: orderId }));
+  app.use(express.json());
+  app.post('/echo', (req, res) => res.status(201).json({ got: req.body }));
+  const server = app.listen(0, '127.0.0.1');
+  await new Promise((resolve) => server.once('listening', resolve));
+  try {
+    const resp = await fetch(`http://127.0.0.1:${server.address().port}/echo`, { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: '{"a":1}' });
+    assert.equal(resp.status, 201);
+    assert.deepEqual(await resp.json(), { got: { a: 1 } });
+  } finally {
+    server.closeAllConnections();
+    server.close();
   }
 });

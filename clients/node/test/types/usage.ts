@@ -44,6 +44,16 @@ http.createServer((req, res) => mw(req, res, () => {
 }));
 const fastifyLike = { addHook: (..._args: unknown[]) => undefined };
 fastifyPlugin(fastifyLike, { client, waitMs: 0, withoutPrincipal: true, lingerMs: 30000 }, () => {});
+// The key from the payload, when no Idempotency-Key header is sent (a Promise works too).
+const keyed: HttpMiddlewareOptions = {
+  withoutPrincipal: true,
+  key: (_req, body) => {
+    const id: unknown = JSON.parse(body.toString()).order_id;
+    return typeof id === 'string' ? id : undefined;
+  },
+};
+httpMiddleware(client, keyed);
+fastifyPlugin(fastifyLike, { client, key: async () => null }, () => {});
 
 // The gRPC server interceptor, as a grpc-js server installs it.
 import { serverInterceptor } from '../..';
