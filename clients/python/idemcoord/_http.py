@@ -100,16 +100,24 @@ def parse_idempotency_key(value: Union[bytes, str]) -> str:
         if i != len(v) - 1:
             raise ValueError("Idempotency-Key: unterminated structured-field string, or text after it")
         v = bytes(out)
+    try:
+        return checked_key(v)
+    except ValueError as err:
+        raise ValueError("Idempotency-Key %s" % err) from None
+
+
+def checked_key(v: bytes) -> str:
+    """v as a key: 1-255 bytes of valid UTF-8 without control characters; raises ValueError saying which it is not."""
     if not v:
-        raise ValueError("Idempotency-Key is empty")
+        raise ValueError("is empty")
     if len(v) > 255:
-        raise ValueError("Idempotency-Key is %d bytes long, more than 255" % len(v))
+        raise ValueError("is %d bytes long, more than 255" % len(v))
     try:
         key = v.decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError("Idempotency-Key is not valid UTF-8") from None
+        raise ValueError("is not valid UTF-8") from None
     if any(unicodedata.category(ch) == "Cc" for ch in key):
-        raise ValueError("Idempotency-Key holds a control character")
+        raise ValueError("holds a control character")
     return key
 
 
@@ -187,7 +195,9 @@ class Options:
     records each request in its operation's scope, "POST /orders", prefixed
     by service= when given; with neither service= nor scope=, building a
     middleware warns (UnnamedServiceWarning). mismatch_status is 409 or
-    422; any other value raises ValueError.
+    422; any other value raises ValueError. key (Go's WithHTTPKeyFunc) is
+    a function of the request and its body that gives the key of a
+    request sent without an Idempotency-Key header (see key_from).
     """
 
     def __init__(self, *, wait: float = 5.0, require_key: bool = False, fail_open: bool = False,
@@ -196,7 +206,7 @@ class Options:
                  replayable_statuses: Iterable[int] = (404, 409, 422), scope: Optional[str] = None,
                  max_body_bytes: int = 10 << 20, mismatch_status: int = 422,
                  on_replay: Optional[Callable[[Any, Any], Any]] = None, without_principal: bool = False,
-                 service: str = ""):
+                 service: str = "", key: Optional[Callable[[Any, bytes], Any]] = None):
         if mismatch_status not in MISMATCH_STATUSES or isinstance(mismatch_status, bool):
             raise ValueError("idemcoord: mismatch_status takes 409 or 422 (the answer to a key reused with another "
                              "request), not %r" % (mismatch_status,))
@@ -217,6 +227,7 @@ class Options:
         self.max_body_bytes = max_body_bytes
         self.mismatch_status = mismatch_status
         self.on_replay = on_replay
+        self.key = key
 
     def scope_of(self, method: str, target: str) -> str:
         """The scope of a request's record: scope=, else its operation (target is the path with the query, as sent)."""
@@ -243,13 +254,13 @@ class Options:
 def key_of(o: Options, headers: Iterable[Tuple[bytes, bytes]]) -> Tuple[Optional[bytes], Optional[str]]:
     """The raw header value and key of a request, from its headers [(name lower-case bytes, value bytes)].
 
-    Returns (None, None) without a key; raises Problem.
+    Returns (None, None) without the header (o.key may then find one);
+    raises Problem.
     """
     raw = [v for k, v in headers if k == b"idempotency-key"]
     if not raw:
-        if o.require_key:
-            raise Problem(400, PROBLEM_KEY_MISSING, "Idempotency-Key is missing",
-                          "this request requires an Idempotency-Key header")
+        if o.key is None:
+            no_key(o)
         return None, None
     if len(raw) > 1:
         raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", "send one Idempotency-Key header")
@@ -257,6 +268,37 @@ def key_of(o: Options, headers: Iterable[Tuple[bytes, bytes]]) -> Tuple[Optional
         return raw[0], parse_idempotency_key(raw[0])
     except ValueError as err:
         raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency-Key is invalid", str(err)) from None
+
+
+def key_from(o: Options, found: Any) -> Optional[str]:
+    """The key that o.key found (what it returned) in a request sent without an Idempotency-Key header.
+
+    None or "" is no key (the request runs unprotected, or answers 400
+    when a key is required: see no_key). Any other value (a str, or bytes
+    as UTF-8) is used as a header's key would be: 1-255 bytes of UTF-8
+    without control characters, else 400 key-invalid. Raises Problem.
+    """
+    if found is None or found == "" or found == b"":
+        return None
+    raw = found if isinstance(found, bytes) else str(found).encode("utf-8", "surrogatepass")
+    try:
+        return checked_key(raw)
+    except ValueError as err:
+        raise Problem(400, PROBLEM_KEY_INVALID, "Idempotency key is invalid",
+                      "the idempotency key taken from the request %s" % err) from None
+
+
+def key_failed(err: BaseException) -> Problem:
+    """The answer when o.key raised err: 400 key-invalid; nothing runs."""
+    return Problem(400, PROBLEM_KEY_INVALID, "Idempotency key is invalid",
+                   "the idempotency key could not be taken from the request: %s" % err)
+
+
+def no_key(o: Options) -> None:
+    """A request without a key: raises the 400 of require_key, else returns (the handler runs unprotected)."""
+    if o.require_key:
+        raise Problem(400, PROBLEM_KEY_MISSING, "Idempotency-Key is missing",
+                      "this request requires an Idempotency-Key header")
 
 
 def joined_lines(value: str) -> List[bytes]:

@@ -90,7 +90,9 @@ class IdempotencyMiddleware:
     async) or without_principal=True, methods, fingerprint (a function of
     scope and body), replay_headers, replayable_statuses, scope,
     max_body_bytes, mismatch_status (409 or 422), on_replay (a function of
-    scope and the StoredResponse).
+    scope and the StoredResponse), key (a function of scope and body, may
+    be async: the key of a request sent without an Idempotency-Key
+    header, None or "" for none; the header, when sent, wins).
     """
 
     def __init__(self, app: App, client: Union[Client, _aio.Client], *, threads: Optional[int] = None, **options: Any):
@@ -139,33 +141,37 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] not in o.methods:
             await self.app(scope, receive, send)
             return
+        body: Optional[bytes] = None
         try:
             raw, key = _http.key_of(o, scope["headers"])
+            if key is None and o.key is not None:
+                body = await self._body(receive)
+                if body is None:
+                    return  # the client went away before anything was sent
+                try:
+                    found = await _maybe_await(o.key(scope, body))
+                except Exception as err:
+                    raise _http.key_failed(err) from err
+                key = _http.key_from(o, found)
+                if key is None:
+                    _http.no_key(o)
         except _http.Problem as p:
             await _send_problem(send, p, [])
             return
         if key is None:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive if body is None else _then(body, receive), send)
             return
-        assert raw is not None  # a key was sent
-        echo = [(b"idempotency-key", raw)]
+        echo = [(b"idempotency-key", raw if raw is not None else key.encode("utf-8"))]
         try:
             if o.principal is not None:
                 try:
                     key = _http.fold_principal(await _maybe_await(o.principal(scope)), key)
                 except Exception as err:
                     raise _http.Problem(400, "about:blank", "Bad Request", "idempotency principal: %s" % err)
-            received = bytearray()
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
+            if body is None:
+                body = await self._body(receive)
+                if body is None:
                     return  # the client went away before anything was sent
-                received += msg.get("body", b"")
-                if len(received) > o.max_body_bytes:
-                    raise _http.too_large(o)
-                if not msg.get("more_body", False):
-                    break
-            body = bytes(received)
             try:
                 if o.fingerprint is not None:
                     fp: bytes = await _maybe_await(o.fingerprint(scope, body))
@@ -190,6 +196,19 @@ class IdempotencyMiddleware:
             await self._guarded(scope, send, key, body, fp, echo, left, gone)
         finally:
             watcher.cancel()
+
+    async def _body(self, receive: Receive) -> Optional[bytes]:
+        """The whole request body (at most max_body_bytes, else raises _http.Problem), None when the client left."""
+        received = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            received += msg.get("body", b"")
+            if len(received) > self.o.max_body_bytes:
+                raise _http.too_large(self.o)
+            if not msg.get("more_body", False):
+                return bytes(received)
 
     async def _begin(self, c: _aio.Client, breq: Dict[str, Any],
                      left: asyncio.Event) -> Optional[Tuple[Any, float]]:
@@ -363,6 +382,19 @@ async def _cancel_when_left(left: asyncio.Event, attempt: Attempt) -> None:
     """Cancels attempt (Attempt.cancelled) once the client has left."""
     await left.wait()
     attempt.cancel(RuntimeError("idemcoord: the client went away"))
+
+
+def _then(body: bytes, receive: Receive) -> Receive:
+    """The receive an unprotected app gets after the middleware read the body: that body, then receive's messages."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
 
 
 def _replaying(body: bytes, gone: asyncio.Event) -> Receive:

@@ -92,7 +92,9 @@ class IdempotencyMiddleware:
     require_key, fail_open, principal (a function of the WSGI environ),
     methods, fingerprint (a function of environ and body), replay_headers,
     replayable_statuses, scope, max_body_bytes, mismatch_status, on_replay
-    (a function of environ and the StoredResponse).
+    (a function of environ and the StoredResponse), key (a function of
+    environ and body: the key of a request sent without an Idempotency-Key
+    header, None or "" for none; the header, when sent, wins).
     """
 
     def __init__(self, app: "WSGIApplication", client: Client, **options: Any):
@@ -110,23 +112,34 @@ class IdempotencyMiddleware:
             return self.app(environ, start_response)
         raw_value = environ.get("HTTP_IDEMPOTENCY_KEY")
         headers = [] if raw_value is None else [(b"idempotency-key", line) for line in _http.joined_lines(raw_value)]
+        body: Optional[bytes] = None
         try:
             raw, key = _http.key_of(o, headers)
+            if key is None and o.key is not None:
+                body = self._body(environ)
+                try:
+                    found = o.key(environ, body)
+                except Exception as err:
+                    raise _http.key_failed(err) from err
+                finally:
+                    environ["wsgi.input"] = io.BytesIO(body)  # the function may have read it
+                key = _http.key_from(o, found)
+                if key is None:
+                    _http.no_key(o)
         except _http.Problem as p:
             return self._problem(start_response, p, [])
         if key is None:
             return self.app(environ, start_response)
-        assert raw is not None  # a key was sent
-        echo = [("Idempotency-Key", raw.decode("latin-1"))]
+        # The key as sent, or as found (its UTF-8 bytes, as a WSGI header value carries them).
+        echo = [("Idempotency-Key", raw.decode("latin-1") if raw is not None else key.encode("utf-8").decode("latin-1"))]
         try:
             if o.principal is not None:
                 try:
                     key = _http.fold_principal(o.principal(environ), key)
                 except Exception as err:
                     raise _http.Problem(400, "about:blank", "Bad Request", "idempotency principal: %s" % err)
-            body = _read_body(o, environ)
-            environ["wsgi.input"] = io.BytesIO(body)
-            environ["CONTENT_LENGTH"] = str(len(body))
+            if body is None:
+                body = self._body(environ)
             try:
                 if o.fingerprint is not None:
                     fp: bytes = o.fingerprint(environ, body)
@@ -137,6 +150,13 @@ class IdempotencyMiddleware:
         except _http.Problem as p:
             return self._problem(start_response, p, echo)
         return self._guarded(environ, start_response, key, fp, echo)
+
+    def _body(self, environ: "WSGIEnvironment") -> bytes:
+        """Reads the whole body (see _read_body) and hands it to the app as it was; raises _http.Problem."""
+        body = _read_body(self.o, environ)
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        return body
 
     def _problem(self, start_response: "StartResponse", p: _http.Problem, echo: List[Tuple[str, str]]) -> List[bytes]:
         body = p.body()

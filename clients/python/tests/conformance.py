@@ -33,7 +33,21 @@ def middleware_options(o):
         out["service"] = o["service"]
     if "principal_header" in o:
         out["principal_header"] = o["principal_header"]
+    if "key_from_json_field" in o:
+        out["key"] = json_field_key(o["key_from_json_field"])
     return out
+
+
+def json_field_key(field):
+    """The key= function of key_from_json_field: the field of a JSON object body when it is a non-empty string."""
+    def key(request, body):
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+        v = doc.get(field) if isinstance(doc, dict) else None
+        return v if isinstance(v, str) and v else None
+    return key
 
 
 def lease_body():
@@ -51,7 +65,7 @@ def _send(tc, base, key, st):
     timeout = st["timeout_ms"] / 1000 if st.get("timeout_ms") else 30.0
     try:
         with httpx.Client(timeout=timeout) as http:
-            resp = http.request(rq["method"], base + rq["path"], headers=headers, content=rq.get("body", "").encode())
+            resp = http.request(rq["method"], base + rq["path"], headers=headers, content=fill(rq.get("body", "")).encode())
     except httpx.TimeoutException:
         if e.get("gave_up"):
             return ""

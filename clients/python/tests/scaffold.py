@@ -114,10 +114,11 @@ def run_steps(tc, sc, client, scope, calls, send, checks_state, counts_label, ho
     hold_must_acquire: the scenario's hold of the key is checked to acquire it.
     """
     key = "conf-" + secrets.token_hex(12)
+    record_key = sc.get("key", "{key}").replace("{key}", key)  # the record's key, when not the header's
 
     def lookup():
         try:
-            return idemcoord.State.Name(client.lookup(scope=scope, key=key).record.state)
+            return idemcoord.State.Name(client.lookup(scope=scope, key=record_key).record.state)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 return "absent"

@@ -164,6 +164,76 @@ class ASGIOptionsTest(unittest.TestCase):
         self.assertEqual(changed.json()["type"], "urn:idemcoord:problem:idempotency-key-reused")
 
 
+class ASGIKeyFromPayloadTest(unittest.TestCase):
+    """key=: the key of a request sent without an Idempotency-Key header, from the scope and the body."""
+
+    def guarded(self, key, **options):
+        runs = []
+
+        async def echo(scope, receive, send):
+            body = b""
+            while True:
+                msg = await receive()
+                body += msg.get("body", b"")
+                if not msg.get("more_body"):
+                    break
+            runs.append(body)
+            await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": body})
+        options.setdefault("without_principal", True)
+        base, close = serve(IdempotencyMiddleware(echo, client=CLIENT, service="pay", key=key, **options))
+        self.addCleanup(close)
+        return base + "/pay", runs
+
+    def test_an_async_key_function_finds_the_key_and_the_header_wins(self):
+        import httpx
+        import uuid
+
+        async def order_id(scope, body):
+            await asyncio.sleep(0)
+            return body.decode().split("=", 1)[1]
+        url, runs = self.guarded(order_id)
+        k = "o-" + uuid.uuid4().hex
+        first = httpx.post(url, content=("order=" + k).encode())
+        self.assertEqual((first.status_code, first.headers.get("idempotency-key")), (201, k), first.content)
+        again = httpx.post(url, content=("order=" + k).encode())
+        self.assertEqual((again.headers.get("idempotency-result"), again.content), ("replayed", ("order=" + k).encode()))
+        header = httpx.post(url, content=("order=" + k).encode(), headers={"Idempotency-Key": "h-" + k})
+        self.assertEqual((header.headers.get("idempotency-result"), header.headers.get("idempotency-key")),
+                         ("created", "h-" + k))
+        self.assertEqual(len(runs), 2)
+        rec = CLIENT.lookup(scope="pay POST /pay", key=k).record
+        self.assertEqual(idemcoord.State.Name(rec.state), "STATE_COMPLETED")
+
+    def test_a_key_function_that_raises_answers_400_and_runs_nothing(self):
+        import httpx
+
+        async def broken(scope, body):
+            raise KeyError("order_id")
+        url, runs = self.guarded(broken)
+        resp = httpx.post(url, content=b"{}")
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-invalid")
+        self.assertIn("could not be taken from the request: 'order_id'", resp.json()["detail"])
+        bad = self.guarded(lambda scope, body: "a\nb")[0]
+        resp = httpx.post(bad, content=b"{}")
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertIn("the idempotency key taken from the request holds a control character", resp.json()["detail"])
+        self.assertEqual(runs, [])
+
+    def test_no_key_found_runs_unprotected_with_the_body_or_answers_400_when_required(self):
+        import httpx
+        url, runs = self.guarded(lambda scope, body: None)
+        resp = httpx.post(url, content=b"amount=10")
+        self.assertEqual((resp.status_code, resp.content), (201, b"amount=10"))
+        self.assertNotIn("idempotency-result", resp.headers)
+        url, required_runs = self.guarded(lambda scope, body: None, require_key=True)
+        resp = httpx.post(url, content=b"amount=10")
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-missing")
+        self.assertEqual(required_runs, [])
+
+
 class ASGIWaitingTest(unittest.TestCase):
     def test_waiting_duplicates_hold_no_thread(self):
         """100 duplicates wait for one key; a request for another key is not held up, and every duplicate gets the result."""

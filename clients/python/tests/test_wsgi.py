@@ -228,6 +228,66 @@ class WSGIBodyAndKeyTest(unittest.TestCase):
                          (201, b"charged", "replayed"))
 
 
+class WSGIKeyFromPayloadTest(unittest.TestCase):
+    """key=: the key of a request sent without an Idempotency-Key header, from the request and its body."""
+
+    def guarded(self, key, **options):
+        runs = []
+
+        def app(environ, start_response):
+            runs.append(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)))
+            return echo_app({**environ, "wsgi.input": io.BytesIO(runs[-1])}, start_response)
+        options.setdefault("without_principal", True)
+        base, close = serve(IdempotencyMiddleware(app, client=CLIENT, key=key, **options))
+        self.addCleanup(close)
+        return base + "/pay", runs
+
+    def test_a_key_function_that_raises_answers_400_and_runs_nothing(self):
+        def broken(environ, body):
+            raise ValueError("no order id in %r" % body)
+        url, runs = self.guarded(broken)
+        resp = httpx.post(url, content=b"{}")
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-invalid")
+        self.assertIn("could not be taken from the request: no order id in b'{}'", resp.json()["detail"])
+        self.assertNotIn("idempotency-key", resp.headers)
+        self.assertEqual(runs, [])
+
+    def test_a_found_key_is_checked_as_a_header_key(self):
+        url, runs = self.guarded(lambda environ, body: body.decode())
+        for bad, why in (("x" * 256, "is 256 bytes long"), ("a\x01b", "holds a control character")):
+            resp = httpx.post(url, content=bad.encode())
+            self.assertEqual(resp.status_code, 400, resp.content)
+            self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-invalid")
+            self.assertIn("the idempotency key taken from the request " + why, resp.json()["detail"])
+        self.assertEqual(runs, [])
+
+    def test_no_key_found_runs_unprotected_with_the_body_or_answers_400_when_required(self):
+        url, runs = self.guarded(lambda environ, body: None)
+        resp = httpx.post(url, content=b"amount=10")
+        self.assertEqual((resp.status_code, resp.content), (201, b"amount=10"))
+        self.assertNotIn("idempotency-result", resp.headers)
+        url, runs = self.guarded(lambda environ, body: "", require_key=True)
+        resp = httpx.post(url, content=b"amount=10")
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["type"], "urn:idemcoord:problem:idempotency-key-missing")
+        self.assertEqual(runs, [])
+
+    def test_a_found_key_is_echoed_and_folded_with_the_principal(self):
+        k = "ordre-é-" + uuid.uuid4().hex
+        url, runs = self.guarded(lambda environ, body: body.decode(), without_principal=False,
+                                 principal=lambda environ: "u1")
+        first = httpx.post(url, content=k.encode())
+        self.assertEqual(first.status_code, 201, first.content)
+        self.assertEqual(first.headers.raw[[n.lower() for n, _ in first.headers.raw].index(b"idempotency-key")][1],
+                         k.encode())
+        rec = CLIENT.lookup(scope="POST /pay", key=_http.fold_principal("u1", k)).record
+        self.assertEqual(idemcoord.State.Name(rec.state), "STATE_COMPLETED")
+        again = httpx.post(url, content=k.encode())
+        self.assertEqual(again.headers.get("idempotency-result"), "replayed")
+        self.assertEqual(runs, [k.encode()])
+
+
 class WSGIOptionsTest(unittest.TestCase):
     def test_mismatch_status_other_than_409_or_422_is_refused(self):
         for status in (200, 400, 500, True):
