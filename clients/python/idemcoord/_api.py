@@ -73,3 +73,6 @@ SERVICE = "idempotency.v1.Coordinator"
 METHODS = ("Begin", "Complete", "Fail", "Lookup", "Heartbeat")
 REQUESTS = {m: message_class("idempotency.v1.%sRequest" % m) for m in METHODS}
 RESPONSES = {m: message_class("idempotency.v1.%sResponse" % m) for m in METHODS}
+BatchRequest = message_class("idempotency.v1.BatchRequest")
+BatchResponse = message_class("idempotency.v1.BatchResponse")
+BatchCall = message_class("idempotency.v1.BatchCall")

@@ -567,3 +567,191 @@ def trailing_of(context: Any) -> Metadata:
         return tuple(tm() or ()) if callable(tm) else ()
     except Exception:
         return ()
+
+
+# Call batching: the rounds of Batch RPCs, shared by Client and idemcoord.aio.Client.
+
+BATCH_MAX_CALLS = 128
+"""The most calls one Batch RPC carries (the coordinator takes up to 256)."""
+BATCH_MAX_CALL_BYTES = 64 << 10
+"""The largest request that goes into a batch; a larger one (a Complete with a big response) goes unary."""
+BATCH_MAX_BYTES = 2 << 20
+"""What the requests of one Batch RPC add up to at most, well under gRPC's default 4 MiB message limit."""
+BATCH_FIELDS = {"Begin": "begin", "Complete": "complete", "Fail": "fail", "Lookup": "lookup", "Heartbeat": "heartbeat"}
+"""The methods a batch carries, with their field in BatchCall and BatchResult."""
+
+
+def rpc_error(code: grpc.StatusCode, details: str, status: Optional[bytes] = None) -> grpc.RpcError:
+    """The exception a unary call raises for code and details; status: the google.rpc.Status sent with details.
+
+    grpc.aio.AioRpcError, a grpc.RpcError with code(), details() and
+    trailing_metadata() (grpc-status-details-bin when status is given), as
+    both clients' unary calls raise.
+    """
+    import grpc.aio
+    trailing = grpc.aio.Metadata((STATUS_DETAILS, status)) if status else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+def status_error(st: Any) -> grpc.RpcError:
+    """The exception of a google.rpc.Status a batched call failed with: what its unary call raises."""
+    return rpc_error(CODES.get(st.code, _C.UNKNOWN), st.message,
+                     st.SerializeToString(deterministic=True) if len(st.details) else None)
+
+
+class BatchItem:
+    """One call waiting for its Batch: its method, request, size and deadline (a monotonic time), then its answer.
+
+    waiter is the client's own (a threading.Event, an asyncio.Future);
+    answered and outcome (the response, or the exception to raise) are set
+    once by the client's answer.
+    """
+
+    __slots__ = ("method", "request", "size", "deadline", "outcome", "answered", "waiter")
+
+    def __init__(self, method: str, request: Any, size: int, deadline: float, waiter: Any = None):
+        self.method, self.request, self.size, self.deadline, self.waiter = method, request, size, deadline, waiter
+        self.outcome: Any = None
+        self.answered = False
+
+    def answer(self) -> Any:
+        """The response, or raises the call's error."""
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def acquired_token(self) -> Optional[str]:
+        """The lease token of an answered Begin that acquired the key, else None."""
+        if self.method != "Begin" or not self.answered or isinstance(self.outcome, BaseException):
+            return None
+        if self.outcome.outcome != _api.Outcome.OUTCOME_ACQUIRED:
+            return None
+        return str(self.outcome.lease_token)
+
+
+class BatchRounds:
+    """Which calls go together in which Batch RPC, without I/O: not thread-safe (the sync client holds a lock).
+
+    Nothing waits for a batch to fill: while fewer than max_in_flight
+    Batch RPCs are in flight, a call is sent at once (alone, if it is
+    alone); the calls that arrive while all are in flight go together in
+    the next RPC of whichever finishes first. add returns the round the
+    caller must send now, and next_round, called by a sender when its RPC
+    is answered, the next one it must send (None: stop).
+    """
+
+    def __init__(self, max_in_flight: int):
+        self.max = max(int(max_in_flight), 0)
+        self.queue: List[BatchItem] = []
+        self.in_flight = 0
+        self.unary = False  # the coordinator answered UNIMPLEMENTED for Batch: every call goes unary
+
+    def size_if_batchable(self, method: str, request: Any) -> Optional[int]:
+        """The request's size when this call may go into a batch, else None (it goes as its own unary RPC)."""
+        if self.max <= 0 or self.unary or method not in BATCH_FIELDS:
+            return None
+        if method == "Begin" and request.HasField("wait") and seconds(request.wait) > 0:
+            return None  # a batched Begin never waits
+        size = int(request.ByteSize())
+        return size if size <= BATCH_MAX_CALL_BYTES else None
+
+    def add(self, item: BatchItem) -> Optional[List[BatchItem]]:
+        """Queues item; returns the round to send now when an RPC slot is free, else None (a sender takes it)."""
+        self.queue.append(item)
+        if self.in_flight >= self.max:
+            return None
+        self.in_flight += 1
+        return self._take()
+
+    def next_round(self) -> Optional[List[BatchItem]]:
+        """The round a sender whose RPC was answered sends next, or None: the queue is empty, the slot is free."""
+        if not self.queue:
+            self.in_flight -= 1
+            return None
+        return self._take()
+
+    def withdraw(self, item: BatchItem) -> bool:
+        """Takes item out of the queue if it is still there (not sent); whether it was."""
+        for i, q in enumerate(self.queue):
+            if q is item:
+                del self.queue[i]
+                return True
+        return False
+
+    def _take(self) -> List[BatchItem]:
+        n, size = 0, 0
+        while (n < len(self.queue) and n < BATCH_MAX_CALLS
+               and (n == 0 or size + self.queue[n].size <= BATCH_MAX_BYTES)):
+            size += self.queue[n].size
+            n += 1
+        taken, self.queue = self.queue[:n], self.queue[n:]
+        return taken
+
+
+def batch_request(items: Sequence[BatchItem], now: float) -> Tuple[Any, float]:
+    """The BatchRequest of a round and its RPC's timeout: the latest of its calls' deadlines.
+
+    Each call's own deadline goes as its timeout (at least a millisecond):
+    the coordinator ends the call at it, as the deadline of a unary call.
+    """
+    req = _api.BatchRequest()
+    for it in items:
+        call = req.calls.add()
+        getattr(call, BATCH_FIELDS[it.method]).CopyFrom(it.request)
+        call.timeout.CopyFrom(duration(max(it.deadline - now, 0.001)))
+    return req, max(max(it.deadline for it in items) - now, 0.001)
+
+
+ROUND_UNARY_FOR_GOOD = "unimplemented"
+"""round_failed: the coordinator has no Batch method; this round and every later call go unary."""
+ROUND_UNARY = "unary"
+"""round_failed: this round's calls go unary (the answer was too large to receive)."""
+ROUND_FAILED = "failed"
+"""round_failed: each call fails with the Batch RPC's error, as its unary call would have (and retries as it)."""
+
+
+def round_failed(err: BaseException) -> str:
+    """What becomes of a round whose Batch RPC raised err: ROUND_UNARY_FOR_GOOD, ROUND_UNARY or ROUND_FAILED."""
+    code = code_of_error(err)
+    if code == _C.UNIMPLEMENTED:
+        return ROUND_UNARY_FOR_GOOD
+    if code == _C.RESOURCE_EXHAUSTED:
+        return ROUND_UNARY
+    return ROUND_FAILED
+
+
+def answer_round(items: Sequence[BatchItem], response: Any) -> List[BatchItem]:
+    """Sets each item's outcome from a Batch's answer; returns the items to make again alone, unary.
+
+    Those are calls that changed nothing (a Lookup, a Begin, which did not
+    acquire since it failed) answered RESOURCE_EXHAUSTED: the coordinator
+    refuses a batched call whose answer would not fit in the Batch's (a
+    replay of a large response), and such a call is repeated alone, which
+    is safe (a Begin keeps its attempt_id); a call refused by the rate
+    limit is repeated too, and answers as the rate limit decides then.
+    """
+    results = response.results
+    if len(results) != len(items):
+        err = rpc_error(_C.INTERNAL, "coordinator answered %d results to a Batch of %d calls" % (len(results), len(items)))
+        for it in items:
+            it.outcome = err
+        return []
+    again = []
+    for it, res in zip(items, results):
+        which = res.WhichOneof("result")
+        if which == "error":
+            if res.error.code == _C.RESOURCE_EXHAUSTED.value[0] and it.method in ("Begin", "Lookup"):
+                again.append(it)
+                continue
+            it.outcome = status_error(res.error)
+        elif which != BATCH_FIELDS[it.method]:
+            it.outcome = rpc_error(_C.INTERNAL, "coordinator answered a Batch call %s with %s" % (it.method, which))
+        else:
+            it.outcome = getattr(res, which)
+    return again
+
+
+def fail_round(items: Sequence[BatchItem], err: BaseException) -> None:
+    """Sets each item's outcome to the error of the Batch RPC that carried it."""
+    for it in items:
+        it.outcome = err

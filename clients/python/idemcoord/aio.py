@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import grpc
 import grpc.aio
@@ -46,16 +46,29 @@ def _answer_lost(err: object) -> bool:
 
 
 class Client(_Settings):
-    """Calls an idemcoord coordinator from asyncio code; arguments as idemcoord.Client's."""
+    """Calls an idemcoord coordinator from asyncio code; arguments as idemcoord.Client's.
+
+    interceptors are grpc.aio client interceptors of the channel (with
+    call_batching they see the Batch RPCs). call_batching=N behaves as
+    idemcoord.Client's: the calls the tasks of
+    the event loop make concurrently share Batch RPCs, at most N in
+    flight, each call with its own answer, error, timeout and retries. A
+    Begin whose task is cancelled after it was sent waits (shielded, at
+    most a few seconds) for its answer and releases what it acquired
+    before the cancellation goes on.
+    """
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Any = None, *, max_attempts: int = 5,
                  backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 10.0, lease: Any = None,
-                 options: Sequence[Tuple[str, Any]] = (), logger: Optional[logging.Logger] = None):
+                 options: Sequence[Tuple[str, Any]] = (), logger: Optional[logging.Logger] = None,
+                 call_batching: int = 0, interceptors: Sequence[Any] = ()):
         options = _channel_options(options)
         creds = _credentials(tls)
-        self._channel = (grpc.aio.secure_channel(address, creds, options) if creds
-                         else grpc.aio.insecure_channel(address, options))
-        _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
+        chain = list(interceptors) or None
+        self._channel = (grpc.aio.secure_channel(address, creds, options, interceptors=chain) if creds
+                         else grpc.aio.insecure_channel(address, options, interceptors=chain))
+        _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger,
+                   call_batching)
         self._background: Set["asyncio.Future[None]"] = set()
 
     @classmethod
@@ -81,12 +94,104 @@ class Client(_Settings):
         delay = self._backoff
         for attempt in range(1, self._max_attempts + 1):
             try:
+                size = self._rounds.size_if_batchable(method, request) if self._rounds is not None else None
+                if size is not None:
+                    return await self._batched(method, request, size, timeout)
                 return await self._stubs[method](request, timeout=timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as err:
                 if err.code() != _C.UNAVAILABLE or attempt >= self._max_attempts:
                     raise
                 await asyncio.sleep(delay / 2 + random.random() * delay / 2)
                 delay = min(delay * 2, self._max_backoff)
+
+    # Call batching (call_batching=N): each try of a call is an item of a round, formed on the event loop.
+
+    async def _batched(self, method: str, request: Any, size: int, timeout: float) -> Any:
+        """One try of a call, in a Batch RPC: its answer, or what its unary call raises."""
+        assert self._rounds is not None
+        it = _core.BatchItem(method, request, size, time.monotonic() + timeout,
+                             asyncio.get_running_loop().create_future())
+        round_ = self._rounds.add(it)
+        if round_ is not None:
+            self._run_in_background(self._send_rounds(round_))
+        try:
+            done, _ = await asyncio.wait({it.waiter}, timeout=timeout)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._batched_gone(it))
+            raise
+        if not done:
+            await asyncio.shield(self._batched_gone(it))
+            raise _core.rpc_error(_C.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return it.answer()
+
+    async def _batched_gone(self, it: _core.BatchItem) -> None:
+        """Its caller gave up on it: out of the queue if it is still there, else a Begin's acquisition is released.
+
+        That waits for the Begin's answer for at most RELEASE_TIMEOUT
+        (normally milliseconds), so that the caller's own release finds the
+        key settled; after that it goes on in the background.
+        """
+        assert self._rounds is not None
+        if self._rounds.withdraw(it) or it.method != "Begin":
+            return
+
+        async def release() -> None:
+            await it.waiter
+            token = it.acquired_token()
+            if token:
+                await self._release(dict(scope=it.request.scope, key=it.request.key), token)
+        settle = asyncio.ensure_future(release())
+        self._background.add(settle)
+        settle.add_done_callback(self._background.discard)
+        await asyncio.wait({settle}, timeout=RELEASE_TIMEOUT)
+
+    async def _send_rounds(self, round_: Optional[List[_core.BatchItem]]) -> None:
+        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again)."""
+        assert self._rounds is not None
+        while round_ is not None:
+            await self._send_round(round_)
+            round_ = self._rounds.next_round()
+
+    async def _send_round(self, items: List[_core.BatchItem]) -> None:
+        """Sends one round as a Batch RPC (or its calls unary) and answers each of its calls."""
+        assert self._rounds is not None
+        try:
+            if self._rounds.unary:
+                await self._each_unary(items)
+                return
+            req, timeout = _core.batch_request(items, time.monotonic())
+            try:
+                resp = await self._batch_stub(req, timeout=timeout, metadata=self._metadata)
+            except grpc.aio.AioRpcError as err:
+                how = _core.round_failed(err)
+                if how == _core.ROUND_FAILED:
+                    _core.fail_round(items, err)
+                    return
+                if how == _core.ROUND_UNARY_FOR_GOOD:
+                    self._rounds.unary = True
+                await self._each_unary(items)
+                return
+            await self._each_unary(_core.answer_round(items, resp))
+        except BaseException as err:  # cancelled at shutdown, a closed channel: no caller waits forever
+            _core.fail_round([it for it in items if it.outcome is None],
+                             _core.rpc_error(_C.CANCELLED, "idemcoord: the batch could not be sent: %r" % err))
+            if isinstance(err, asyncio.CancelledError):
+                raise
+        finally:
+            for it in items:
+                it.answered = True
+                if not it.waiter.done():
+                    it.waiter.set_result(None)
+
+    async def _each_unary(self, items: Sequence[_core.BatchItem]) -> None:
+        """Makes each call as its own unary RPC, all at once."""
+        async def one(it: _core.BatchItem) -> None:
+            try:
+                it.outcome = await self._stubs[it.method](it.request, timeout=max(it.deadline - time.monotonic(), 0.001),
+                                                          metadata=self._metadata)
+            except grpc.aio.AioRpcError as err:
+                it.outcome = err
+        await asyncio.gather(*(one(it) for it in items))
 
     async def begin(self, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Claims a key; as idemcoord.Client.begin."""

@@ -286,10 +286,13 @@ class _Settings:
     _lease: Any  # a google.protobuf.Duration, or None: the coordinator's default
     _log: logging.Logger
     _stubs: Dict[str, Any]
+    _batch_stub: Any
+    _rounds: Optional[_core.BatchRounds]  # None without call_batching
 
 
 def _configure(client: _Settings, channel: Any, token: Optional[str], max_attempts: int, backoff: float,
-               max_backoff: float, timeout: float, lease: Any, logger: Optional[logging.Logger]) -> None:
+               max_backoff: float, timeout: float, lease: Any, logger: Optional[logging.Logger],
+               call_batching: int = 0) -> None:
     """Sets what Client and idemcoord.aio.Client share: the call settings, and the stubs on channel."""
     client._metadata = (("authorization", "Bearer " + token),) if token else ()
     client._max_attempts = max(1, max_attempts)
@@ -301,6 +304,9 @@ def _configure(client: _Settings, channel: Any, token: Optional[str], max_attemp
                                response_deserializer=_api.RESPONSES[m].FromString)
         for m in _api.METHODS
     }
+    client._batch_stub = channel.unary_unary("/%s/Batch" % _api.SERVICE, request_serializer=lambda r: r.SerializeToString(),
+                                             response_deserializer=_api.BatchResponse.FromString)
+    client._rounds = _core.BatchRounds(call_batching) if call_batching > 0 else None
 
 
 class Client(_Settings):
@@ -315,22 +321,44 @@ class Client(_Settings):
     plaintext, True for TLS with the system roots, a dict of
     grpc.ssl_channel_credentials arguments, or grpc.ChannelCredentials.
     Durations (ttl, lease, wait, timeout, backoff) are seconds or timedeltas.
+
+    call_batching=N (N > 0) makes concurrent calls share RPCs: begin
+    (without a wait), complete, fail, lookup and heartbeat calls, from any
+    thread, go to the coordinator's Batch method, at most N Batch RPCs at a
+    time. Nothing waits for a batch to fill: while fewer than N are in
+    flight a call is sent at once; the calls that arrive meanwhile go
+    together in the next one. Each call keeps its own answer or error (the
+    same exception, code, details and trailing metadata as its unary
+    call), its own timeout, and its own retries (a Batch RPC that fails
+    UNAVAILABLE fails each of its calls so, and each retries as its unary
+    call would). A Begin with a wait, or a request over 64 KiB, goes
+    unary; every call does once the coordinator answers that it has no
+    Batch method. A Begin whose caller gives up (its timeout, its
+    cancel_event) after it was sent waits for its answer (at most a few
+    seconds) and releases what it acquired (Fail ABANDONED), since the
+    coordinator cannot see that one call of a Batch was given up. 2 is a
+    good value; 0 (the default) sends every call as its own RPC. Client
+    interceptors see the Batch RPCs. The threads that send the rounds
+    (at most N) end when nothing is queued, and shutdown waits for them.
     """
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Any = None, *, max_attempts: int = 5,
                  backoff: float = 0.1, max_backoff: float = 2.0, timeout: float = 10.0, lease: Any = None,
                  interceptors: Sequence[Any] = (), options: Sequence[Tuple[str, Any]] = (),
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, call_batching: int = 0):
         options = _channel_options(options)
         # What an asyncio twin of this client is built from (idemcoord.aio.Client.like).
         self._settings: Dict[str, Any] = dict(address=address, token=token, tls=tls, max_attempts=max_attempts, backoff=backoff,
-                              max_backoff=max_backoff, timeout=timeout, lease=lease, options=options, logger=logger)
+                              max_backoff=max_backoff, timeout=timeout, lease=lease, options=options, logger=logger,
+                              call_batching=call_batching)
         creds = _credentials(tls)
         channel = grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address, options)
         self._channel = channel
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)
-        _configure(self, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger)
+        _configure(self, channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger, call_batching)
+        self._rounds_lock = threading.Lock()
+        self._senders: Set[threading.Thread] = set()
         self._background: Set[threading.Thread] = set()
         self._bg_lock = threading.Lock()
         self._bg_stop = threading.Event()
@@ -384,6 +412,11 @@ class Client(_Settings):
         """One try of _call."""
         if deadline is not None:
             timeout = min(timeout, max(deadline - time.monotonic(), 0.001))
+        if self._rounds is not None:
+            with self._rounds_lock:
+                size = self._rounds.size_if_batchable(method, request)
+            if size is not None:
+                return self._batched(method, request, size, timeout, cancel_event)
         stub = self._stubs[method]
         if cancel_event is None:
             return stub(request, timeout=timeout, metadata=self._metadata)
@@ -397,6 +430,114 @@ class Client(_Settings):
                 if cancel_event.is_set():
                     call.cancel()
                     raise _cancelled() from None
+
+    # Call batching (call_batching=N): each try of a call is an item of a round.
+
+    def _batched(self, method: str, request: Any, size: int, timeout: float,
+                 cancel_event: Optional[threading.Event]) -> Any:
+        """One try of a call, in a Batch RPC: its answer, or what its unary call raises."""
+        if cancel_event is not None and cancel_event.is_set():
+            raise _cancelled()
+        assert self._rounds is not None
+        it = _core.BatchItem(method, request, size, time.monotonic() + timeout, threading.Event())
+        with self._rounds_lock:
+            round_ = self._rounds.add(it)
+        if round_ is not None:
+            self._start_sender(round_)
+        while True:
+            left = max(it.deadline - time.monotonic(), 0.0)
+            if it.waiter.wait(left if cancel_event is None else min(left, CANCEL_POLL)):
+                return it.answer()
+            if cancel_event is not None and cancel_event.is_set():
+                self._batched_gone(it)
+                raise _cancelled()
+            if time.monotonic() >= it.deadline:
+                self._batched_gone(it)
+                raise _core.rpc_error(_C.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _batched_gone(self, it: _core.BatchItem) -> None:
+        """Its caller gave up on it: out of the queue if it is still there, else a Begin's acquisition is released.
+
+        That release waits for the Begin's answer for at most
+        RELEASE_TIMEOUT (normally milliseconds), so that the caller's own
+        release finds the key settled; after that it goes on in the
+        background.
+        """
+        assert self._rounds is not None
+        with self._rounds_lock:
+            if self._rounds.withdraw(it):
+                return
+        if it.method != "Begin":
+            return
+        if it.waiter.wait(RELEASE_TIMEOUT):
+            self._release_answered(it)
+            return
+
+        def later(stop: threading.Event) -> None:
+            while not stop.is_set():
+                if it.waiter.wait(CANCEL_POLL):
+                    self._release_answered(it)
+                    return
+        self._run_in_background(later)
+
+    def _release_answered(self, it: _core.BatchItem) -> None:
+        token = it.acquired_token()
+        if token:
+            self._release(dict(scope=it.request.scope, key=it.request.key), token)
+
+    def _start_sender(self, round_: List[_core.BatchItem]) -> None:
+        t = threading.Thread(target=self._send_rounds, args=(round_,), name="idemcoord-batch", daemon=True)
+        with self._rounds_lock:
+            self._senders.add(t)
+        t.start()
+
+    def _send_rounds(self, round_: Optional[List[_core.BatchItem]]) -> None:
+        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again)."""
+        assert self._rounds is not None
+        while round_ is not None:
+            self._send_round(round_)
+            with self._rounds_lock:
+                round_ = self._rounds.next_round()
+                if round_ is None:
+                    self._senders.discard(threading.current_thread())
+
+    def _send_round(self, items: List[_core.BatchItem]) -> None:
+        """Sends one round as a Batch RPC (or its calls unary) and answers each of its calls."""
+        assert self._rounds is not None
+        try:
+            if self._rounds.unary:
+                self._each_unary(items)
+                return
+            req, timeout = _core.batch_request(items, time.monotonic())
+            try:
+                resp = self._batch_stub(req, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                how = _core.round_failed(err)
+                if how == _core.ROUND_FAILED:
+                    _core.fail_round(items, err)
+                    return
+                if how == _core.ROUND_UNARY_FOR_GOOD:
+                    self._rounds.unary = True
+                self._each_unary(items)
+                return
+            self._each_unary(_core.answer_round(items, resp))
+        except Exception as err:  # a closed channel, say: no caller waits for an answer that will not come
+            _core.fail_round([it for it in items if it.outcome is None],
+                             _core.rpc_error(_C.CANCELLED, "idemcoord: the batch could not be sent: %s" % err))
+        finally:
+            for it in items:
+                it.answered = True
+                it.waiter.set()
+
+    def _each_unary(self, items: Sequence[_core.BatchItem]) -> None:
+        """Makes each call as its own unary RPC, all at once."""
+        calls = [(it, self._stubs[it.method].future(it.request, timeout=max(it.deadline - time.monotonic(), 0.001),
+                                                    metadata=self._metadata)) for it in items]
+        for it, call in calls:
+            try:
+                it.outcome = call.result()
+            except grpc.RpcError as err:
+                it.outcome = err
 
     def begin(self, request: Any = None, *, timeout: Optional[float] = None, **fields: Any) -> Any:
         """Claims a key (idempotency.v1.Coordinator.Begin).
@@ -597,7 +738,13 @@ class Client(_Settings):
                 t.join(left)
                 if deadline is not None and time.monotonic() >= deadline:
                     self._bg_stop.set()
+        with self._rounds_lock:
+            senders = list(self._senders)
+        for t in senders:  # each RPC ends by its calls' deadlines
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._channel.close()
+        for t in senders:  # the channel's close cancelled what was still in flight
+            t.join()
 
     close = shutdown
 

@@ -55,3 +55,23 @@ class Coordinator:
             self._proc.stdin.close()
             self._proc.wait()
             self._proc.stdout.close()
+
+
+# IDEMCOORD_TEST_CALL_BATCHING, set to a number, makes the fixtures' clients
+# share RPCs (call_batching with that many Batch RPCs in flight), as the Go
+# client's tests read it: a second run of the suite with it tests every
+# promise tested through a fixture through Batch RPCs too. Clients built
+# with fault-injecting interceptors that watch one method's unary RPCs
+# stay unary.
+CALL_BATCHING_ENV = "IDEMCOORD_TEST_CALL_BATCHING"
+
+
+def fixture_options(**kwargs):
+    """kwargs, with call_batching when IDEMCOORD_TEST_CALL_BATCHING asks for it (and no interceptors are given)."""
+    try:
+        n = int(os.environ.get(CALL_BATCHING_ENV, ""))
+    except ValueError:
+        n = 0
+    if n > 0 and not kwargs.get("interceptors"):
+        kwargs.setdefault("call_batching", n)
+    return kwargs

@@ -17,7 +17,7 @@ import grpc
 
 import idemcoord
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, fixture_options
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testdata")
 
@@ -33,7 +33,7 @@ def coordinator_module(module_globals, lease_ms):
     (see coordinator.py) and an idemcoord.Client on it with a lease of lease_ms."""
     def setUpModule():
         module_globals["COORD"] = coord = Coordinator()
-        module_globals["CLIENT"] = idemcoord.Client(coord.addr, token=coord.token, lease=lease_ms / 1000)
+        module_globals["CLIENT"] = idemcoord.Client(coord.addr, **fixture_options(token=coord.token, lease=lease_ms / 1000))
 
     def tearDownModule():
         module_globals["CLIENT"].shutdown(timeout=10)

@@ -10,7 +10,7 @@ import grpc
 import idemcoord
 import idemcoord.aio
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, fixture_options
 
 COORD = None
 
@@ -30,7 +30,7 @@ def key(prefix):
 
 class AioOnceTest(unittest.IsolatedAsyncioTestCase):
     async def asyncSetUp(self):
-        self.client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=2)
+        self.client = idemcoord.aio.Client(COORD.addr, **fixture_options(token=COORD.token, lease=2))
 
     async def asyncTearDown(self):
         await self.client.shutdown(timeout=10)

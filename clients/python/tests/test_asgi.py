@@ -16,6 +16,7 @@ import idemcoord
 from idemcoord.asgi import IdempotencyMiddleware
 
 from . import conformance, scaffold
+from .coordinator import fixture_options
 
 try:
     import fastapi
@@ -365,7 +366,7 @@ class ASGIAsyncClientTest(unittest.TestCase):
 
         async def app(scope, receive, send):
             if not guarded:  # a grpc.aio channel is made in the loop that uses it
-                client = idemcoord.aio.Client(COORD.addr, token=COORD.token)
+                client = idemcoord.aio.Client(COORD.addr, **fixture_options(token=COORD.token))
                 guarded.append(IdempotencyMiddleware(inner, client=client, without_principal=True))
             await guarded[0](scope, receive, send)
         base, close = serve(app)

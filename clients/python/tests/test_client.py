@@ -13,7 +13,7 @@ import grpc
 import idemcoord
 from idemcoord import State
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, fixture_options
 
 COORD = None
 CLIENTS = []
@@ -32,7 +32,7 @@ def tearDownModule():
 
 def new_client(**kwargs):
     kwargs.setdefault("token", COORD.token)
-    c = idemcoord.Client(COORD.addr, **kwargs)
+    c = idemcoord.Client(COORD.addr, **fixture_options(**kwargs))
     CLIENTS.append(c)
     return c
 

@@ -19,6 +19,7 @@ from idemcoord import _api
 from idemcoord.grpc import ServerInterceptor
 
 from . import scaffold
+from .coordinator import fixture_options
 
 SUITE = scaffold.load_suite("grpc_conformance.json")
 METHOD = "/idempotency.v1.Coordinator/Begin"
@@ -118,7 +119,7 @@ def aio_starter(loop):
     """start(options, calls) for a grpc.aio server with idemcoord.aio.ServerInterceptor on loop (the main thread's)."""
     def start(options, calls):
         async def create():
-            client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=SUITE["client_lease_ms"] / 1000)
+            client = idemcoord.aio.Client(COORD.addr, **fixture_options(token=COORD.token, lease=SUITE["client_lease_ms"] / 1000))
             interceptor = idemcoord.aio.ServerInterceptor(client, pool=_api.POOL,
                                                           wait=options.get("wait_ms", 0) / 1000,
                                                           require_key=bool(options.get("require_key")), without_principal=True)

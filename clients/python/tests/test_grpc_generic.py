@@ -21,7 +21,7 @@ import idemcoord
 import idemcoord.aio
 import idemcoord.grpc
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, fixture_options
 
 COORD = None
 METHOD = "/shop.Payments/Charge"
@@ -113,7 +113,7 @@ class GenericHandlerChecks:
 
 class SyncGenericHandlerTest(GenericHandlerChecks, unittest.TestCase):
     def setUp(self):
-        self.client = idemcoord.Client(COORD.addr, token=COORD.token, lease=5)
+        self.client = idemcoord.Client(COORD.addr, **fixture_options(token=COORD.token, lease=5))
         self.addCleanup(self.client.shutdown, 10)
 
     def lookup(self, scope, key):
@@ -144,7 +144,7 @@ class AioGenericHandlerTest(GenericHandlerChecks, unittest.TestCase):
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         thread.start()
-        self.sync = idemcoord.Client(COORD.addr, token=COORD.token)
+        self.sync = idemcoord.Client(COORD.addr, **fixture_options(token=COORD.token))
         self.addCleanup(self.sync.shutdown, 10)
 
         def stop_loop():
@@ -163,7 +163,7 @@ class AioGenericHandlerTest(GenericHandlerChecks, unittest.TestCase):
         runs = Runs()
 
         async def start():
-            client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=5)
+            client = idemcoord.aio.Client(COORD.addr, **fixture_options(token=COORD.token, lease=5))
             interceptor = idemcoord.aio.ServerInterceptor(client, wait=20, without_principal=True)
             server = grpc.aio.server(interceptors=[interceptor])
             server.add_generic_rpc_handlers([generic(async_charge(runs))])

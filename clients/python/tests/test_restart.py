@@ -27,7 +27,7 @@ import idemcoord.aio
 from idemcoord import _api
 from idemcoord.wsgi import IdempotencyMiddleware
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, fixture_options
 
 DOWN = 12.0  # seconds the coordinator is stopped at least
 SERVE_AGAIN_WITHIN = 5.0  # seconds after it is ready again (Go's and Node's clients take 3-4 s)
@@ -97,7 +97,7 @@ def _call_wsgi(app, environ):
 
 class SyncRestartTest(unittest.TestCase):
     def test_serves_soon_and_records_a_handler_that_finished_while_down(self):
-        client = idemcoord.Client(COORD.addr, token=COORD.token, lease=LEASE)
+        client = idemcoord.Client(COORD.addr, **fixture_options(token=COORD.token, lease=LEASE))
         self.addCleanup(client.shutdown, 10)
         scope = "restart-sync-" + uuid.uuid4().hex
         client.begin(scope=scope, key="warm", fingerprint=b"f")  # the channel is connected
@@ -181,7 +181,7 @@ class AsyncRestartTest(unittest.TestCase):
 
     async def _run(self):
         loop = asyncio.get_running_loop()
-        client = idemcoord.aio.Client(COORD.addr, token=COORD.token, lease=LEASE)
+        client = idemcoord.aio.Client(COORD.addr, **fixture_options(token=COORD.token, lease=LEASE))
         try:
             scope = "restart-aio-" + uuid.uuid4().hex
             await client.begin(scope=scope, key="warm", fingerprint=b"f")
