@@ -206,6 +206,12 @@ func (e *environment) runExternal(ctx context.Context, g generator, path string,
 	return cell, nil
 }
 
+// firstLine is s up to its first line break.
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
+}
+
 // limitedWriter keeps the first n bytes written to it.
 type limitedWriter struct {
 	w io.Writer
@@ -242,17 +248,27 @@ func (e *environment) runPaths(ctx context.Context) ([]Cell, []PathRow, error) {
 				continue
 			}
 		}
+	concurrencies:
 		for _, c := range e.s.PathConcurrency {
 			for _, replays := range []bool{false, true} {
-				var cell Cell
-				var err error
 				if path == pathStub {
-					cell, err = e.runCell(ctx, pathKind(pathStub, replays), c, nil)
-				} else {
-					cell, err = e.runExternal(ctx, g, path, replays, c, e.s.ClientBatching)
+					cell, err := e.runCell(ctx, pathKind(pathStub, replays), c, nil)
+					if err != nil {
+						return nil, nil, err
+					}
+					cells = append(cells, cell)
+					continue
 				}
+				cell, err := e.runExternal(ctx, g, path, replays, c, e.s.ClientBatching)
 				if err != nil {
-					return nil, nil, err
+					// A load generator that fails costs its path, not the
+					// run; a coordinator that died ends the run.
+					if dead := e.coordinatorAlive(); dead != nil || ctx.Err() != nil {
+						return nil, nil, errors.Join(err, dead, ctx.Err())
+					}
+					logf("path %s at %d callers not measured: %v", path, c, err)
+					skipped = append(skipped, PathRow{Path: path, Concurrency: c, Skipped: "the load generator failed: " + firstLine(err.Error())})
+					continue concurrencies
 				}
 				cells = append(cells, cell)
 			}
