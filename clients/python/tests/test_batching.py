@@ -460,6 +460,26 @@ class AioBatchingTest(unittest.IsolatedAsyncioTestCase):
         self.assertLessEqual(batches, 2)
         self.assertEqual((i.rpcs.count("Begin"), i.rpcs.count("Complete")), (18, 9))
 
+    async def test_replays_too_large_for_one_answer_are_repeated_alone(self):
+        # 8 replays of 1 MB responses do not fit in one Batch's answer (the
+        # coordinator answers about 3 MB of them): the calls it refuses to
+        # answer in the batch are made again alone, and each gets the whole
+        # stored response.
+        i = AioRpcs()
+        c = self.client(call_batching=1, interceptors=[i])
+        body = b"x" * 1_000_000
+        keys = [key("big") for _ in range(8)]
+        for k in keys:
+            b = await self.plain.begin(scope="pay", key=k)
+            await self.plain.complete(scope="pay", key=k, lease_token=b.lease_token,
+                                      response=idemcoord.StoredResponse(body=body))
+        gate = asyncio.ensure_future(c.lookup(scope="pay", key=keys[0]))  # the next 8 wait for its slot, together
+        replays = await asyncio.gather(*(c.begin(scope="pay", key=k) for k in keys))
+        await gate
+        self.assertEqual([(r.outcome, len(r.record.response.body)) for r in replays], [(REPLAY, len(body))] * 8)
+        self.assertIn(8, i.rpcs.batch_sizes, "the 8 replays did not share a round: %s" % i.rpcs.batch_sizes)
+        self.assertGreater(i.rpcs.count("Begin"), 0, "no replay was repeated alone")
+
     async def test_once_through_a_batching_client(self):
         c = self.client(call_batching=2)
         k, runs = key("dup"), []
