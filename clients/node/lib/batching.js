@@ -236,7 +236,15 @@ class Batcher {
         this.inFlight--;
         return;
       }
-      await this._send(batch);
+      try {
+        await this._send(batch);
+      } catch (err) {
+        // Not an RPC's error (those are the calls'): fail the calls
+        // rather than leave them waiting.
+        for (const it of batch) {
+          it.settle({ err });
+        }
+      }
     }
   }
 

@@ -290,3 +290,9 @@ test('replays too large to share one Batch answer are asked for alone', TIMEOUT,
   }
   assert.ok(unary.Begin > 0, 'the answers that did not fit were asked for unary');
 });
+
+test('a call through a closed batching Client rejects instead of waiting', TIMEOUT, async () => {
+  const { c } = batchingClient();
+  c.close();
+  await assert.rejects(c.lookup({ scope: SCOPE, key: uniqueKey('closed') }, { timeoutMs: 60000 }), /closed|shut down/i);
+});
