@@ -1,13 +1,15 @@
-"""The decisions of once, of a lease's holder and of the gRPC server interceptors, without I/O.
+"""The decisions of once, of a lease's holder, of call batching and of the gRPC server interceptors, without I/O.
 
 idemcoord.Client and idemcoord.grpc (threads) and idemcoord.aio (asyncio)
 drive the same code here, as _http is shared by the ASGI and WSGI
 middlewares: the wait for another attempt's result is a generator that
 yields the calls and pauses to make (begin_waiting), a lease's heartbeat
-timing is LeaseTimer, and an interceptor's choices (which methods, the key,
-the Begin request, what to answer for each outcome, how an ending is
-recorded) are Guard's. Nothing here calls the coordinator, sleeps or
-touches a ServicerContext.
+timing is LeaseTimer and its loop the generator keep_alive, which calls
+share which Batch RPC is BatchRounds' (with batch_request and answer_round
+for the RPC's request and answers), and an interceptor's choices (which
+methods, the key, the Begin request, what to answer for each outcome, how
+an ending is recorded) are Guard's. Nothing here calls the coordinator,
+sleeps or touches a ServicerContext.
 """
 
 import base64
@@ -698,7 +700,8 @@ def batch_request(items: Sequence[BatchItem], now: float) -> Tuple[Any, float]:
     for it in items:
         call = req.calls.add()
         getattr(call, BATCH_FIELDS[it.method]).CopyFrom(it.request)
-        call.timeout.CopyFrom(duration(max(it.deadline - now, 0.001)))
+        t = max(it.deadline - now, 0.001)
+        call.timeout.seconds, call.timeout.nanos = int(t), int((t - int(t)) * 1e9)
     return req, max(max(it.deadline for it in items) - now, 0.001)
 
 
