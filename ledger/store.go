@@ -688,7 +688,7 @@ func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
 func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, time.Time, error) {
 	q := s.sql.read(id, s.now())
-	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
+	rec, now, err := s.scanFullRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
@@ -751,7 +751,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 	}
 	err = withTxThen(ctx, s.pool, func(tx pgx.Tx) error {
 		q := s.sql.lock(id, s.now())
-		cur, now, err := s.scanRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
+		cur, now, err := s.scanFullRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
 		var curp *statemachine.Record
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):

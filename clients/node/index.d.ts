@@ -47,7 +47,8 @@ export type ErrorReason =
   | 'ERROR_REASON_NOT_UNKNOWN'
   | 'ERROR_REASON_RECORD_UNREADABLE'
   | 'ERROR_REASON_UNKNOWN_HELD'
-  | 'ERROR_REASON_KEY_FORMAT';
+  | 'ERROR_REASON_KEY_FORMAT'
+  | 'ERROR_REASON_CHECKPOINT_RECORDED';
 /** An ErrorInfo reason as sent on the wire: an idempotency.v1.ErrorReason name without its ERROR_REASON_ prefix. */
 export type ErrorReasonName =
   | 'FINGERPRINT_MISMATCH'
@@ -60,7 +61,8 @@ export type ErrorReasonName =
   | 'NOT_UNKNOWN'
   | 'RECORD_UNREADABLE'
   | 'UNKNOWN_HELD'
-  | 'KEY_FORMAT';
+  | 'KEY_FORMAT'
+  | 'CHECKPOINT_RECORDED';
 // END proto enums
 
 /** google.protobuf.Duration and Timestamp as decoded. */
