@@ -51,6 +51,10 @@ type attemptKey struct{}
 type attemptState struct {
 	lease  Lease
 	marked atomic.Bool
+	// holder is the acquisition, for Checkpoint.
+	holder *lease
+	// checkpoints holds the attempt's checkpoints (see Checkpoint).
+	checkpoints checkpointState
 }
 
 func attemptOf(ctx context.Context) *attemptState {
@@ -259,6 +263,8 @@ func (c *Client) newLease(req *idempotencyv1.BeginRequest, res *idempotencyv1.Be
 		sent: sent, attempt: &attemptState{lease: Lease{Scope: req.GetScope(), Key: req.GetKey(), Token: res.GetLeaseToken(),
 			Generation: rec.GetGeneration(), Attempt: rec.GetAttempt(), Previous: res.GetPreviousState(),
 			Uncertain: rec.GetUncertain()}}}
+	l.attempt.holder = l
+	l.attempt.checkpoints.resumed = rec.GetCheckpoint()
 	if l.request != nil {
 		l.length = l.request.AsDuration()
 	} else {
@@ -495,12 +501,18 @@ func (l *lease) send(ctx context.Context, e ending) error {
 	return err
 }
 
-// finish ends the attempt with e. When the coordinator cannot be reached it
+// finish ends the attempt with e (a Fail ABANDONED as Fail RETRYABLE once
+// the attempt recorded a checkpoint). When the coordinator cannot be reached it
 // answers nil and keeps trying in the background (see finishLater). When
 // the coordinator refuses to store the response (too large, say), the
 // attempt is recorded UNKNOWN instead, since its side effect happened. Other
 // refusals (the lease was lost) are answered.
 func (l *lease) finish(ctx context.Context, e ending) error {
+	if e.kind == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED && l.attempt.checkpoints.recorded() {
+		// The attempt has acted: the coordinator refuses to abandon it.
+		// RETRYABLE keeps the checkpoint for the next attempt.
+		e.kind = idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE
+	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 	err := l.send(fctx, e)
 	cancel()
