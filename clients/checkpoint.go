@@ -23,13 +23,24 @@ type checkpointState struct {
 	resumed *idempotencyv1.Checkpoint
 	// own is the last checkpoint this attempt recorded, or nil.
 	own *idempotencyv1.Checkpoint
+	// elsewhere: the coordinator said the attempt recorded one, not
+	// through Checkpoint.
+	elsewhere bool
 }
 
 // recorded reports whether the attempt recorded a checkpoint.
 func (s *checkpointState) recorded() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.own != nil
+	return s.own != nil || s.elsewhere
+}
+
+// markRecorded notes that the attempt recorded a checkpoint by other means
+// than Checkpoint.
+func (s *checkpointState) markRecorded() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.elsewhere = true
 }
 
 func (s *checkpointState) last() *idempotencyv1.Checkpoint {
@@ -63,7 +74,9 @@ func (s *checkpointState) last() *idempotencyv1.Checkpoint {
 // Once an attempt recorded a checkpoint it has acted: when the library
 // would end it with Fail ABANDONED (a handler error of the ABANDONED class,
 // such as INVALID_ARGUMENT), it ends it FAILURE_KIND_RETRYABLE instead,
-// which keeps the checkpoint for the next attempt. Uncertainty still
+// which keeps the checkpoint for the next attempt (also after a checkpoint
+// recorded otherwise, with ledger.Store.CheckpointTx: when the coordinator
+// refuses the ABANDONED with CHECKPOINT_RECORDED). Uncertainty still
 // applies to the work after the last checkpoint: MarkSideEffect before a
 // step's irreversible effect as without checkpoints.
 func Checkpoint(ctx context.Context, phase string, data []byte) error {

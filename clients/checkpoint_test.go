@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -14,6 +15,7 @@ import (
 	projectsv1 "github.com/idemcoord/idemcoord/examples/projects/gen/projects/v1"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/ledger"
 )
 
 // checkpointSeen is what CheckpointFrom answered, as "phase=data" or
@@ -210,6 +212,60 @@ func TestCheckpointUnderHTTPMiddleware(t *testing.T) {
 		t.Fatalf("run 2: %v", r)
 	}
 	if a, b := <-seen, <-seen; a != "none" || b != "reserved=r_1" {
+		t.Fatalf("runs saw %s, %s", a, b)
+	}
+}
+
+// A checkpoint recorded in the handler's own transaction
+// (ledger.Store.CheckpointTx on the coordinator's database) commits with
+// the step's row; when the handler then fails with an error of the
+// ABANDONED class, the coordinator refuses the ABANDONED
+// (CHECKPOINT_RECORDED) and the interceptor ends the attempt RETRYABLE,
+// so the next run resumes after the step.
+func TestCheckpointTxUnderInterceptor(t *testing.T) {
+	t.Parallel()
+	seen := make(chan string, 2)
+	var f *fixture
+	f = start(t, setup{
+		interceptor: []clients.InterceptorOption{clients.WithoutPrincipal()},
+		charge: func(ctx context.Context, req *projectsv1.ChargeRequest, n int32) (*projectsv1.ChargeResponse, error) {
+			seen <- checkpointSeen(ctx)
+			if n > 1 {
+				return bookCharge(ctx, req, n)
+			}
+			lease, _ := clients.LeaseFrom(ctx)
+			conn, err := pgx.Connect(ctx, f.coord.DatabaseURL)
+			if err != nil {
+				return nil, err
+			}
+			defer conn.Close(context.Background())
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				return nil, err
+			}
+			defer func() { _ = tx.Rollback(context.Background()) }()
+			if _, err := tx.Exec(ctx, `CREATE TABLE charges_done (id text)`); err != nil {
+				return nil, err
+			}
+			if _, err := f.coord.Store.CheckpointTx(ctx, tx, &ledger.CheckpointParams{
+				ID:    ledger.Identity{Tenant: ledger.DefaultTenant, Scope: lease.Scope, Key: lease.Key},
+				Token: lease.Token, Phase: "charged", Data: []byte("ch_tx")}); err != nil {
+				return nil, err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				return nil, err
+			}
+			return nil, status.Error(codes.InvalidArgument, "address rejected after the charge")
+		},
+	})
+	wantCode(t, f.charge(t, "order-tx", chargeReq(100)).err, codes.InvalidArgument)
+	if rec := f.mustState(t, "order-tx", idempotencyv1.State_STATE_FAILED_RETRYABLE); rec.GetCheckpoint().GetPhase() != "charged" {
+		t.Fatalf("record after run 1: %v", rec)
+	}
+	if r := f.charge(t, "order-tx", chargeReq(100)); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if a, b := <-seen, <-seen; a != "none" || b != "charged=ch_tx" {
 		t.Fatalf("runs saw %s, %s", a, b)
 	}
 }

@@ -519,6 +519,13 @@ func (l *lease) finish(ctx context.Context, e ending) error {
 	switch {
 	case err == nil:
 		return nil
+	case e.kind == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED &&
+		errorReason(err) == idempotencyv1.ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED:
+		// A checkpoint this library did not send (ledger.Store.CheckpointTx
+		// in the handler's own transaction, say): end it RETRYABLE, as
+		// above.
+		l.attempt.checkpoints.markRecorded()
+		return l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, reason: e.reason})
 	case unreachable(err):
 		l.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable at the end of an attempt; retrying in the background",
 			"scope", l.scope, "key", l.key, "call", e.String(), "err", err)
