@@ -336,3 +336,56 @@ func TestCheckpointSealed(t *testing.T) {
 	_, err := e.client.Lookup(ctx(t), &idempotencyv1.LookupRequest{Scope: "s", Key: "other"})
 	wantCode(t, err, codes.DataLoss, "RECORD_UNREADABLE")
 }
+
+// TestListRecordsByCheckpointPhase: ListRecords with checkpoint_phase
+// pages through the records whose last checkpoint has that phase (listed
+// with the phase and time, without the data); a page token of another
+// phase is refused, as is a phase that is not printable; GetRecord shows
+// the checkpoint with its data.
+func TestListRecordsByCheckpointPhase(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	admin := e.admin()
+	for _, k := range []struct{ key, phase string }{{"a", "charged"}, {"b", "reserved"}, {"c", "charged"}, {"d", ""}} {
+		b := e.mustBegin("s", k.key, acq)
+		if k.phase != "" {
+			if _, err := e.heartbeat("s", k.key, b.GetLeaseToken(), k.phase, []byte("data-"+k.key)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	var keys []string
+	req := &idempotencyv1.ListRecordsRequest{CheckpointPhase: "charged", PageSize: 1}
+	for {
+		page, err := admin.ListRecords(ctx(t), req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range page.GetRecords() {
+			if c := r.GetCheckpoint(); c.GetPhase() != "charged" || c.GetData() != nil || c.GetAt() == nil {
+				t.Fatalf("listed %s with checkpoint %v, want the phase and time without data", r.GetKey(), c)
+			}
+			keys = append(keys, r.GetKey())
+		}
+		if page.GetNextPageToken() == "" {
+			break
+		}
+		req.PageToken = page.GetNextPageToken()
+		other := proto.CloneOf(req)
+		other.CheckpointPhase = "reserved"
+		_, err = admin.ListRecords(ctx(t), other)
+		wantCode(t, err, codes.InvalidArgument, "")
+	}
+	if strings.Join(keys, ",") != "a,c" {
+		t.Fatalf("listed %v, want a and c", keys)
+	}
+	_, err := admin.ListRecords(ctx(t), &idempotencyv1.ListRecordsRequest{CheckpointPhase: "a\nb"})
+	wantCode(t, err, codes.InvalidArgument, "")
+	rec, err := admin.GetRecord(ctx(t), &idempotencyv1.GetRecordRequest{Scope: "s", Key: "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := rec.GetRecord().GetCheckpoint(); c.GetPhase() != "reserved" || string(c.GetData()) != "data-b" {
+		t.Fatalf("GetRecord: checkpoint %v", c)
+	}
+}
