@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -109,5 +110,31 @@ func TestCheckpointStoredAcrossWrites(t *testing.T) {
 	}
 	if got := list(ledger.ListParams{Archived: true, CheckpointPhase: "reserved"}); !slices.Equal(got, []string{"lapsed=reserved", "plain=reserved"}) {
 		t.Fatalf("archive by phase: %v", got)
+	}
+}
+
+// TestCheckpointInOwnAcquisitionAnswer: a Begin repeated with the token of
+// an acquisition whose answer was lost (a takeover that found a
+// checkpoint) is answered that acquisition with its checkpoint, although
+// the one-statement Begin it runs first does not read checkpoints.
+func TestCheckpointInOwnAcquisitionAnswer(t *testing.T) {
+	t.Parallel()
+	s, _, _ := newClockedStore(t)
+	ctx := context.Background()
+	id := ledger.Identity{Tenant: "t", Scope: "s", Key: "k"}
+	tok := beginID(t, s, id, time.Minute, time.Hour)
+	recordCheckpoint(t, s, id, tok, "charged", "ch_1")
+	if _, err := s.Finish(ctx, &ledger.FinishParams{ID: id, Event: statemachine.Event{Kind: statemachine.EventFail,
+		Token: tok, FailureKind: statemachine.FailureRetryable}}); err != nil {
+		t.Fatal(err)
+	}
+	p := &ledger.BeginParams{ID: id, Event: statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Minute,
+		NewToken: ledger.NewLeaseToken(), AttemptID: "a2"}}
+	for i := range 2 { // the takeover, then its repeat after a lost answer
+		res, err := s.Begin(ctx, p)
+		if err != nil || res.Outcome != statemachine.OutcomeAcquired || res.Record.LeaseToken != p.Event.NewToken {
+			t.Fatalf("Begin #%d: %+v %v", i+1, res, err)
+		}
+		wantStoredCheckpoint(t, fmt.Sprintf("Begin #%d", i+1), res.Record.Checkpoint, "charged", "ch_1", 1)
 	}
 }

@@ -414,6 +414,20 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
+	if found && rec.LeaseToken == ev.NewToken && rec.AcquiredFrom != statemachine.StateNone {
+		// Its own takeover, whose answer was lost: the statement above
+		// does not read the checkpoint, which a takeover's record may
+		// carry and its answer must.
+		full, fullNow, err := s.Lookup(ctx, p.ID)
+		switch {
+		case errors.Is(err, statemachine.ErrNotFound):
+			found = false
+		case err != nil:
+			return nil, err
+		default:
+			rec, now = full, fullNow
+		}
+	}
 	if found {
 		res, decided, err := s.answerRead(p, ev, rec, now)
 		if err != nil {

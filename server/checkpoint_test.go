@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/hex"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+	"github.com/idemcoord/idemcoord/internal/coordtest"
 )
 
 const (
@@ -387,5 +389,29 @@ func TestListRecordsByCheckpointPhase(t *testing.T) {
 	}
 	if c := rec.GetRecord().GetCheckpoint(); c.GetPhase() != "reserved" || string(c.GetData()) != "data-b" {
 		t.Fatalf("GetRecord: checkpoint %v", c)
+	}
+}
+
+// TestCheckpointOverHTTP: the HTTP/JSON listener carries checkpoints as
+// the gRPC API does: Heartbeat records one (data as base64 in JSON), the
+// next acquiring Begin returns it, and an ABANDONED of its attempt is
+// refused with reason CHECKPOINT_RECORDED.
+func TestCheckpointOverHTTP(t *testing.T) {
+	t.Parallel()
+	c := coordtest.Start(t, coordtest.Options{})
+	api := newHTTPAPI(t, c)
+	token, _ := api.post(httpBegin, `{"scope":"build","key":"k"}`).json(t)["leaseToken"].(string)
+	r := api.post("idempotency.v1.Coordinator/Heartbeat", `{"scope":"build","key":"k","leaseToken":"`+token+
+		`","checkpoint":{"phase":"charged","data":"Y2hfMQ=="}}`)
+	if cp, _ := r.json(t)["record"].(map[string]any)["checkpoint"].(map[string]any); r.status != http.StatusOK ||
+		cp["phase"] != "charged" || cp["data"] != "Y2hfMQ==" || cp["at"] == nil {
+		t.Fatalf("Heartbeat with a checkpoint: HTTP %d %s", r.status, r.body)
+	}
+	api.post("idempotency.v1.Coordinator/Fail", `{"scope":"build","key":"k","leaseToken":"`+token+`","kind":"FAILURE_KIND_ABANDONED"}`).
+		wantError(t, http.StatusBadRequest, "failed_precondition", reasonCkpt)
+	api.post("idempotency.v1.Coordinator/Fail", `{"scope":"build","key":"k","leaseToken":"`+token+`","kind":"FAILURE_KIND_RETRYABLE"}`)
+	m := api.post(httpBegin, `{"scope":"build","key":"k"}`).json(t)
+	if cp, _ := m["record"].(map[string]any)["checkpoint"].(map[string]any); m["outcome"] != "OUTCOME_ACQUIRED" || cp["data"] != "Y2hfMQ==" {
+		t.Fatalf("next Begin: %v", m)
 	}
 }

@@ -191,3 +191,15 @@ func TestCheckpointStory(t *testing.T) {
 		t.Fatalf("new generation %d has checkpoint %s", d.Record.Generation, fmtCheckpoint(d.Record.Checkpoint))
 	}
 }
+
+// TestAbandonedRestartReadsExpiredWithoutCheckpoint: Fail ABANDONED of a
+// restart puts the key back EXPIRED, and an EXPIRED record has no
+// checkpoint, whatever the abandoned acquisition's record held (found by
+// FuzzNext).
+func TestAbandonedRestartReadsExpiredWithoutCheckpoint(t *testing.T) {
+	held := fxInProgress(gen(2), from(StateExpired), withCheckpoint(ckpt("reserved", "r", 0)))
+	d := Next(held, evFail(tokHeld, FailureAbandoned, nil, "gave up"), polDefault, t0)
+	if d.Err != nil || d.Record.State != StateExpired || d.Record.Checkpoint != nil {
+		t.Fatalf("abandoned restart: %v %v checkpoint %s", d.Err, d.Record.State, fmtCheckpoint(d.Record.Checkpoint))
+	}
+}

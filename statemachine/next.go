@@ -374,6 +374,7 @@ func abandon(rec, eff Record, ev Event, pol Policy, now time.Time, lapsed bool) 
 		rec.Generation--
 		rec.Attempt = 1
 		rec.Fingerprint = nil
+		rec.Checkpoint = nil // an EXPIRED record has none
 		end(&rec, StateExpired, by, nil, ev.Reason, now)
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 	}
