@@ -51,6 +51,10 @@ type attemptKey struct{}
 type attemptState struct {
 	lease  Lease
 	marked atomic.Bool
+	// holder is the acquisition, for Checkpoint.
+	holder *lease
+	// checkpoints holds the attempt's checkpoints (see Checkpoint).
+	checkpoints checkpointState
 }
 
 func attemptOf(ctx context.Context) *attemptState {
@@ -259,6 +263,8 @@ func (c *Client) newLease(req *idempotencyv1.BeginRequest, res *idempotencyv1.Be
 		sent: sent, attempt: &attemptState{lease: Lease{Scope: req.GetScope(), Key: req.GetKey(), Token: res.GetLeaseToken(),
 			Generation: rec.GetGeneration(), Attempt: rec.GetAttempt(), Previous: res.GetPreviousState(),
 			Uncertain: rec.GetUncertain()}}}
+	l.attempt.holder = l
+	l.attempt.checkpoints.resumed = rec.GetCheckpoint()
 	if l.request != nil {
 		l.length = l.request.AsDuration()
 	} else {
@@ -495,18 +501,31 @@ func (l *lease) send(ctx context.Context, e ending) error {
 	return err
 }
 
-// finish ends the attempt with e. When the coordinator cannot be reached it
+// finish ends the attempt with e (a Fail ABANDONED as Fail RETRYABLE once
+// the attempt recorded a checkpoint). When the coordinator cannot be reached it
 // answers nil and keeps trying in the background (see finishLater). When
 // the coordinator refuses to store the response (too large, say), the
 // attempt is recorded UNKNOWN instead, since its side effect happened. Other
 // refusals (the lease was lost) are answered.
 func (l *lease) finish(ctx context.Context, e ending) error {
+	if e.kind == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED && l.attempt.checkpoints.recorded() {
+		// The attempt has acted: the coordinator refuses to abandon it.
+		// RETRYABLE keeps the checkpoint for the next attempt.
+		e.kind = idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE
+	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 	err := l.send(fctx, e)
 	cancel()
 	switch {
 	case err == nil:
 		return nil
+	case e.kind == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED &&
+		errorReason(err) == idempotencyv1.ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED:
+		// A checkpoint this library did not send (ledger.Store.CheckpointTx
+		// in the handler's own transaction, say): end it RETRYABLE, as
+		// above.
+		l.attempt.checkpoints.markRecorded()
+		return l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, reason: e.reason})
 	case unreachable(err):
 		l.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable at the end of an attempt; retrying in the background",
 			"scope", l.scope, "key", l.key, "call", e.String(), "err", err)

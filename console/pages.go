@@ -322,6 +322,10 @@ type recordPage struct {
 	BodyHex   string
 	BodyBytes int
 	Metadata  [][2]string
+	// The checkpoint's data, as the body: text when UTF-8, else a hex
+	// dump.
+	CheckpointText string
+	CheckpointHex  string
 }
 
 func (c *Console) record(w http.ResponseWriter, r *http.Request) {
@@ -347,6 +351,11 @@ func (c *Console) record(w http.ResponseWriter, r *http.Request) {
 			p.Metadata = append(p.Metadata, [2]string{k, v})
 		}
 		slices.SortFunc(p.Metadata, func(a, b [2]string) int { return strings.Compare(a[0], b[0]) })
+	}
+	if data := rec.GetCheckpoint().GetData(); utf8.Valid(data) {
+		p.CheckpointText = string(data)
+	} else {
+		p.CheckpointHex = hex.Dump(data)
 	}
 	c.render(w, r, http.StatusOK, "record", view{Title: "Record " + rec.GetKey(), Tenant: tenantOf(md), Flash: flashes[q.Get("done")], Page: p})
 }

@@ -35,6 +35,9 @@ type ListParams struct {
 	// KeyPrefix keeps only records whose key starts with it; empty keeps
 	// all.
 	KeyPrefix string
+	// CheckpointPhase keeps only records whose last checkpoint has this
+	// phase; empty keeps all.
+	CheckpointPhase string
 	// After, when set, starts the page after this record in (scope, key)
 	// order: the last record of the previous page.
 	After *RecordKey
@@ -81,7 +84,7 @@ func (s *Store) ListRecords(ctx context.Context, p *ListParams) (*ListResult, er
 		}
 		var lr ListedRecord
 		id := Identity{Tenant: p.Tenant}
-		dest, fin := s.scanTargetsMode(&lr.Record, &id, scanList)
+		dest, fin := s.scanTargetsMode(&lr.Record, &id, scanList, true)
 		dest = append(append([]any{&id.Scope, &id.Key}, dest...), &now)
 		if p.Archived {
 			dest = append(dest, &lr.ArchivedAt)
@@ -208,7 +211,7 @@ func (s *Store) Forget(ctx context.Context, p *ForgetParams) (statemachine.Recor
 		// returned without its sealed columns.
 		var d deleted
 		id := p.ID
-		dest, fin := s.scanTargetsMode(&d.rec, &id, scanLenient)
+		dest, fin := s.scanTargetsMode(&d.rec, &id, scanLenient, false)
 		err := row.Scan(append(dest, &d.now)...)
 		if err == nil {
 			err = fin()

@@ -48,8 +48,8 @@ func TestMigrationsDistributeRecordsOnCitus(t *testing.T) {
 	if err := conn.QueryRow(ctx, `SELECT version, dirty FROM `+ledger.MigrationsTable).Scan(&version, &dirty); err != nil {
 		t.Fatal(err)
 	}
-	if version != 12 || dirty {
-		t.Errorf("schema version %d dirty=%v, want 12 clean", version, dirty)
+	if version != 13 || dirty {
+		t.Errorf("schema version %d dirty=%v, want 13 clean", version, dirty)
 	}
 
 	type table struct {

@@ -54,7 +54,7 @@ func (s *Store) ConvertLegacyRows(ctx context.Context, batchSize int) (converted
 			var batch []row
 			for rows.Next() {
 				var r row
-				dest, fin := s.scanTargets(&r.rec, &r.id)
+				dest, fin := s.scanFullTargets(&r.rec, &r.id)
 				if err := rows.Scan(append([]any{&r.id.Tenant, &r.id.Scope, &r.id.Key}, dest...)...); err != nil {
 					rows.Close()
 					return err
@@ -80,7 +80,7 @@ func (s *Store) ConvertLegacyRows(ctx context.Context, batchSize int) (converted
 						if !rows.Next() {
 							return rows.Err()
 						}
-						dest, fin := s.scanTargets(&r.rec, &r.id)
+						dest, fin := s.scanFullTargets(&r.rec, &r.id)
 						if err := rows.Scan(append([]any{&r.id.Tenant, &r.id.Scope, &r.id.Key}, dest...)...); err != nil {
 							return err
 						}

@@ -92,9 +92,19 @@ func (s *Store) scanBegin(rows pgx.Rows, id Identity) (rec statemachine.Record, 
 // scanRecordNow scans recordColumns of record id followed by the clock
 // column.
 func (s *Store) scanRecordNow(row pgx.Row, id Identity) (statemachine.Record, time.Time, error) {
+	return s.scanRecordNowMode(row, id, false)
+}
+
+// scanFullRecordNow scans fullColumns of record id followed by the clock
+// column.
+func (s *Store) scanFullRecordNow(row pgx.Row, id Identity) (statemachine.Record, time.Time, error) {
+	return s.scanRecordNowMode(row, id, true)
+}
+
+func (s *Store) scanRecordNowMode(row pgx.Row, id Identity, full bool) (statemachine.Record, time.Time, error) {
 	var rec statemachine.Record
 	var now time.Time
-	dest, fin := s.scanTargets(&rec, &id)
+	dest, fin := s.scanTargetsMode(&rec, &id, scanStrict, full)
 	if err := row.Scan(append(dest, &now)...); err != nil {
 		return rec, now, err
 	}
@@ -114,7 +124,7 @@ const (
 	// failure reason, fingerprint), for Forget, which must work on any row.
 	scanLenient
 	// scanList is scanLenient for listColumns, which leave the response
-	// out.
+	// and the checkpoint's data out.
 	scanList
 )
 
@@ -123,12 +133,18 @@ const (
 // the record *id (which the same Scan may fill in). A row that does not
 // open fails ErrUnreadable.
 func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
-	return s.scanTargetsMode(rec, id, scanStrict)
+	return s.scanTargetsMode(rec, id, scanStrict, false)
+}
+
+// scanFullTargets is scanTargets for fullColumns: the record with its
+// checkpoint.
+func (s *Store) scanFullTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
+	return s.scanTargetsMode(rec, id, scanStrict, true)
 }
 
 // scanTargetsMode is scanTargets with the given treatment of rows that do
-// not open.
-func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode scanMode) ([]any, func() error) {
+// not open, for fullColumns (listColumns with scanList) when full is set.
+func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode scanMode, full bool) ([]any, func() error) {
 	var (
 		state, acquiredFrom, endedBy int16
 		hasResponse                  bool
@@ -139,11 +155,18 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 		leaseExpires, expires        *time.Time
 		keyID                        string
 		version                      int16
+		cpPhase                      *string
+		cpData                       []byte
+		cpAt                         *time.Time
+		cpAttempt                    *int32
 	)
 	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
 		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
 		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
 		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain, &version}
+	if full {
+		dest = append(dest, &cpPhase, &cpData, &cpAt, &cpAttempt)
+	}
 	decode := func() error {
 		rec.State = statemachine.State(state)
 		rec.AcquiredFrom = statemachine.State(acquiredFrom)
@@ -194,6 +217,21 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 			}
 			rec.Response = r
 		}
+		if cpPhase != nil {
+			c := &statemachine.Checkpoint{Phase: *cpPhase}
+			if cpAt != nil {
+				c.At = cpAt.UTC()
+			}
+			if cpAttempt != nil {
+				c.Attempt = *cpAttempt
+			}
+			if cpData != nil {
+				if c.Data, err = o.openCheckpoint(rec.Generation, c.Attempt, cpData); err != nil {
+					return err
+				}
+			}
+			rec.Checkpoint = c
+		}
 		return nil
 	}
 	return dest, func() error {
@@ -205,7 +243,7 @@ func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode sca
 			return fmt.Errorf("%w: %w", ErrUnreadable, err)
 		}
 		s.logger.Warn("record unreadable; returned without its sealed columns", "tenant", id.Tenant, "scope", id.Scope, "err", err)
-		rec.Response, rec.FailureReason, rec.Fingerprint = nil, "", nil
+		rec.Response, rec.FailureReason, rec.Fingerprint, rec.Checkpoint = nil, "", nil, nil
 		return nil
 	}
 }
@@ -253,6 +291,27 @@ func (o *opener) open(column string, b keyring.Binding, v []byte) ([]byte, error
 		return o.k.Open(o.keyID, keyring.ID(o.id), column, keyring.LegacyAdditionalData(keyring.ID(o.id), column), v)
 	}
 	return o.k.Open(o.keyID, keyring.ID(o.id), column, keyring.AdditionalData(keyring.ID(o.id), column, b), v)
+}
+
+// checkpointBinding binds a checkpoint's sealed data to the record's
+// generation and to the attempt that recorded it: what stays the same for
+// as long as the checkpoint is kept, so rewrites of the row for other
+// reasons need not seal it again under another binding.
+func checkpointBinding(generation, attempt int32) keyring.Binding {
+	return keyring.Binding{Generation: generation, Attempt: attempt}
+}
+
+// openCheckpoint opens the checkpoint's data (sealed in the current form
+// only: no legacy row has a checkpoint).
+func (o *opener) openCheckpoint(generation, attempt int32, v []byte) ([]byte, error) {
+	if o.keyID == "" {
+		return v, nil // in clear: check allowed it
+	}
+	if o.legacy() {
+		return nil, fmt.Errorf("ledger: record %q has a checkpoint in a legacy row", o.id.Key)
+	}
+	return o.k.Open(o.keyID, keyring.ID(o.id), "checkpoint_data",
+		keyring.AdditionalData(keyring.ID(o.id), "checkpoint_data", checkpointBinding(generation, attempt)), v)
 }
 
 // openReason opens the failure reason (stored base64-encoded when sealed;
@@ -382,9 +441,10 @@ func decodeMetadata(b []byte) (map[string]string, error) {
 	return m, nil
 }
 
-// recordArgs returns the values of recordColumns for rec, the record id,
-// with its sensitive columns sealed when there is a keyring: the
-// fingerprint is already in its stored form (see keyring.Ring.FingerprintFor).
+// recordArgs returns the values of fullColumns for rec, the record id,
+// with its sensitive columns (the checkpoint's data included) sealed when
+// there is a keyring: the fingerprint is already in its stored form (see
+// keyring.Ring.FingerprintFor).
 func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) {
 	b := keyring.Binding{Generation: rec.Generation, Attempt: rec.Attempt, EndedBy: int16(rec.EndedBy), State: int16(rec.State)}
 	resp, err := s.responseArgs(id, rec.Response, &b)
@@ -395,10 +455,25 @@ func (s *Store) recordArgs(id Identity, rec statemachine.Record) ([]any, error) 
 	if s.keyring != nil && reason != "" {
 		reason = base64.StdEncoding.EncodeToString(s.keyring.Seal(keyring.ID(id), "failure_reason", b, []byte(reason)))
 	}
+	var cpPhase *string
+	var cpData []byte
+	var cpAt *time.Time
+	var cpAttempt *int32
+	if c := rec.Checkpoint; c != nil {
+		cpPhase, cpAt, cpAttempt = &c.Phase, &c.At, &c.Attempt
+		cpData = c.Data
+		if cpData == nil {
+			cpData = []byte{}
+		}
+		if s.keyring != nil {
+			cpData = s.keyring.Seal(keyring.ID(id), "checkpoint_data", checkpointBinding(rec.Generation, c.Attempt), cpData)
+		}
+	}
 	return []any{int16(rec.State), storedFingerprint(rec.Fingerprint), rec.Attempt, rec.Generation, rec.LeaseToken, rec.AttemptID,
 		int16(rec.AcquiredFrom), int16(rec.EndedBy), resp.has, resp.schemaVersion, resp.contentType, resp.statusCode,
 		resp.body, resp.metadata, reason, rec.TTL.Microseconds(), rec.FailureTTL.Microseconds(), rec.CreatedAt,
-		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp.keyID, rec.Uncertain, int16(keyring.SealVersion)}, nil
+		rec.UpdatedAt, optTime(rec.LeaseExpiresAt), optTime(rec.ExpiresAt), resp.keyID, rec.Uncertain, int16(keyring.SealVersion),
+		cpPhase, cpData, cpAt, cpAttempt}, nil
 }
 
 func optTime(t time.Time) *time.Time {

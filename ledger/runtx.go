@@ -244,7 +244,7 @@ var txPolicy = statemachine.Policy{OnUnknown: statemachine.UnknownHold}
 // fingerprint mismatch.
 func (s *Store) replayUnlocked(ctx context.Context, id Identity, ev statemachine.Event) (out runTxResult, ok bool, err error) {
 	q := s.sql.read(id, s.now())
-	cur, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
+	cur, now, err := s.scanFullRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return out, false, nil
 	}
@@ -360,7 +360,7 @@ func (s *Store) runTxOnce(ctx context.Context, id Identity, ev statemachine.Even
 	if tag.RowsAffected() == 0 {
 		// The key exists: lock it and decide.
 		q := s.sql.lockNow(id, s.now())
-		cur, now, err := s.scanRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
+		cur, now, err := s.scanFullRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return runTxResult{vanished: true}, nil
 		}

@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -119,7 +120,7 @@ type statements struct {
 	// no longer uncertain. Its row: recordColumns, the clock; none when
 	// token does not hold the record.
 	completeHeld func(id Identity, token string, r storedResponse, now *time.Time) query
-	// read reads the record id: recordColumns, the clock.
+	// read reads the record id: fullColumns, the clock.
 	read func(id Identity, now *time.Time) query
 	// lock is read under the row lock (FOR UPDATE), inside a
 	// transaction.
@@ -128,10 +129,10 @@ type statements struct {
 	// (clock_timestamp), not the transaction's start: for RunTx, whose
 	// transaction may have waited on the key's lock.
 	lockNow func(id Identity, now *time.Time) query
-	// insert creates the record id with cols (recordArgs) unless it
-	// exists: one row affected when it did.
+	// insert creates the record id with cols (recordArgs, fullColumns)
+	// unless it exists: one row affected when it did.
 	insert func(id Identity, cols []any) query
-	// update overwrites the record id with cols (recordArgs).
+	// update overwrites the record id with cols (recordArgs, fullColumns).
 	update func(id Identity, cols []any) query
 	// remove deletes the record id.
 	remove func(id Identity) query
@@ -192,7 +193,7 @@ type statements struct {
 	countLegacy func() query
 	// legacyBatch locks (SKIP LOCKED) and returns the next limit rows not
 	// in the current sealed form after the record after (nil: from the
-	// start), in identity order: tenant, scope, key, recordColumns.
+	// start), in identity order: tenant, scope, key, fullColumns.
 	legacyBatch func(after *Identity, limit int) query
 	// legacyLock, where its text is not empty, is how legacyBatch's rows
 	// are locked (legacyBatch then locks nothing): it locks the record
@@ -252,16 +253,31 @@ var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation"
 	"status_code", "body", "metadata", "failure_reason", "ttl_us", "failure_ttl_us", "created_at",
 	"updated_at", "lease_expires_at", "expires_at", "enc_key_id", "uncertain", "seal_version"}
 
+// checkpointColumnNames are the columns of a record's checkpoint (all NULL
+// when it has none), which follow recordColumnNames where a statement reads
+// or writes them: only the statements that read a record to decide on it
+// under its lock, to answer it (Lookup, listing) or to rewrite it whole
+// (fullColumns), never the one-statement Begin of a new key or the
+// holder's Complete.
+var checkpointColumnNames = []string{"checkpoint_phase", "checkpoint_data", "checkpoint_at", "checkpoint_attempt"}
+
 var (
 	// recordColumns lists recordColumnNames for SELECT and RETURNING.
 	recordColumns = strings.Join(recordColumnNames, ", ")
+	// checkpointColumns lists checkpointColumnNames.
+	checkpointColumns = strings.Join(checkpointColumnNames, ", ")
+	// fullColumns are recordColumns followed by checkpointColumns: the
+	// whole record, as scanFullTargets scans it and recordArgs writes it.
+	fullColumns = recordColumns + ", " + checkpointColumns
 	// recordColumnsR is recordColumns qualified by the alias r.
 	recordColumnsR = "r." + strings.Join(recordColumnNames, ", r.")
-	// listColumns are recordColumns with the stored response left out
-	// (has_response false, no body or metadata), so listing never reads
-	// bodies.
+	// fullColumnsR is fullColumns qualified by the alias r.
+	fullColumnsR = recordColumnsR + ", r." + strings.Join(checkpointColumnNames, ", r.")
+	// listColumns are fullColumns with the stored response and the
+	// checkpoint's data left out (has_response false, no body, metadata
+	// or checkpoint_data), so listing never reads bodies.
 	listColumns = strings.NewReplacer("has_response", "false",
-		"body", "NULL::bytea", "metadata", "NULL::bytea").Replace(recordColumns)
+		"body", "NULL::bytea", "metadata", "NULL::bytea", "checkpoint_data", "NULL::bytea").Replace(fullColumns)
 )
 
 // effectiveStateSQL is statemachine.Effective's rule for the state, in SQL
@@ -410,10 +426,10 @@ WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_to
 RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`)
 
 	// pgReadSQL, pgLockSQL, pgLockNowSQL: $1-$3 identity, $4 now or NULL.
-	pgReadSQL = `SELECT ` + recordColumns + `, coalesce($4::timestamptz, now())
+	pgReadSQL = `SELECT ` + fullColumns + `, coalesce($4::timestamptz, now())
 	FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3`
 	pgLockSQL    = pgReadSQL + ` FOR UPDATE`
-	pgLockNowSQL = `SELECT ` + recordColumns + `, coalesce($4::timestamptz, clock_timestamp())
+	pgLockNowSQL = `SELECT ` + fullColumns + `, coalesce($4::timestamptz, clock_timestamp())
 	FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE`
 
 	// pgInsertSQL, pgUpdateSQL: $1-$3 identity, then recordArgs.
@@ -461,6 +477,7 @@ RETURNING r.scope`)
 	WHERE state IN ({COMPLETED}, {FAILED_RETRYABLE}, {FAILED_REPLAYABLE}) AND expires_at <= coalesce($1::timestamptz, now())
 	ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)
 UPDATE idempotency_records r SET state = {EXPIRED}, has_response = false, body = NULL, metadata = NULL,
+	checkpoint_phase = NULL, checkpoint_data = NULL, checkpoint_at = NULL, checkpoint_attempt = NULL,
 	updated_at = coalesce($1::timestamptz, now())
 FROM batch
 WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
@@ -508,18 +525,19 @@ RETURNING s.tenant, s.token_sha256, s.credential, s.created_at, s.last_seen_at, 
 )
 
 // wholeRecordSQL builds the insert or the update of a whole record from
-// recordColumnNames.
+// recordColumnNames and checkpointColumnNames.
 func wholeRecordSQL(insert bool) string {
+	names := slices.Concat(recordColumnNames, checkpointColumnNames)
 	if insert {
-		ph := make([]string, 3+len(recordColumnNames))
+		ph := make([]string, 3+len(names))
 		for i := range ph {
 			ph[i] = "$" + strconv.Itoa(i+1)
 		}
-		return "INSERT INTO idempotency_records (tenant, scope, key, " + recordColumns +
+		return "INSERT INTO idempotency_records (tenant, scope, key, " + fullColumns +
 			") VALUES (" + strings.Join(ph, ", ") + ") ON CONFLICT DO NOTHING"
 	}
-	set := make([]string, len(recordColumnNames))
-	for i, c := range recordColumnNames {
+	set := make([]string, len(names))
+	for i, c := range names {
 		set[i] = c + " = $" + strconv.Itoa(i+4)
 	}
 	return "UPDATE idempotency_records SET " + strings.Join(set, ", ") +
@@ -687,6 +705,11 @@ func pgList(p *ListParams, now *time.Time, limit int) query {
 	if p.KeyPrefix != "" {
 		where.WriteString(" AND starts_with(key, " + arg(p.KeyPrefix) + ")")
 	}
+	if p.CheckpointPhase != "" {
+		// An expired record reads without its checkpoint.
+		where.WriteString(" AND checkpoint_phase = " + arg(p.CheckpointPhase) + " AND " + effectiveStateSQL +
+			" <> " + strconv.Itoa(int(statemachine.StateExpired)))
+	}
 	sql := `WITH clock AS (SELECT coalesce($1::timestamptz, now()) AS now)
 		SELECT scope, key, ` + listColumns + `, clock.now` + extra + `
 		FROM ` + table + `, clock
@@ -731,9 +754,9 @@ func pgReapArchive(p *ReapParams, now *time.Time, batch int) query {
 moved AS (
 	DELETE FROM idempotency_records r USING batch
 	WHERE r.tenant = batch.tenant AND r.scope = batch.scope AND r.key = batch.key
-	RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `)
-INSERT INTO idempotency_archive (tenant, scope, key, ` + recordColumns + `, archived_at)
-SELECT tenant, scope, key, ` + recordColumns + `, coalesce($1::timestamptz, now()) FROM moved
+	RETURNING r.tenant, r.scope, r.key, ` + fullColumnsR + `)
+INSERT INTO idempotency_archive (tenant, scope, key, ` + fullColumns + `, archived_at)
+SELECT tenant, scope, key, ` + fullColumns + `, coalesce($1::timestamptz, now()) FROM moved
 RETURNING scope`), args: append([]any{now, batch}, args...)}
 }
 
@@ -806,7 +829,7 @@ RETURNING ` + recordColumns + `, updated_at`), args: args}
 	// then each locked on its own shard.
 	st.legacyBatch = func(after *Identity, limit int) query { return legacyRows(after, limit, "") }
 	st.legacyLock = func(id Identity) query {
-		return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+		return query{sql: `SELECT tenant, scope, key, ` + fullColumns + ` FROM idempotency_records
 				WHERE tenant = $1 AND scope = $2 AND key = $3 AND ` + legacyRowSQL + ` FOR UPDATE SKIP LOCKED`, args: identity(id)}
 	}
 	// The reaper's passes, per shard.
@@ -931,6 +954,6 @@ func legacyRows(after *Identity, limit int, lock string) query {
 		where += ` AND (tenant, scope, key) > ($2, $3, $4)`
 		args = append(args, after.Tenant, after.Scope, after.Key)
 	}
-	return query{sql: `SELECT tenant, scope, key, ` + recordColumns + ` FROM idempotency_records
+	return query{sql: `SELECT tenant, scope, key, ` + fullColumns + ` FROM idempotency_records
 				WHERE ` + where + ` ORDER BY tenant, scope, key LIMIT $1` + lock, args: args}
 }

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestStatementsComplete: every dialect sets every statement, so a
@@ -62,5 +63,50 @@ func TestStatementsInOnePlace(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestHotStatementsLeaveCheckpointsAlone: the statements of the hot paths
+// (the Begin of a new key, alone and batched, and the holder's Complete,
+// alone and batched) neither read nor write the checkpoint columns, so
+// checkpoints cost them nothing; the statements that rewrite or read a
+// whole record do carry them, so no rewrite drops a checkpoint.
+func TestHotStatementsLeaveCheckpointsAlone(t *testing.T) {
+	id := Identity{Tenant: "t", Scope: "s", Key: "k"}
+	n := newRecord{id: id}
+	for _, d := range []dialect{postgreSQL, citus} {
+		st := statementsFor(d)
+		for name, q := range map[string]query{
+			"begin":         st.begin(n, "", nil, time.Second),
+			"beginBatch":    st.beginBatch([]newRecord{n}, "", nil, time.Second),
+			"completeHeld":  st.completeHeld(id, "tok", storedResponse{}, nil),
+			"completeBatch": st.completeBatch([]heldCompletion{{id: id}}, nil),
+		} {
+			if strings.Contains(q.sql, "checkpoint_") {
+				t.Errorf("%v %s mentions the checkpoint columns:\n%s", d, name, q.sql)
+			}
+		}
+		for name, q := range map[string]query{
+			"read":        st.read(id, nil),
+			"lock":        st.lock(id, nil),
+			"lockNow":     st.lockNow(id, nil),
+			"insert":      st.insert(id, nil),
+			"update":      st.update(id, nil),
+			"legacyBatch": st.legacyBatch(nil, 1),
+			"reapArchive": st.reapArchive(&ReapParams{}, nil, 1),
+			"reapExpired": st.reapExpired(nil, 1),
+		} {
+			text := q.sql
+			if len(q.args) > 0 {
+				if inner, ok := q.args[0].(string); ok {
+					text += inner // citusPerShard's statement, run on each shard
+				}
+			}
+			for _, c := range checkpointColumnNames {
+				if !strings.Contains(text, c) {
+					t.Errorf("%v %s does not carry %s:\n%s", d, name, c, q.sql)
+				}
+			}
+		}
 	}
 }

@@ -414,6 +414,20 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
+	if found && rec.LeaseToken == ev.NewToken && rec.AcquiredFrom != statemachine.StateNone {
+		// Its own takeover, whose answer was lost: the statement above
+		// does not read the checkpoint, which a takeover's record may
+		// carry and its answer must.
+		full, fullNow, err := s.Lookup(ctx, p.ID)
+		switch {
+		case errors.Is(err, statemachine.ErrNotFound):
+			found = false
+		case err != nil:
+			return nil, err
+		default:
+			rec, now = full, fullNow
+		}
+	}
 	if found {
 		res, decided, err := s.answerRead(p, ev, rec, now)
 		if err != nil {
@@ -688,7 +702,7 @@ func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, 
 // Lookup returns the record as in effect now, or statemachine.ErrNotFound.
 func (s *Store) Lookup(ctx context.Context, id Identity) (statemachine.Record, time.Time, error) {
 	q := s.sql.read(id, s.now())
-	rec, now, err := s.scanRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
+	rec, now, err := s.scanFullRecordNow(s.pool.QueryRow(ctx, q.sql, q.args...), id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return statemachine.Record{}, time.Time{}, statemachine.ErrNotFound
 	}
@@ -751,7 +765,7 @@ func (s *Store) lockedOnce(ctx context.Context, id Identity, ev statemachine.Eve
 	}
 	err = withTxThen(ctx, s.pool, func(tx pgx.Tx) error {
 		q := s.sql.lock(id, s.now())
-		cur, now, err := s.scanRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
+		cur, now, err := s.scanFullRecordNow(tx.QueryRow(ctx, q.sql, q.args...), id)
 		var curp *statemachine.Record
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):

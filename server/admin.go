@@ -66,7 +66,7 @@ func (a *adminService) ListRecords(ctx context.Context, req *idempotencyv1.ListR
 	tenant := tenantFrom(ctx)
 	res, err := a.s.store.ListRecords(ctx, &ledger.ListParams{Tenant: tenant,
 		State: statemachine.State(req.GetState()), NeedsDecision: req.GetUncertain(), ScopeGlob: req.GetScopeGlob(), //nolint:gosec // protovalidate (enum.defined_only) admits only the State values, all below 256
-		KeyPrefix: req.GetKeyPrefix(), After: after, Limit: size, Archived: req.GetArchived()})
+		KeyPrefix: req.GetKeyPrefix(), CheckpointPhase: req.GetCheckpointPhase(), After: after, Limit: size, Archived: req.GetArchived()})
 	if err != nil {
 		return nil, a.s.status(ctx, err)
 	}
@@ -226,6 +226,10 @@ func filterHash(req *idempotencyv1.ListRecordsRequest) []byte {
 	}
 	if req.GetUncertain() {
 		h.Write([]byte{2})
+	}
+	if p := req.GetCheckpointPhase(); p != "" {
+		h.Write([]byte{3})
+		h.Write([]byte(p))
 	}
 	return h.Sum(nil)[:8]
 }

@@ -169,6 +169,7 @@ type LimitsConfig struct {
 	MaxFingerprintBytes *int      `yaml:"max_fingerprint_bytes"`
 	MaxReasonBytes      *int      `yaml:"max_reason_bytes"`
 	MaxResponseBytes    *int      `yaml:"max_response_bytes"`
+	MaxCheckpointBytes  *int      `yaml:"max_checkpoint_bytes"`
 	MinLease            *Duration `yaml:"min_lease"`
 	MaxLease            *Duration `yaml:"max_lease"`
 	MaxWait             *Duration `yaml:"max_wait"`
@@ -247,17 +248,19 @@ type Limits struct {
 	MaxFingerprintBytes int
 	MaxReasonBytes      int
 	MaxResponseBytes    int
-	MinLease            time.Duration
-	MaxLease            time.Duration
-	MaxWait             time.Duration
+	// MaxCheckpointBytes bounds a checkpoint's data.
+	MaxCheckpointBytes int
+	MinLease           time.Duration
+	MaxLease           time.Duration
+	MaxWait            time.Duration
 }
 
 // DefaultLimits are the documented limits (docs/security.md): key and scope ≤ 255 bytes,
-// fingerprint ≤ 64 bytes, reason ≤ 1 KiB, stored response ≤ 1 MiB, lease
-// 1 s – 1 h, wait ≤ 30 s.
+// fingerprint ≤ 64 bytes, reason ≤ 1 KiB, stored response ≤ 1 MiB,
+// checkpoint data ≤ 64 KiB, lease 1 s – 1 h, wait ≤ 30 s.
 func DefaultLimits() Limits {
 	return Limits{MaxKeyBytes: 255, MaxScopeBytes: 255, MaxFingerprintBytes: 64,
-		MaxReasonBytes: 1024, MaxResponseBytes: 1 << 20, MinLease: time.Second,
+		MaxReasonBytes: 1024, MaxResponseBytes: 1 << 20, MaxCheckpointBytes: 64 << 10, MinLease: time.Second,
 		MaxLease: time.Hour, MaxWait: 30 * time.Second}
 }
 
@@ -686,6 +689,7 @@ func (c LimitsConfig) apply(l Limits) (Limits, error) {
 	setInt("max_fingerprint_bytes", &l.MaxFingerprintBytes, c.MaxFingerprintBytes)
 	setInt("max_reason_bytes", &l.MaxReasonBytes, c.MaxReasonBytes)
 	setInt("max_response_bytes", &l.MaxResponseBytes, c.MaxResponseBytes)
+	setInt("max_checkpoint_bytes", &l.MaxCheckpointBytes, c.MaxCheckpointBytes)
 	if c.MinLease != nil {
 		l.MinLease = time.Duration(*c.MinLease)
 	}

@@ -28,6 +28,9 @@ func recordToProto(scope, key string, rec statemachine.Record) *idempotencyv1.Re
 	if rec.State.Terminal() {
 		out.Response = responseToProto(rec.Response)
 	}
+	if c := rec.Checkpoint; c != nil {
+		out.Checkpoint = &idempotencyv1.Checkpoint{Phase: c.Phase, Data: c.Data, At: optTimestamp(c.At)}
+	}
 	return out
 }
 

@@ -123,8 +123,8 @@ func (s *Server) Lookup(ctx context.Context, req *idempotencyv1.LookupRequest) (
 	return &idempotencyv1.LookupResponse{Record: recordToProto(req.GetScope(), req.GetKey(), rec)}, nil
 }
 
-// Heartbeat extends the current attempt's lease; see
-// idempotency.v1.Coordinator.
+// Heartbeat extends the current attempt's lease, and records its
+// checkpoint when it carries one; see idempotency.v1.Coordinator.
 func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequest) (*idempotencyv1.HeartbeatResponse, error) {
 	pols := s.policies.Load()
 	if err := s.validateHeartbeat(req, pols.Limits()); err != nil {
@@ -137,10 +137,16 @@ func (s *Server) Heartbeat(ctx context.Context, req *idempotencyv1.HeartbeatRequ
 	if req.GetLease() != nil {
 		lease = req.GetLease().AsDuration()
 	}
-	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), statemachine.Event{Kind: statemachine.EventHeartbeat,
-		Token: req.GetLeaseToken(), Lease: lease})
+	ev := statemachine.Event{Kind: statemachine.EventHeartbeat, Token: req.GetLeaseToken(), Lease: lease}
+	if c := req.GetCheckpoint(); c != nil {
+		ev.Checkpoint = &statemachine.Checkpoint{Phase: c.GetPhase(), Data: c.GetData()}
+	}
+	res, err := s.finish(ctx, req.GetScope(), req.GetKey(), ev)
 	if err != nil {
 		return nil, err
+	}
+	if ev.Checkpoint != nil {
+		s.metrics.observeCheckpoint(req.GetScope())
 	}
 	return &idempotencyv1.HeartbeatResponse{Record: recordToProto(req.GetScope(), req.GetKey(), res.Record)}, nil
 }

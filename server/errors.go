@@ -53,6 +53,7 @@ var refusals = []struct {
 	{statemachine.ErrAlreadyFinished, idempotencyv1.ErrorReason_ERROR_REASON_ALREADY_FINISHED},
 	{statemachine.ErrAttemptsExhausted, idempotencyv1.ErrorReason_ERROR_REASON_ATTEMPTS_EXHAUSTED},
 	{statemachine.ErrNotUnknown, idempotencyv1.ErrorReason_ERROR_REASON_NOT_UNKNOWN},
+	{statemachine.ErrCheckpointRecorded, idempotencyv1.ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED},
 }
 
 // toStatus is the one place where errors become gRPC statuses. Anything it

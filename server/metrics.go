@@ -32,6 +32,7 @@ type metrics struct {
 	unknown      *prometheus.CounterVec
 	mismatch     *prometheus.CounterVec
 	leaseLost    *prometheus.CounterVec
+	checkpoints  *prometheus.CounterVec
 	archived     *prometheus.CounterVec
 	// archivePruned counts archived records deleted after
 	// reaper.archive_retention.
@@ -92,6 +93,8 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 			"Begins refused because the fingerprint differed.", "scope"),
 		leaseLost: counter("idempotency_lease_lost_total",
 			"Complete, Fail or Heartbeat calls refused because the token lost its lease.", "scope"),
+		checkpoints: counter("idempotency_checkpoints_total",
+			"Checkpoints recorded (Heartbeats with a checkpoint that were accepted).", "scope"),
 		reloadFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "idempotency_config_reload_failures_total",
 			Help: "Config reloads refused (unreadable, empty or invalid file, or a change that takes a restart); the configuration in force stayed."}),
 		reaperCaughtUp: prometheus.NewGauge(prometheus.GaugeOpts{Name: "idempotency_reaper_caught_up_timestamp_seconds",
@@ -103,7 +106,7 @@ func newMetrics(store *ledger.Store, maxScopes int, logger *slog.Logger) *metric
 		scopes: scopeLabels{seen: map[string]struct{}{}, max: maxScopes},
 	}
 	notif := func() ledger.NotificationStats { return store.NotificationStats() }
-	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.archived, m.archivePruned, m.reloadFailures, m.reaperCaughtUp,
+	m.registry.MustRegister(m.grpc, m.begin, m.replay, m.expiredRetry, m.unknown, m.mismatch, m.leaseLost, m.checkpoints, m.archived, m.archivePruned, m.reloadFailures, m.reaperCaughtUp,
 		newRecordsCollector(store, logger),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "idempotency_notification_queue_usage",
 			Help: "PostgreSQL's pg_notification_queue_usage() (0-1), sampled every 200ms; changes stop being notified at idemcoord.notify_queue_limit (default 0.5)."},
@@ -161,6 +164,11 @@ func (m *metrics) observeFinish(scope string, res *ledger.Result, err error) {
 	case err == nil && res.EnteredUnknown:
 		m.unknown.WithLabelValues(m.scopes.label(scope)).Inc()
 	}
+}
+
+// observeCheckpoint counts a recorded checkpoint.
+func (m *metrics) observeCheckpoint(scope string) {
+	m.checkpoints.WithLabelValues(m.scopes.label(scope)).Inc()
 }
 
 // registerReady exports ready (the answer of gRPC health and /readyz) as

@@ -181,5 +181,11 @@ func (s *Server) validateHeartbeat(req *idempotencyv1.HeartbeatRequest, lim Limi
 		checkName(v, "scope", req.GetScope(), lim.MaxScopeBytes)
 		checkName(v, "key", req.GetKey(), lim.MaxKeyBytes)
 		checkDuration(v, "lease", req.GetLease(), lim.MinLease, lim.MaxLease, false)
+		if c := req.GetCheckpoint(); c != nil {
+			// The phase's rules (1-128 printable bytes) are the proto's.
+			if n := len(c.GetData()); n > lim.MaxCheckpointBytes {
+				v.addf("checkpoint.data", "must be at most %d bytes (limits.max_checkpoint_bytes), got %d", lim.MaxCheckpointBytes, n)
+			}
+		}
 	})
 }

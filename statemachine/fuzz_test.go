@@ -49,6 +49,8 @@ const (
 	fzOnUnknown
 	fzMaxAttempts
 	fzResolveAs
+	fzCheckpoint
+	fzEventCheckpoint
 	fzFields
 )
 
@@ -125,6 +127,15 @@ func FuzzNext(f *testing.F) {
 		ev := in.event()
 		pol := in.policy()
 		ev.ResolveAs = State(in.sel(8))
+		switch in.sel(3) { // the record's checkpoint: none, its latest attempt's, an earlier one's
+		case 1:
+			rec.Checkpoint = &Checkpoint{Phase: "reserved", Data: []byte("r"), At: now.Add(-time.Second), Attempt: rec.Attempt}
+		case 2:
+			rec.Checkpoint = &Checkpoint{Phase: "reserved", Data: []byte("r"), At: now.Add(-time.Second), Attempt: rec.Attempt - 1}
+		}
+		if in.sel(2) == 1 {
+			ev.Checkpoint = &Checkpoint{Phase: "charged", Data: []byte("c")}
+		}
 		var cur *Record
 		if hasRecord {
 			cur = &rec
@@ -189,6 +200,27 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 		if !d.Exists || diffRecord(d.Record, eff) != nil {
 			fail("a decision without a write does not report the record as it reads: %v", diffRecord(d.Record, eff))
 		}
+	}
+
+	// Checkpoints: only an accepted Heartbeat that carries one replaces
+	// it; a record that reads EXPIRED, and a new generation, have none;
+	// the attempt that recorded one is never abandoned.
+	if cur != nil && d.Err == nil && d.Exists {
+		var want *Checkpoint
+		switch {
+		case d.Record.State == StateExpired, d.FoundExpired:
+		case ev.Kind == EventHeartbeat && ev.Checkpoint != nil && d.Write == WriteUpdate:
+			want = &Checkpoint{Phase: "charged", Data: []byte("c"), At: now, Attempt: d.Record.Attempt}
+		default:
+			want = eff.Checkpoint
+		}
+		if !d.Record.Checkpoint.Equal(want) {
+			fail("checkpoint %s, want %s", fmtCheckpoint(d.Record.Checkpoint), fmtCheckpoint(want))
+		}
+	}
+	if cur != nil && ev.Kind == EventFail && ev.FailureKind == FailureAbandoned && d.Err == nil && d.Write != WriteNone &&
+		eff.Checkpoint != nil && eff.Checkpoint.Attempt == eff.Attempt {
+		fail("an attempt that recorded a checkpoint was abandoned")
 	}
 
 	// Which events may do what.

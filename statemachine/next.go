@@ -30,6 +30,10 @@ var (
 	// UNKNOWN and not an uncertain FAILED_RETRYABLE (as in effect now). The
 	// error names its state.
 	ErrNotUnknown = errors.New("only an UNKNOWN or uncertain record can be resolved")
+	// ErrCheckpointRecorded: a Fail ABANDONED by an attempt that recorded
+	// a checkpoint; that attempt has acted, so the key cannot go back to
+	// how it was before it.
+	ErrCheckpointRecorded = errors.New("the attempt recorded a checkpoint, so it cannot be abandoned (fail it RETRYABLE or UNKNOWN)")
 )
 
 // ResolvedReason is the failure_reason of a record resolved as
@@ -75,7 +79,8 @@ type Decision struct {
 // Effective returns rec as in effect at now: an IN_PROGRESS record whose
 // lease ran out (now at or after LeaseExpiresAt) reads UNKNOWN, and a
 // COMPLETED or FAILED_* record at or after ExpiresAt reads EXPIRED with its
-// response dropped. An EXPIRED record never reads with a response, and a
+// response and checkpoint dropped. An EXPIRED record never reads with a
+// response or a checkpoint, and a
 // record that reads UNKNOWN always reads Uncertain.
 func Effective(rec Record, now time.Time) Record {
 	switch {
@@ -85,8 +90,10 @@ func Effective(rec Record, now time.Time) Record {
 	case rec.State.Terminal() && !rec.ExpiresAt.IsZero() && !now.Before(rec.ExpiresAt):
 		rec.State = StateExpired
 		rec.Response = nil
+		rec.Checkpoint = nil
 	case rec.State == StateExpired:
 		rec.Response = nil
+		rec.Checkpoint = nil
 	case rec.State == StateUnknown:
 		rec.Uncertain = true
 	}
@@ -106,7 +113,15 @@ func Effective(rec Record, now time.Time) Record {
 // generation, or a takeover from UNKNOWN, is UNKNOWN again with its
 // fingerprint kept (an uncertain FAILED_RETRYABLE so comes back UNKNOWN).
 // An acquisition that may itself have acted (it ended Fail UNKNOWN first,
-// or its own lease lapsed) leaves the key UNKNOWN and counts.
+// or its own lease lapsed) leaves the key UNKNOWN and counts; one that
+// recorded a checkpoint has acted for sure, and its Fail ABANDONED is
+// refused with ErrCheckpointRecorded.
+//
+// A checkpoint (a Heartbeat's Event.Checkpoint) belongs to the generation:
+// it is fenced like the Heartbeat, kept through lapsed leases, takeovers,
+// failures and the end of the generation (every acquisition of the
+// generation finds it in the record), and dropped when the record expires;
+// a new generation starts without one.
 func Next(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 	switch ev.Kind {
 	case EventBegin:
@@ -149,6 +164,7 @@ func begin(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		rec.Generation++
 		rec.Attempt = 0
 		rec.Uncertain = false // uncertainty belongs to a generation
+		rec.Checkpoint = nil  // and so do checkpoints
 		acquire(&rec, ev, now, StateExpired)
 		rec.Fingerprint = clone(ev.Fingerprint)
 		d := acquired(rec, StateExpired)
@@ -260,6 +276,9 @@ func finish(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		rec.State = StateInProgress
 		rec.EndedBy = EndingNone
 		rec.LeaseExpiresAt = now.Add(ev.Lease)
+		if ev.Checkpoint != nil {
+			rec.Checkpoint = &Checkpoint{Phase: ev.Checkpoint.Phase, Data: clone(ev.Checkpoint.Data), At: now, Attempt: rec.Attempt}
+		}
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 
 	case EventComplete:
@@ -295,6 +314,9 @@ func finish(cur *Record, ev Event, pol Policy, now time.Time) Decision {
 		rec.Uncertain = true
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true, EnteredUnknown: eff.State != StateUnknown || lapsed}
 	case FailureAbandoned:
+		if rec.Checkpoint != nil && rec.Checkpoint.Attempt == rec.Attempt {
+			return refuse(ErrCheckpointRecorded, eff)
+		}
 		return abandon(rec, eff, ev, pol, now, lapsed)
 	default:
 		return refuse(errors.New("unknown failure kind"), eff)
@@ -352,6 +374,7 @@ func abandon(rec, eff Record, ev Event, pol Policy, now time.Time, lapsed bool) 
 		rec.Generation--
 		rec.Attempt = 1
 		rec.Fingerprint = nil
+		rec.Checkpoint = nil // an EXPIRED record has none
 		end(&rec, StateExpired, by, nil, ev.Reason, now)
 		return Decision{Write: WriteUpdate, Record: rec, Exists: true}
 	}

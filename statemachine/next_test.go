@@ -1136,7 +1136,7 @@ func TestEffective(t *testing.T) {
 // TestDiffRecordCoversRecord fails when Record gains a field diffRecord does
 // not compare.
 func TestDiffRecordCoversRecord(t *testing.T) {
-	if n := reflect.TypeFor[Record]().NumField(); n != 17 {
+	if n := reflect.TypeFor[Record]().NumField(); n != 18 {
 		t.Fatalf("Record has %d fields; update diffRecord and copyRecord", n)
 	}
 }
@@ -1194,7 +1194,7 @@ var (
 )
 
 var sentinels = []error{ErrNotFound, ErrFingerprintMismatch, ErrLeaseLost, ErrAlreadyFinished,
-	ErrAttemptsExhausted, ErrSchemaVersionNotAccepted, ErrKeyExpired, ErrNotUnknown}
+	ErrAttemptsExhausted, ErrSchemaVersionNotAccepted, ErrKeyExpired, ErrNotUnknown, ErrCheckpointRecorded}
 
 // checkAlways checks what holds for every decision, whatever the row.
 func checkAlways(t *testing.T, cur *Record, ev Event, d Decision) {
@@ -1214,6 +1214,9 @@ func checkAlways(t *testing.T, cur *Record, ev Event, d Decision) {
 	}
 	if d.Record.State == StateExpired && d.Record.Response != nil {
 		t.Errorf("an EXPIRED answer carries a response")
+	}
+	if d.Record.State == StateExpired && d.Record.Checkpoint != nil {
+		t.Errorf("an EXPIRED answer carries a checkpoint")
 	}
 }
 
@@ -1255,6 +1258,9 @@ func diffRecord(got, want Record) []string {
 	if got.FailureReason != want.FailureReason {
 		add("FailureReason", got.FailureReason, want.FailureReason)
 	}
+	if !got.Checkpoint.Equal(want.Checkpoint) {
+		add("Checkpoint", fmtCheckpoint(got.Checkpoint), fmtCheckpoint(want.Checkpoint))
+	}
 	if got.TTL != want.TTL {
 		add("TTL", got.TTL, want.TTL)
 	}
@@ -1284,6 +1290,13 @@ func fmtResponse(r *Response) string {
 	return fmt.Sprintf("%+v", *r)
 }
 
+func fmtCheckpoint(c *Checkpoint) string {
+	if c == nil {
+		return "nil"
+	}
+	return fmt.Sprintf("{%q %q at %s by attempt %d}", c.Phase, c.Data, fmtTime(c.At), c.Attempt)
+}
+
 // fmtTime shows a time relative to t0, which reads better in a failure.
 func fmtTime(t time.Time) string {
 	if t.IsZero() {
@@ -1305,6 +1318,11 @@ func copyRecord(r *Record) *Record {
 		x.Body = bytes.Clone(x.Body)
 		x.Metadata = maps.Clone(x.Metadata)
 		c.Response = &x
+	}
+	if r.Checkpoint != nil {
+		x := *r.Checkpoint
+		x.Data = bytes.Clone(x.Data)
+		c.Checkpoint = &x
 	}
 	return &c
 }

@@ -152,6 +152,29 @@ func (r *Response) Equal(o *Response) bool {
 		maps.Equal(r.Metadata, o.Metadata)
 }
 
+// Checkpoint is a recovery point: the last step of a multi-step operation
+// that an attempt of the record's generation recorded it had finished.
+type Checkpoint struct {
+	// Phase names the step.
+	Phase string
+	// Data is what the next attempt needs to resume after it.
+	Data []byte
+	// At is when it was recorded (ignored in an Event).
+	At time.Time
+	// Attempt is the number of the attempt that recorded it (ignored in
+	// an Event): that attempt may not end Fail ABANDONED.
+	Attempt int32
+}
+
+// Equal reports whether c and o hold the same checkpoint. Two nil
+// checkpoints are equal; nil and empty data are equal.
+func (c *Checkpoint) Equal(o *Checkpoint) bool {
+	if c == nil || o == nil {
+		return c == nil && o == nil
+	}
+	return c.Phase == o.Phase && bytes.Equal(c.Data, o.Data) && c.At.Equal(o.At) && c.Attempt == o.Attempt
+}
+
 // Record is one idempotency record. A zero time means "unset".
 type Record struct {
 	State       State
@@ -176,6 +199,10 @@ type Record struct {
 	Uncertain     bool
 	Response      *Response
 	FailureReason string
+	// Checkpoint is the generation's last checkpoint, or nil. It outlives
+	// the attempt that recorded it (a takeover resumes after it) and the
+	// end of the generation (for audit), until the record expires.
+	Checkpoint *Checkpoint
 	// TTL and FailureTTL are the retention windows chosen at acquisition;
 	// they count from the ending call.
 	TTL            time.Duration
@@ -226,6 +253,10 @@ type Event struct {
 	FailureTTL time.Duration
 	// Lease (Begin, Heartbeat) is the lease length, already resolved.
 	Lease time.Duration
+	// Checkpoint (Heartbeat), when set, is the step the holder has just
+	// finished: it becomes the record's checkpoint, recorded by the
+	// holder's attempt at the time of the event.
+	Checkpoint *Checkpoint
 
 	// Complete, Fail, Heartbeat.
 	Token string

@@ -47,7 +47,8 @@ export type ErrorReason =
   | 'ERROR_REASON_NOT_UNKNOWN'
   | 'ERROR_REASON_RECORD_UNREADABLE'
   | 'ERROR_REASON_UNKNOWN_HELD'
-  | 'ERROR_REASON_KEY_FORMAT';
+  | 'ERROR_REASON_KEY_FORMAT'
+  | 'ERROR_REASON_CHECKPOINT_RECORDED';
 /** An ErrorInfo reason as sent on the wire: an idempotency.v1.ErrorReason name without its ERROR_REASON_ prefix. */
 export type ErrorReasonName =
   | 'FINGERPRINT_MISMATCH'
@@ -60,7 +61,8 @@ export type ErrorReasonName =
   | 'NOT_UNKNOWN'
   | 'RECORD_UNREADABLE'
   | 'UNKNOWN_HELD'
-  | 'KEY_FORMAT';
+  | 'KEY_FORMAT'
+  | 'CHECKPOINT_RECORDED';
 // END proto enums
 
 /** google.protobuf.Duration and Timestamp as decoded. */
@@ -102,7 +104,17 @@ export interface RecordMessage {
   expires_at: Timestamp | null;
   /** Sticky uncertainty (docs/design.md), present once the proto has it. */
   uncertain?: boolean;
+  /** The generation's last recovery point (see checkpoint), or null. */
+  checkpoint?: CheckpointMessage | null;
   [field: string]: unknown;
+}
+
+/** idempotency.v1.Checkpoint as decoded: a recovery point of a record's generation. */
+export interface CheckpointMessage {
+  phase: string;
+  data: Buffer;
+  /** Set by the coordinator. */
+  at: Timestamp | null;
 }
 
 export interface BeginRequest {
@@ -133,7 +145,14 @@ export interface FailRequest {
   reason?: string;
 }
 export interface LookupRequest { scope: string; key: string }
-export interface HeartbeatRequest { scope: string; key: string; lease_token: string; lease?: DurationInput }
+export interface HeartbeatRequest {
+  scope: string;
+  key: string;
+  lease_token: string;
+  lease?: DurationInput;
+  /** A recovery point: the step phase (1-128 printable bytes) is done, with data (at most 64 KiB by default). */
+  checkpoint?: { phase: string; data?: Bytes | null } | null;
+}
 export interface RecordAnswer { record: RecordMessage | null }
 
 export interface TlsOptions { rootCerts?: Buffer | null; privateKey?: Buffer | null; certChain?: Buffer | null }
@@ -198,6 +217,19 @@ export interface Attempt {
   readonly lease: Lease;
   /** See markSideEffect. */
   markSideEffect(): void;
+  /** See checkpoint. */
+  checkpoint(phase: string, data?: Bytes | null): Promise<void>;
+  /** See checkpointFrom. */
+  checkpointFrom(): Checkpoint | null;
+}
+
+/** A recovery point as an attempt reads it (checkpointFrom). */
+export interface Checkpoint {
+  readonly phase: string;
+  /** A copy. */
+  readonly data: Buffer;
+  /** When the coordinator recorded it; null for one this attempt recorded whose answer did not say. */
+  readonly at: Timestamp | null;
 }
 
 export interface Result {
@@ -260,6 +292,15 @@ export function normalizeName(name: string | null | undefined): string;
 export function markSideEffect(): void;
 /** Inside fn: its lease; null outside. */
 export function currentLease(): Lease | null;
+/**
+ * Inside fn (once, the HTTP middlewares' handlers, the gRPC interceptor's handlers): records that the step
+ * phase is done, with data the next attempt needs to resume after it (a Heartbeat with the lease token).
+ * Rejects with LeaseLostError when another attempt took the key over, and outside an attempt.
+ * An attempt that recorded one is never ended ABANDONED (RETRYABLE instead, which keeps it).
+ */
+export function checkpoint(phase: string, data?: Bytes | null): Promise<void>;
+/** Inside fn: the attempt's last checkpoint, else the one it resumes after (an earlier attempt's); null when none or outside. */
+export function checkpointFrom(): Checkpoint | null;
 
 /** Every ErrorInfo reason of domain idempotency.v1 (the enum ErrorReason without its prefix), keyed by itself. */
 export const REASONS: Readonly<{ [R in ErrorReasonName]: R }>;

@@ -3,7 +3,7 @@
 // Types are in index.d.ts; docs/node.md in the repository shows
 // a whole service.
 
-const { Client, markSideEffect, currentLease } = require('./lib/client');
+const { Client, markSideEffect, currentLease, checkpoint, checkpointFrom } = require('./lib/client');
 const { dedupKey, normalizeName } = require('./lib/dedup');
 const errors = require('./lib/errors');
 const http = require('./lib/http');
@@ -16,6 +16,8 @@ module.exports = {
   normalizeName,
   markSideEffect,
   currentLease,
+  checkpoint,
+  checkpointFrom,
   httpMiddleware: http.httpMiddleware,
   fastifyPlugin: http.fastifyPlugin,
   serverInterceptor,

@@ -8,6 +8,8 @@ export const {
   normalizeName,
   markSideEffect,
   currentLease,
+  checkpoint,
+  checkpointFrom,
   httpMiddleware,
   fastifyPlugin,
   serverInterceptor,

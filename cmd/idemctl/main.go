@@ -9,7 +9,7 @@
 //	        COMMAND ...
 //
 //	lookup SCOPE KEY
-//	list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
+//	list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--checkpoint-phase P] [--limit N] [--archived]
 //	resolve SCOPE KEY --as completed|retryable [--body-file F --schema-version V
 //	        --content-type T --status-code N]
 //	forget SCOPE KEY
@@ -83,7 +83,8 @@ const usage = `usage: idemctl [--addr HOST:PORT] [--token T] [--output table|jso
 commands:
   lookup SCOPE KEY
         show a record as in effect now
-  list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--limit N] [--archived]
+  list [--state S] [--uncertain] [--scope GLOB] [--key-prefix P] [--checkpoint-phase P]
+       [--limit N] [--archived]
         list records in (scope, key) order; S is a state without the STATE_
         prefix (unknown, in_progress, completed, failed_retryable,
         failed_replayable, expired) as in effect now: --state unknown
@@ -95,7 +96,8 @@ commands:
         run of bytes, N is the most records to show (default 100, 0 for
         all); --archived lists the archive: UNKNOWN records the reaper
         moved out after their policy's unknown_retention, with the time it
-        did
+        did; --checkpoint-phase lists the records whose last checkpoint
+        (recovery point) has that phase
   resolve SCOPE KEY --as completed|retryable [--body-file F] [--schema-version V]
           [--content-type T] [--status-code N]
         end an UNKNOWN record after checking the outside world: as completed
@@ -310,13 +312,15 @@ func (c *cli) list(ctx context.Context, args []string) error {
 	limit := fs.Int("limit", 100, "")
 	archived := fs.Bool("archived", false, "")
 	uncertain := fs.Bool("uncertain", false, "")
+	phase := fs.String("checkpoint-phase", "", "")
 	if _, err := parse(fs, args); err != nil {
 		return err
 	}
 	if *uncertain && *archived {
 		return usagef("--uncertain lists live records that need a decision; not with --archived")
 	}
-	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix, Archived: *archived, Uncertain: *uncertain}
+	req := &idempotencyv1.ListRecordsRequest{ScopeGlob: *glob, KeyPrefix: *prefix, Archived: *archived, Uncertain: *uncertain,
+		CheckpointPhase: *phase}
 	if *state != "" {
 		st, err := parseState(*state)
 		if err != nil {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -431,5 +432,48 @@ func TestArchivedStory(t *testing.T) {
 	// its 1h retention, and is archived a second time.
 	if strings.Join(keys, " ") != "long/b short/a short/a" {
 		t.Fatalf("archive after 50h: %v", keys)
+	}
+}
+
+// TestCheckpointShown: lookup shows a record's checkpoint (phase, data
+// quoted or in base64, time), and list --checkpoint-phase lists the
+// records whose last checkpoint has that phase.
+func TestCheckpointShown(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "")
+	ctx := context.Background()
+	record := func(key, phase string, data []byte) {
+		t.Helper()
+		b := e.begin(ctx, "s", key, time.Minute)
+		if _, err := e.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken(),
+			Checkpoint: &idempotencyv1.Checkpoint{Phase: phase, Data: data}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	record("text", "charged", []byte("ch_1\x1b[2J"))
+	record("binary", "reserved", []byte{0xff, 0x00, 0x01})
+	e.begin(ctx, "s", "none", time.Minute)
+
+	out := mustRun(t, e.coord.Addr, "lookup", "s", "text")
+	for _, want := range []string{"checkpoint       charged", `checkpoint data  8 bytes: "ch_1\x1b[2J"`, "checkpoint at    2026-"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("lookup lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "\x1b") {
+		t.Errorf("lookup printed the data's escape sequence raw")
+	}
+	if out := mustRun(t, e.coord.Addr, "lookup", "s", "binary"); !strings.Contains(out, "3 bytes, base64: /wAB") {
+		t.Errorf("lookup of binary data:\n%s", out)
+	}
+	if out := mustRun(t, e.coord.Addr, "lookup", "s", "none"); !slices.Contains(strings.Split(out, "\n"), "checkpoint      -") {
+		t.Errorf("lookup without a checkpoint:\n%s", out)
+	}
+	table := mustRun(t, e.coord.Addr, "list", "--checkpoint-phase", "charged")
+	if tableRow(t, table, "s", "text") == nil || tableRow(t, table, "s", "binary") != nil || tableRow(t, table, "s", "none") != nil {
+		t.Errorf("list --checkpoint-phase charged:\n%s", table)
+	}
+	if out := mustRun(t, e.coord.Addr, "--output", "json", "lookup", "s", "text"); !strings.Contains(strings.Join(strings.Fields(out), ""), `"phase":"charged"`) {
+		t.Errorf("lookup --output json:\n%s", out)
 	}
 }

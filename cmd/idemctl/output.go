@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/base64"
 	"encoding/hex"
 	"fmt"
 	"maps"
@@ -62,7 +63,28 @@ func (c *cli) printRecord(r *idempotencyv1.Record) error {
 	} else {
 		row("response", "-")
 	}
+	if cp := r.GetCheckpoint(); cp != nil {
+		row("checkpoint", cp.GetPhase())
+		row("checkpoint data", checkpointDataText(cp.GetData()))
+		row("checkpoint at", timeText(cp.GetAt()))
+	} else {
+		row("checkpoint", "-")
+	}
 	return w.Flush()
+}
+
+// checkpointDataText shows a checkpoint's data safely on a terminal: its
+// size, then the data quoted (Go syntax, escapes for anything unprintable)
+// when it is valid UTF-8, else in base64.
+func checkpointDataText(b []byte) string {
+	text := fmt.Sprintf("%d bytes", len(b))
+	switch {
+	case len(b) == 0:
+		return text
+	case utf8.Valid(b):
+		return text + ": " + strconv.Quote(string(b))
+	}
+	return text + ", base64: " + base64.StdEncoding.EncodeToString(b)
 }
 
 // printList shows records: in JSON as a ListRecordsResponse (whose

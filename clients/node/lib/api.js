@@ -94,6 +94,12 @@ function errorInfoReason(statusBytes) {
   return '';
 }
 
+/** The ErrorInfo reason in a gRPC error's status details, '' when none. */
+function errorReason(err) {
+  const raw = err?.metadata?.get?.('grpc-status-details-bin')?.[0];
+  return raw ? errorInfoReason(raw) ?? '' : '';
+}
+
 /**
  * A StoredResponse as callers see it, whatever shape it was given in: every
  * field set, body a Buffer (a string is taken as UTF-8, never base64),
@@ -178,6 +184,7 @@ module.exports = {
   decodeStatus,
   encodeErrorInfoStatus,
   errorInfoReason,
+  errorReason,
   requestToWire,
   answerFromWire,
   metadataToWire,

@@ -514,6 +514,41 @@ class Lease {
     });
     this.sentAt = sentAt;
     this.lost = false;
+    // The checkpoint the attempt resumes after (an earlier attempt's,
+    // returned by the Begin that acquired the key), and the last one this
+    // attempt recorded (see checkpoint).
+    this.resumed = copyCheckpoint(rec.checkpoint);
+    this.own = null;
+  }
+
+  /**
+   * Records that the attempt finished the step phase, with data the next
+   * attempt needs to resume after it: a Heartbeat with the lease token and
+   * the checkpoint, which also extends the lease. Rejects with
+   * LeaseLostError when another attempt took the key over (nothing was
+   * recorded), and with the coordinator's error for a phase that is not
+   * 1-128 printable bytes or data over its limit (64 KiB by default).
+   */
+  async checkpoint(phase, data) {
+    const cp = { phase, data: Buffer.from(data ?? []) };
+    let res;
+    try {
+      res = await this.client.heartbeat({ scope: this.scope, key: this.key, lease_token: this.token, lease: this.request, checkpoint: cp });
+    } catch (err) {
+      if (leaseGone(err)) {
+        this.lost = true;
+        const lost = new LeaseLostError();
+        lost.cause = err;
+        throw lost;
+      }
+      throw err;
+    }
+    this.own = { phase: cp.phase, data: cp.data, at: res?.record?.checkpoint?.at ?? null };
+  }
+
+  /** The attempt's last own checkpoint, else the one it resumes after, else null; data is a copy. */
+  checkpointFrom() {
+    return copyCheckpoint(this.own ?? this.resumed);
   }
 
   /** How long before the lease would run out, by the local clock, fn is aborted unless a heartbeat confirmed it. */
@@ -565,6 +600,8 @@ class Lease {
       markSideEffect: () => {
         marked = true;
       },
+      checkpoint: (phase, data) => this.checkpoint(phase, data),
+      checkpointFrom: () => this.checkpointFrom(),
     });
     const stop = this._keepAlive(controller, confirmed);
     let value;
@@ -667,10 +704,21 @@ class Lease {
    * UNKNOWN instead; other refusals are answered.
    */
   async finish(ending) {
+    if (ending.kind === 'FAILURE_KIND_ABANDONED' && this.own) {
+      // An attempt that recorded a checkpoint has acted: the coordinator
+      // refuses to abandon it. RETRYABLE keeps the checkpoint for the next.
+      ending = { ...ending, kind: 'FAILURE_KIND_RETRYABLE' };
+    }
     try {
       await this._send(ending, { timeoutMs: FINISH_TIMEOUT_MS });
       return null;
     } catch (err) {
+      if (ending.kind === 'FAILURE_KIND_ABANDONED' && err?.code === S.FAILED_PRECONDITION &&
+          api.errorReason(err) === api.REASONS.CHECKPOINT_RECORDED) {
+        // A checkpoint this library did not send (the application's own
+        // Heartbeat): end it RETRYABLE instead, which keeps it.
+        return this.finish({ ...ending, kind: 'FAILURE_KIND_RETRYABLE' });
+      }
       if (unreachable(err)) {
         this.client._log('warn', 'idemcoord: coordinator unreachable at the end of an attempt; retrying in the background',
           { scope: this.scope, key: this.key, err: err.message });
@@ -724,8 +772,43 @@ function currentLease() {
   return currentAttempt.getStore()?.lease ?? null;
 }
 
+/**
+ * Records a recovery point of the attempt in progress (inside a function
+ * once runs, a handler of the HTTP middlewares or of the gRPC interceptor):
+ * the step phase is done, with data the next attempt needs to resume after
+ * it (a charge id, say). If this attempt dies, the next attempt of the key
+ * reads it with checkpointFrom and skips the steps before it. Call it after
+ * the step's effect is durable; markSideEffect still applies to the work
+ * after it. Rejects with LeaseLostError when another attempt took the key
+ * over, and outside an attempt.
+ */
+async function checkpoint(phase, data) {
+  const attempt = currentAttempt.getStore();
+  if (!attempt) {
+    throw new Error('idemcoord: checkpoint outside an attempt (no handler or once function with an idempotency key)');
+  }
+  return attempt.checkpoint(phase, data);
+}
+
+/**
+ * The checkpoint of the attempt in progress, { phase, data, at }: the last
+ * one it recorded, else the one it resumes after (an earlier attempt's);
+ * null when there is none, and outside an attempt.
+ */
+function checkpointFrom() {
+  return currentAttempt.getStore()?.checkpointFrom() ?? null;
+}
+
+/** A copy of a Checkpoint message (null for none). */
+function copyCheckpoint(c) {
+  if (!c || !c.phase) {
+    return null;
+  }
+  return { phase: c.phase, data: Buffer.from(c.data ?? []), at: c.at ?? null };
+}
+
 module.exports = {
-  Client, markSideEffect, currentLease, DEFAULT_FAILURE_KINDS,
+  Client, markSideEffect, currentLease, checkpoint, checkpointFrom, DEFAULT_FAILURE_KINDS,
   // For the middlewares and the interceptor (lib/http.js, lib/grpc.js).
   Lease, currentAttempt, newAttemptId, failReason, answerLost, RELEASE_REASON,
 };

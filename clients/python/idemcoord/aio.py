@@ -41,6 +41,21 @@ from .errors import LeaseLost, LeaseUnconfirmed
 from .grpc import new_key, with_key
 
 
+async def checkpoint(phase: str, data: "bytes | bytearray | memoryview | str" = b"") -> None:
+    """Records a recovery point of the asyncio attempt in progress: idemcoord.checkpoint for asyncio code.
+
+    Inside a coroutine function this module's Client.once runs, an app
+    behind the ASGI middleware, or a handler behind this module's
+    ServerInterceptor. Raises LeaseLost when another attempt took the key
+    over, INVALID_ARGUMENT for a bad phase or data over the limit, and
+    RuntimeError outside an attempt. idemcoord.checkpoint_from reads it.
+    """
+    attempt = _current.get()
+    if attempt is None:
+        raise RuntimeError("idemcoord: checkpoint outside an attempt (no handler or once function with an idempotency key)")
+    await attempt.checkpoint_async(phase, data)
+
+
 def _answer_lost(err: object) -> bool:
     return isinstance(err, asyncio.CancelledError) or _code(err) in (_C.UNAVAILABLE, _C.DEADLINE_EXCEEDED, _C.CANCELLED)
 
@@ -318,6 +333,17 @@ class _AsyncHolder(_HolderBase):
         res = await self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
 
+    async def checkpoint_async(self, phase: str, data: bytes) -> None:
+        """Records a checkpoint (see checkpoint)."""
+        try:
+            res = await self.client.heartbeat(**self._checkpoint_fields(phase, data))
+        except grpc.aio.AioRpcError as err:
+            if _lease_gone(err):
+                self.lost = True
+                raise LeaseLost() from err
+            raise
+        self._recorded(phase, data, res)
+
     async def start(self, attempt: Attempt,
                     on_cancel: Callable[[], None]) -> Optional[Callable[[], Awaitable[None]]]:
         """Starts the heartbeats of attempt; returns the coroutine function that stops them, or None when fn must not run.
@@ -353,7 +379,7 @@ class _AsyncHolder(_HolderBase):
 
     async def run(self, fn: Callable[[Attempt], Awaitable[Any]]) -> Tuple[Any, Optional[BaseException], bool, bool]:
         """Runs fn(attempt) with heartbeats; returns (value, error, marked, started)."""
-        attempt = Attempt(self.info)
+        attempt = Attempt(self.info, holder=self)
         task: "Optional[asyncio.Future[Any]]" = None
 
         def cancel_fn() -> None:

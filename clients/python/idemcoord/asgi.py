@@ -267,7 +267,7 @@ class IdempotencyMiddleware:
         if left.is_set():  # the client left as the key was acquired
             await c._release(breq, holder.token)
             return
-        attempt = Attempt(holder.info)
+        attempt = Attempt(holder.info, holder=holder)
         # A lost or unconfirmed lease shows the app a disconnect, as a client that left does.
         stop = await holder.start(attempt, gone.set)
         if stop is None:

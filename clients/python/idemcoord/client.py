@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextvars
 import dataclasses
+import datetime
 import logging
 import random
 import threading
@@ -18,6 +19,7 @@ from .errors import (CONTENT_TYPE_PROTO, SCHEMA_VERSION_STATUS, FailureError, Le
 from . import _core, _tables
 from ._core import _C, CODES as _CODES, duration as _duration, fail_reason as _fail_reason, seconds as _seconds
 from ._core import code_of_error as _code, lease_length as _lease_length, new_attempt_id as _new_attempt_id
+from ._http import error_reason as _error_reason
 from ._tables import (DEFAULT_LEASE, FINISH_TIMEOUT, MAX_BEGIN_WAIT, MIN_HEARTBEAT, RELEASE_REASON,  # noqa: F401
                       RELEASE_TIMEOUT)
 
@@ -42,6 +44,31 @@ class Lease:
     uncertain: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A recovery point: the step phase of a multi-step operation is done, with the data the next attempt needs.
+
+    See checkpoint and checkpoint_from.
+    """
+
+    phase: str
+    data: bytes
+    at: Optional[datetime.datetime]  # when the coordinator recorded it (UTC); None when not told
+
+
+def _checkpoint_of(rec: Any) -> Optional[Checkpoint]:
+    """The checkpoint of a Record message, or None."""
+    if rec is None or not rec.HasField("checkpoint") or not rec.checkpoint.phase:
+        return None
+    c = rec.checkpoint
+    at = c.at.ToDatetime(tzinfo=datetime.timezone.utc) if c.HasField("at") else None
+    return Checkpoint(str(c.phase), bytes(c.data), at)
+
+
+def _checkpoint_data(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
+    return data.encode("utf-8") if isinstance(data, str) else bytes(data)
+
+
 @dataclasses.dataclass
 class Result:
     """The recorded outcome of a key, as once returns it."""
@@ -61,16 +88,34 @@ class Attempt:
     it cannot be confirmed before it runs out (reason LeaseUnconfirmed).
     """
 
-    def __init__(self, lease: Lease, cancel_event: Optional[threading.Event] = None):
+    def __init__(self, lease: Lease, cancel_event: Optional[threading.Event] = None,
+                 holder: "Optional[_HolderBase]" = None):
         self.lease = lease
         self.cancelled = threading.Event()
         self.reason: Optional[BaseException] = None
         self._marked = False
         self._outer = cancel_event
+        self._holder = holder
 
     def mark_side_effect(self) -> None:
         """See idemcoord.mark_side_effect."""
         self._marked = True
+
+    def checkpoint(self, phase: str, data: Union[bytes, bytearray, memoryview, str] = b"") -> None:
+        """See idemcoord.checkpoint (in an asyncio attempt: await idemcoord.aio.checkpoint)."""
+        if self._holder is None:
+            raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
+        self._holder.checkpoint_sync(phase, _checkpoint_data(data))
+
+    async def checkpoint_async(self, phase: str, data: Union[bytes, bytearray, memoryview, str] = b"") -> None:
+        """See idemcoord.aio.checkpoint."""
+        if self._holder is None:
+            raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
+        await self._holder.checkpoint_async(phase, _checkpoint_data(data))
+
+    def checkpoint_from(self) -> Optional[Checkpoint]:
+        """See idemcoord.checkpoint_from."""
+        return self._holder.checkpoint_from() if self._holder is not None else None
 
     def cancel(self, reason: BaseException) -> None:
         if not self.cancelled.is_set():
@@ -102,6 +147,38 @@ def current_lease() -> Optional[Lease]:
     """The Lease of the attempt a function run by once is in, or None outside one."""
     attempt = _current.get()
     return attempt.lease if attempt is not None else None
+
+
+def checkpoint(phase: str, data: Union[bytes, bytearray, memoryview, str] = b"") -> None:
+    """Records a recovery point of the attempt in progress: the step phase is done, with data (a str is UTF-8).
+
+    Inside a function once runs, a handler of the WSGI middleware or of the
+    gRPC guard (in asyncio code: await idemcoord.aio.checkpoint). It sends a
+    Heartbeat with the lease token and the checkpoint, which also extends
+    the lease. If this attempt dies, the next attempt of the key reads it
+    with checkpoint_from and skips the steps before it. Call it after the
+    step's effect is durable; mark_side_effect still applies to the work
+    after it. Raises LeaseLost when another attempt took the key over
+    (nothing recorded), the coordinator's INVALID_ARGUMENT for a phase that
+    is not 1-128 printable bytes or data over its limit (64 KiB by
+    default), and RuntimeError outside an attempt. An attempt that recorded
+    a checkpoint is never ended ABANDONED by the library: RETRYABLE
+    instead, which keeps the checkpoint.
+    """
+    attempt = _current.get()
+    if attempt is None:
+        raise RuntimeError("idemcoord: checkpoint outside an attempt (no handler or once function with an idempotency key)")
+    attempt.checkpoint(phase, data)
+
+
+def checkpoint_from() -> Optional[Checkpoint]:
+    """The checkpoint of the attempt in progress: the last one it recorded, else the one it resumes after.
+
+    The one it resumes after is an earlier attempt's, returned by the Begin
+    that acquired the key. None when there is none, and outside an attempt.
+    """
+    attempt = _current.get()
+    return attempt.checkpoint_from() if attempt is not None else None
 
 
 def _unreachable(err: object) -> bool:
@@ -634,7 +711,7 @@ class Client(_Settings):
             return replayed
 
         lease = _Holder(self, breq, res, sent)
-        attempt = Attempt(lease.info, cancel_event)
+        attempt = Attempt(lease.info, cancel_event, lease)
         value, error, marked, started = lease.run(fn, attempt)
         if lease.lost:
             raise LeaseLost()
@@ -768,6 +845,31 @@ class _HolderBase:
         self.info = Lease(self.scope, self.key, self.token, rec.generation, rec.attempt, res.previous_state,
                           bool(getattr(rec, "uncertain", False)))
         self.lost = False
+        # The checkpoint the attempt resumes after (an earlier attempt's),
+        # and the last one this attempt recorded.
+        self.resumed = _checkpoint_of(rec)
+        self.own: Optional[Checkpoint] = None
+
+    def checkpoint_from(self) -> Optional[Checkpoint]:
+        """The attempt's last own checkpoint, else the one it resumes after."""
+        return self.own or self.resumed
+
+    def checkpoint_sync(self, phase: str, data: bytes) -> None:
+        """Records a checkpoint from synchronous code (see idemcoord.checkpoint)."""
+        raise TypeError("idemcoord: an asyncio attempt records checkpoints with await idemcoord.aio.checkpoint(...)")
+
+    async def checkpoint_async(self, phase: str, data: bytes) -> None:
+        """Records a checkpoint from asyncio code (see idemcoord.aio.checkpoint)."""
+        raise TypeError("idemcoord: a synchronous attempt records checkpoints with idemcoord.checkpoint(...)")
+
+    def _checkpoint_fields(self, phase: str, data: bytes) -> Dict[str, Any]:
+        fields = self._heartbeat_fields()
+        fields["checkpoint"] = _api.message_class("idempotency.v1.Checkpoint")(phase=phase, data=data)
+        return fields
+
+    def _recorded(self, phase: str, data: bytes, res: Any) -> None:
+        at = _checkpoint_of(getattr(res, "record", None))
+        self.own = Checkpoint(phase, data, at.at if at is not None and at.phase == phase else None)
 
     @property
     def length(self) -> float:
@@ -782,8 +884,12 @@ class _HolderBase:
         base = dict(scope=self.scope, key=self.key, lease_token=self.token)
         if "complete" in ending:
             return "complete", dict(response=ending["complete"], **base)
-        return "fail", dict(kind=ending["kind"], response=ending.get("response"), reason=ending.get("reason", ""),
-                            **base)
+        kind = ending["kind"]
+        if kind == "FAILURE_KIND_ABANDONED" and self.own is not None:
+            # An attempt that recorded a checkpoint has acted: the coordinator
+            # refuses to abandon it. RETRYABLE keeps the checkpoint.
+            kind = "FAILURE_KIND_RETRYABLE"
+        return "fail", dict(kind=kind, response=ending.get("response"), reason=ending.get("reason", ""), **base)
 
     def _cancel(self, attempt: Attempt, lost: bool) -> None:
         """Cancels attempt as _core.keep_alive's CancelAttempt says: the lease was lost, or went unconfirmed."""
@@ -797,9 +903,17 @@ class _HolderBase:
 
     @staticmethod
     def _unstored(err: BaseException, ending: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-        """The ending to send instead when the coordinator refused ending's response with err, else None."""
+        """The ending to send instead when the coordinator refused ending with err, else None.
+
+        A response it refused to store: UNKNOWN. An ABANDONED it refused
+        because the attempt recorded a checkpoint (one this library did not
+        send): RETRYABLE, which keeps it.
+        """
         if _code(err) == _C.INVALID_ARGUMENT and ("complete" in ending or ending.get("response") is not None):
             return dict(kind="FAILURE_KIND_UNKNOWN", reason=_fail_reason("response not stored: %s" % err))
+        if (ending.get("kind") == "FAILURE_KIND_ABANDONED" and _code(err) == _C.FAILED_PRECONDITION
+                and _error_reason(err) == "CHECKPOINT_RECORDED"):
+            return dict(ending, kind="FAILURE_KIND_RETRYABLE")
         return None
 
 
@@ -910,6 +1024,17 @@ class _Holder(_HolderBase):
         """Extends the lease; returns the lease it was extended by in seconds (0 when not told)."""
         res = self.client.heartbeat(timeout=timeout, **self._heartbeat_fields())
         return _lease_length(res.record)
+
+    def checkpoint_sync(self, phase: str, data: bytes) -> None:
+        """Records a checkpoint (see idemcoord.checkpoint)."""
+        try:
+            res = self.client.heartbeat(**self._checkpoint_fields(phase, data))
+        except grpc.RpcError as err:
+            if _lease_gone(err):
+                self.lost = True
+                raise LeaseLost() from err
+            raise
+        self._recorded(phase, data, res)
 
     def _send(self, ending: Mapping[str, Any], timeout: float) -> Any:
         method, fields = self._ending_call(ending)

@@ -114,7 +114,7 @@ class ServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             _abort(context, CANCELLED_ANSWER)
 
         holder = _Holder(c, breq, res, sent)
-        attempt = Attempt(holder.info, cancel_event)
+        attempt = Attempt(holder.info, cancel_event, holder)
         stop = holder.start(attempt)
         if stop is None:
             if holder.gave_up:

@@ -184,7 +184,7 @@ class IdempotencyMiddleware:
             return self._problem(start_response, _http.not_acquired(res), echo)
 
         holder = _Holder(c, breq, res, sent)
-        attempt = Attempt(holder.info)
+        attempt = Attempt(holder.info, holder=holder)
         stop = holder.start(attempt)
         if stop is None:
             if holder.lost:

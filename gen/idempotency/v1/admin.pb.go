@@ -91,7 +91,7 @@ type ListRecordsRequest struct {
 	// records even when more follow.
 	PageSize int32 `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	// The next_page_token of the previous page, sent with the same filters
-	// (state, scope_glob, key_prefix, archived, uncertain); empty for the
+	// (state, scope_glob, key_prefix, archived, uncertain, checkpoint_phase); empty for the
 	// first page.
 	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only records whose key starts with these bytes; empty matches every
@@ -110,9 +110,12 @@ type ListRecordsRequest struct {
 	// earlier attempt may have done the side effect). Combines with the other
 	// filters; with `state`, only STATE_UNKNOWN or STATE_FAILED_RETRYABLE
 	// (or none) is accepted, and not with `archived`.
-	Uncertain     bool `protobuf:"varint,7,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Uncertain bool `protobuf:"varint,7,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
+	// Only records whose last checkpoint has this phase (exactly); empty
+	// matches every record. At most 128 printable bytes.
+	CheckpointPhase string `protobuf:"bytes,8,opt,name=checkpoint_phase,json=checkpointPhase,proto3" json:"checkpoint_phase,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ListRecordsRequest) Reset() {
@@ -192,6 +195,13 @@ func (x *ListRecordsRequest) GetUncertain() bool {
 		return x.Uncertain
 	}
 	return false
+}
+
+func (x *ListRecordsRequest) GetCheckpointPhase() string {
+	if x != nil {
+		return x.CheckpointPhase
+	}
+	return ""
 }
 
 // ListRecordsResponse is one page of records.
@@ -743,7 +753,7 @@ var File_idempotency_v1_admin_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\xc5\x02\n" +
+	"\x1aidempotency/v1/admin.proto\x12\x0eidempotency.v1\x1a\x1bbuf/validate/validate.proto\x1a idempotency/v1/coordinator.proto\"\x88\x03\n" +
 	"\x12ListRecordsRequest\x125\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x15.idempotency.v1.StateB\b\xbaH\x05\x82\x01\x02\x10\x01R\x05state\x125\n" +
 	"\n" +
@@ -755,7 +765,8 @@ const file_idempotency_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"key_prefix\x18\x05 \x01(\tB\x16\xbaH\x13r\x11(\xff\x012\f^[^\\p{Cc}]*$R\tkeyPrefix\x12\x1a\n" +
 	"\barchived\x18\x06 \x01(\bR\barchived\x12\x1c\n" +
-	"\tuncertain\x18\a \x01(\bR\tuncertain\"o\n" +
+	"\tuncertain\x18\a \x01(\bR\tuncertain\x12A\n" +
+	"\x10checkpoint_phase\x18\b \x01(\tB\x16\xbaH\x13r\x11(\x80\x012\f^[^\\p{Cc}]*$R\x0fcheckpointPhase\"o\n" +
 	"\x13ListRecordsResponse\x120\n" +
 	"\arecords\x18\x01 \x03(\v2\x16.idempotency.v1.RecordR\arecords\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"h\n" +

@@ -338,7 +338,14 @@ type Record struct {
 	Uncertain bool `protobuf:"varint,13,opt,name=uncertain,proto3" json:"uncertain,omitempty"`
 	// When the reaper moved the record to the archive (set only on records
 	// listed with ListRecordsRequest.archived).
-	ArchivedAt    *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=archived_at,json=archivedAt,proto3" json:"archived_at,omitempty"`
+	ArchivedAt *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=archived_at,json=archivedAt,proto3" json:"archived_at,omitempty"`
+	// The generation's last checkpoint (recovery point): the step an attempt
+	// recorded it had finished, with Heartbeat. A Begin that acquires the key
+	// returns it so the new attempt resumes after that step; a completed
+	// record keeps it for audit. Unset when no attempt of the generation
+	// recorded one, and once a record expires. Listing returns it without
+	// its data.
+	Checkpoint    *Checkpoint `protobuf:"bytes,15,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -471,6 +478,80 @@ func (x *Record) GetArchivedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Record) GetCheckpoint() *Checkpoint {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return nil
+}
+
+// Checkpoint is a recovery point: the last step of a multi-step operation
+// that an attempt finished.
+type Checkpoint struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The step's name, 1-128 printable bytes.
+	Phase string `protobuf:"bytes,1,opt,name=phase,proto3" json:"phase,omitempty"`
+	// What the next attempt needs to resume (a charge id, say), at most the
+	// coordinator's limits.max_checkpoint_bytes. Sealed at rest like the
+	// response when encryption at rest is on.
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	// When the coordinator recorded it; ignored in requests.
+	At            *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=at,proto3" json:"at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Checkpoint) Reset() {
+	*x = Checkpoint{}
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Checkpoint) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Checkpoint) ProtoMessage() {}
+
+func (x *Checkpoint) ProtoReflect() protoreflect.Message {
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Checkpoint.ProtoReflect.Descriptor instead.
+func (*Checkpoint) Descriptor() ([]byte, []int) {
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Checkpoint) GetPhase() string {
+	if x != nil {
+		return x.Phase
+	}
+	return ""
+}
+
+func (x *Checkpoint) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *Checkpoint) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
 // BeginRequest claims a key.
 type BeginRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -500,7 +581,7 @@ type BeginRequest struct {
 
 func (x *BeginRequest) Reset() {
 	*x = BeginRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[2]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -512,7 +593,7 @@ func (x *BeginRequest) String() string {
 func (*BeginRequest) ProtoMessage() {}
 
 func (x *BeginRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[2]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -525,7 +606,7 @@ func (x *BeginRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRequest.ProtoReflect.Descriptor instead.
 func (*BeginRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{2}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *BeginRequest) GetScope() string {
@@ -612,7 +693,7 @@ type BeginResponse struct {
 
 func (x *BeginResponse) Reset() {
 	*x = BeginResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[3]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -624,7 +705,7 @@ func (x *BeginResponse) String() string {
 func (*BeginResponse) ProtoMessage() {}
 
 func (x *BeginResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[3]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -637,7 +718,7 @@ func (x *BeginResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginResponse.ProtoReflect.Descriptor instead.
 func (*BeginResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{3}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *BeginResponse) GetOutcome() Outcome {
@@ -706,7 +787,7 @@ type CompleteRequest struct {
 
 func (x *CompleteRequest) Reset() {
 	*x = CompleteRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[4]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -718,7 +799,7 @@ func (x *CompleteRequest) String() string {
 func (*CompleteRequest) ProtoMessage() {}
 
 func (x *CompleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[4]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -731,7 +812,7 @@ func (x *CompleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompleteRequest.ProtoReflect.Descriptor instead.
 func (*CompleteRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{4}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CompleteRequest) GetScope() string {
@@ -773,7 +854,7 @@ type CompleteResponse struct {
 
 func (x *CompleteResponse) Reset() {
 	*x = CompleteResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[5]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -785,7 +866,7 @@ func (x *CompleteResponse) String() string {
 func (*CompleteResponse) ProtoMessage() {}
 
 func (x *CompleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[5]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -798,7 +879,7 @@ func (x *CompleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CompleteResponse.ProtoReflect.Descriptor instead.
 func (*CompleteResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{5}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CompleteResponse) GetRecord() *Record {
@@ -829,7 +910,7 @@ type FailRequest struct {
 
 func (x *FailRequest) Reset() {
 	*x = FailRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[6]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -841,7 +922,7 @@ func (x *FailRequest) String() string {
 func (*FailRequest) ProtoMessage() {}
 
 func (x *FailRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[6]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -854,7 +935,7 @@ func (x *FailRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FailRequest.ProtoReflect.Descriptor instead.
 func (*FailRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{6}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *FailRequest) GetScope() string {
@@ -911,7 +992,7 @@ type FailResponse struct {
 
 func (x *FailResponse) Reset() {
 	*x = FailResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[7]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -923,7 +1004,7 @@ func (x *FailResponse) String() string {
 func (*FailResponse) ProtoMessage() {}
 
 func (x *FailResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[7]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -936,7 +1017,7 @@ func (x *FailResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FailResponse.ProtoReflect.Descriptor instead.
 func (*FailResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{7}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *FailResponse) GetRecord() *Record {
@@ -959,7 +1040,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[8]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -971,7 +1052,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[8]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -984,7 +1065,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{8}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *LookupRequest) GetScope() string {
@@ -1012,7 +1093,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[9]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1024,7 +1105,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[9]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1037,7 +1118,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{9}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *LookupResponse) GetRecord() *Record {
@@ -1057,14 +1138,21 @@ type HeartbeatRequest struct {
 	// The token Begin returned.
 	LeaseToken string `protobuf:"bytes,3,opt,name=lease_token,json=leaseToken,proto3" json:"lease_token,omitempty"`
 	// The new lease, counted from now; absent takes the policy's.
-	Lease         *durationpb.Duration `protobuf:"bytes,4,opt,name=lease,proto3" json:"lease,omitempty"`
+	Lease *durationpb.Duration `protobuf:"bytes,4,opt,name=lease,proto3" json:"lease,omitempty"`
+	// The step the holder has just finished, recorded in the same call (with
+	// the lease extended as without it). It replaces the record's checkpoint
+	// and belongs to the generation: the next Begin that acquires the key
+	// (after a lapsed lease, a takeover, Fail RETRYABLE or UNKNOWN) returns it
+	// in record.checkpoint. Its data is at most the coordinator's
+	// limits.max_checkpoint_bytes; its `at` is ignored.
+	Checkpoint    *Checkpoint `protobuf:"bytes,5,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[10]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1076,7 +1164,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[10]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1089,7 +1177,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{10}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *HeartbeatRequest) GetScope() string {
@@ -1120,6 +1208,13 @@ func (x *HeartbeatRequest) GetLease() *durationpb.Duration {
 	return nil
 }
 
+func (x *HeartbeatRequest) GetCheckpoint() *Checkpoint {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return nil
+}
+
 // HeartbeatResponse carries the record after the call.
 type HeartbeatResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1131,7 +1226,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[11]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1238,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[11]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1251,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{11}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HeartbeatResponse) GetRecord() *Record {
@@ -1177,7 +1272,7 @@ type BatchRequest struct {
 
 func (x *BatchRequest) Reset() {
 	*x = BatchRequest{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1189,7 +1284,7 @@ func (x *BatchRequest) String() string {
 func (*BatchRequest) ProtoMessage() {}
 
 func (x *BatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[12]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1202,7 +1297,7 @@ func (x *BatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchRequest.ProtoReflect.Descriptor instead.
 func (*BatchRequest) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{12}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *BatchRequest) GetCalls() []*BatchCall {
@@ -1235,7 +1330,7 @@ type BatchCall struct {
 
 func (x *BatchCall) Reset() {
 	*x = BatchCall{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1247,7 +1342,7 @@ func (x *BatchCall) String() string {
 func (*BatchCall) ProtoMessage() {}
 
 func (x *BatchCall) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[13]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1260,7 +1355,7 @@ func (x *BatchCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchCall.ProtoReflect.Descriptor instead.
 func (*BatchCall) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{13}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *BatchCall) GetCall() isBatchCall_Call {
@@ -1372,7 +1467,7 @@ type BatchResponse struct {
 
 func (x *BatchResponse) Reset() {
 	*x = BatchResponse{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1384,7 +1479,7 @@ func (x *BatchResponse) String() string {
 func (*BatchResponse) ProtoMessage() {}
 
 func (x *BatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[14]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1397,7 +1492,7 @@ func (x *BatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchResponse.ProtoReflect.Descriptor instead.
 func (*BatchResponse) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{14}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *BatchResponse) GetResults() []*BatchResult {
@@ -1430,7 +1525,7 @@ type BatchResult struct {
 
 func (x *BatchResult) Reset() {
 	*x = BatchResult{}
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1442,7 +1537,7 @@ func (x *BatchResult) String() string {
 func (*BatchResult) ProtoMessage() {}
 
 func (x *BatchResult) ProtoReflect() protoreflect.Message {
-	mi := &file_idempotency_v1_coordinator_proto_msgTypes[15]
+	mi := &file_idempotency_v1_coordinator_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1455,7 +1550,7 @@ func (x *BatchResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchResult.ProtoReflect.Descriptor instead.
 func (*BatchResult) Descriptor() ([]byte, []int) {
-	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{15}
+	return file_idempotency_v1_coordinator_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BatchResult) GetResult() isBatchResult_Result {
@@ -1579,7 +1674,7 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\bmetadata\x18\x05 \x03(\v2,.idempotency.v1.StoredResponse.MetadataEntryR\bmetadata\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xee\x04\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xaa\x05\n" +
 	"\x06Record\x12\x14\n" +
 	"\x05scope\x18\x01 \x01(\tR\x05scope\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12+\n" +
@@ -1601,7 +1696,15 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"expires_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x1c\n" +
 	"\tuncertain\x18\r \x01(\bR\tuncertain\x12;\n" +
 	"\varchived_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"archivedAt\"\xff\x02\n" +
+	"archivedAt\x12:\n" +
+	"\n" +
+	"checkpoint\x18\x0f \x01(\v2\x1a.idempotency.v1.CheckpointR\n" +
+	"checkpoint\"|\n" +
+	"\n" +
+	"Checkpoint\x12.\n" +
+	"\x05phase\x18\x01 \x01(\tB\x18\xbaH\x15r\x13\x10\x01(\x80\x012\f^[^\\p{Cc}]*$R\x05phase\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\x12*\n" +
+	"\x02at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\"\xff\x02\n" +
 	"\fBeginRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x12 \n" +
@@ -1647,13 +1750,16 @@ const file_idempotency_v1_coordinator_proto_rawDesc = "" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\"@\n" +
 	"\x0eLookupResponse\x12.\n" +
-	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\xd4\x01\n" +
+	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"\x90\x02\n" +
 	"\x10HeartbeatRequest\x12+\n" +
 	"\x05scope\x18\x01 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x05scope\x12'\n" +
 	"\x03key\x18\x02 \x01(\tB\x15\xbaH\x12r\x10\x10\x012\f^[^\\p{Cc}]*$R\x03key\x129\n" +
 	"\vlease_token\x18\x03 \x01(\tB\x18\xbaH\x15r\x13\x10\x01(\x80\x012\f^[^\\p{Cc}]*$R\n" +
 	"leaseToken\x12/\n" +
-	"\x05lease\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x05lease\"C\n" +
+	"\x05lease\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x05lease\x12:\n" +
+	"\n" +
+	"checkpoint\x18\x05 \x01(\v2\x1a.idempotency.v1.CheckpointR\n" +
+	"checkpoint\"C\n" +
 	"\x11HeartbeatResponse\x12.\n" +
 	"\x06record\x18\x01 \x01(\v2\x16.idempotency.v1.RecordR\x06record\"L\n" +
 	"\fBatchRequest\x12<\n" +
@@ -1717,89 +1823,93 @@ func file_idempotency_v1_coordinator_proto_rawDescGZIP() []byte {
 }
 
 var file_idempotency_v1_coordinator_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_idempotency_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_idempotency_v1_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_idempotency_v1_coordinator_proto_goTypes = []any{
 	(State)(0),                    // 0: idempotency.v1.State
 	(Outcome)(0),                  // 1: idempotency.v1.Outcome
 	(FailureKind)(0),              // 2: idempotency.v1.FailureKind
 	(*StoredResponse)(nil),        // 3: idempotency.v1.StoredResponse
 	(*Record)(nil),                // 4: idempotency.v1.Record
-	(*BeginRequest)(nil),          // 5: idempotency.v1.BeginRequest
-	(*BeginResponse)(nil),         // 6: idempotency.v1.BeginResponse
-	(*CompleteRequest)(nil),       // 7: idempotency.v1.CompleteRequest
-	(*CompleteResponse)(nil),      // 8: idempotency.v1.CompleteResponse
-	(*FailRequest)(nil),           // 9: idempotency.v1.FailRequest
-	(*FailResponse)(nil),          // 10: idempotency.v1.FailResponse
-	(*LookupRequest)(nil),         // 11: idempotency.v1.LookupRequest
-	(*LookupResponse)(nil),        // 12: idempotency.v1.LookupResponse
-	(*HeartbeatRequest)(nil),      // 13: idempotency.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),     // 14: idempotency.v1.HeartbeatResponse
-	(*BatchRequest)(nil),          // 15: idempotency.v1.BatchRequest
-	(*BatchCall)(nil),             // 16: idempotency.v1.BatchCall
-	(*BatchResponse)(nil),         // 17: idempotency.v1.BatchResponse
-	(*BatchResult)(nil),           // 18: idempotency.v1.BatchResult
-	nil,                           // 19: idempotency.v1.StoredResponse.MetadataEntry
-	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 21: google.protobuf.Duration
-	(*status.Status)(nil),         // 22: google.rpc.Status
+	(*Checkpoint)(nil),            // 5: idempotency.v1.Checkpoint
+	(*BeginRequest)(nil),          // 6: idempotency.v1.BeginRequest
+	(*BeginResponse)(nil),         // 7: idempotency.v1.BeginResponse
+	(*CompleteRequest)(nil),       // 8: idempotency.v1.CompleteRequest
+	(*CompleteResponse)(nil),      // 9: idempotency.v1.CompleteResponse
+	(*FailRequest)(nil),           // 10: idempotency.v1.FailRequest
+	(*FailResponse)(nil),          // 11: idempotency.v1.FailResponse
+	(*LookupRequest)(nil),         // 12: idempotency.v1.LookupRequest
+	(*LookupResponse)(nil),        // 13: idempotency.v1.LookupResponse
+	(*HeartbeatRequest)(nil),      // 14: idempotency.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),     // 15: idempotency.v1.HeartbeatResponse
+	(*BatchRequest)(nil),          // 16: idempotency.v1.BatchRequest
+	(*BatchCall)(nil),             // 17: idempotency.v1.BatchCall
+	(*BatchResponse)(nil),         // 18: idempotency.v1.BatchResponse
+	(*BatchResult)(nil),           // 19: idempotency.v1.BatchResult
+	nil,                           // 20: idempotency.v1.StoredResponse.MetadataEntry
+	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 22: google.protobuf.Duration
+	(*status.Status)(nil),         // 23: google.rpc.Status
 }
 var file_idempotency_v1_coordinator_proto_depIdxs = []int32{
-	19, // 0: idempotency.v1.StoredResponse.metadata:type_name -> idempotency.v1.StoredResponse.MetadataEntry
+	20, // 0: idempotency.v1.StoredResponse.metadata:type_name -> idempotency.v1.StoredResponse.MetadataEntry
 	0,  // 1: idempotency.v1.Record.state:type_name -> idempotency.v1.State
 	3,  // 2: idempotency.v1.Record.response:type_name -> idempotency.v1.StoredResponse
-	20, // 3: idempotency.v1.Record.created_at:type_name -> google.protobuf.Timestamp
-	20, // 4: idempotency.v1.Record.updated_at:type_name -> google.protobuf.Timestamp
-	20, // 5: idempotency.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
-	20, // 6: idempotency.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
-	20, // 7: idempotency.v1.Record.archived_at:type_name -> google.protobuf.Timestamp
-	21, // 8: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
-	21, // 9: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
-	21, // 10: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
-	1,  // 11: idempotency.v1.BeginResponse.outcome:type_name -> idempotency.v1.Outcome
-	4,  // 12: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
-	21, // 13: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
-	0,  // 14: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
-	21, // 15: idempotency.v1.BeginResponse.ttl:type_name -> google.protobuf.Duration
-	21, // 16: idempotency.v1.BeginResponse.failure_ttl:type_name -> google.protobuf.Duration
-	3,  // 17: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 18: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
-	2,  // 19: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
-	3,  // 20: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
-	4,  // 21: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
-	4,  // 22: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
-	21, // 23: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
-	4,  // 24: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
-	16, // 25: idempotency.v1.BatchRequest.calls:type_name -> idempotency.v1.BatchCall
-	5,  // 26: idempotency.v1.BatchCall.begin:type_name -> idempotency.v1.BeginRequest
-	7,  // 27: idempotency.v1.BatchCall.complete:type_name -> idempotency.v1.CompleteRequest
-	9,  // 28: idempotency.v1.BatchCall.fail:type_name -> idempotency.v1.FailRequest
-	11, // 29: idempotency.v1.BatchCall.lookup:type_name -> idempotency.v1.LookupRequest
-	13, // 30: idempotency.v1.BatchCall.heartbeat:type_name -> idempotency.v1.HeartbeatRequest
-	21, // 31: idempotency.v1.BatchCall.timeout:type_name -> google.protobuf.Duration
-	18, // 32: idempotency.v1.BatchResponse.results:type_name -> idempotency.v1.BatchResult
-	6,  // 33: idempotency.v1.BatchResult.begin:type_name -> idempotency.v1.BeginResponse
-	8,  // 34: idempotency.v1.BatchResult.complete:type_name -> idempotency.v1.CompleteResponse
-	10, // 35: idempotency.v1.BatchResult.fail:type_name -> idempotency.v1.FailResponse
-	12, // 36: idempotency.v1.BatchResult.lookup:type_name -> idempotency.v1.LookupResponse
-	14, // 37: idempotency.v1.BatchResult.heartbeat:type_name -> idempotency.v1.HeartbeatResponse
-	22, // 38: idempotency.v1.BatchResult.error:type_name -> google.rpc.Status
-	5,  // 39: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
-	7,  // 40: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
-	9,  // 41: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
-	11, // 42: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
-	13, // 43: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
-	15, // 44: idempotency.v1.Coordinator.Batch:input_type -> idempotency.v1.BatchRequest
-	6,  // 45: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
-	8,  // 46: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
-	10, // 47: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
-	12, // 48: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
-	14, // 49: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
-	17, // 50: idempotency.v1.Coordinator.Batch:output_type -> idempotency.v1.BatchResponse
-	45, // [45:51] is the sub-list for method output_type
-	39, // [39:45] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	21, // 3: idempotency.v1.Record.created_at:type_name -> google.protobuf.Timestamp
+	21, // 4: idempotency.v1.Record.updated_at:type_name -> google.protobuf.Timestamp
+	21, // 5: idempotency.v1.Record.lease_expires_at:type_name -> google.protobuf.Timestamp
+	21, // 6: idempotency.v1.Record.expires_at:type_name -> google.protobuf.Timestamp
+	21, // 7: idempotency.v1.Record.archived_at:type_name -> google.protobuf.Timestamp
+	5,  // 8: idempotency.v1.Record.checkpoint:type_name -> idempotency.v1.Checkpoint
+	21, // 9: idempotency.v1.Checkpoint.at:type_name -> google.protobuf.Timestamp
+	22, // 10: idempotency.v1.BeginRequest.ttl:type_name -> google.protobuf.Duration
+	22, // 11: idempotency.v1.BeginRequest.lease:type_name -> google.protobuf.Duration
+	22, // 12: idempotency.v1.BeginRequest.wait:type_name -> google.protobuf.Duration
+	1,  // 13: idempotency.v1.BeginResponse.outcome:type_name -> idempotency.v1.Outcome
+	4,  // 14: idempotency.v1.BeginResponse.record:type_name -> idempotency.v1.Record
+	22, // 15: idempotency.v1.BeginResponse.retry_after:type_name -> google.protobuf.Duration
+	0,  // 16: idempotency.v1.BeginResponse.previous_state:type_name -> idempotency.v1.State
+	22, // 17: idempotency.v1.BeginResponse.ttl:type_name -> google.protobuf.Duration
+	22, // 18: idempotency.v1.BeginResponse.failure_ttl:type_name -> google.protobuf.Duration
+	3,  // 19: idempotency.v1.CompleteRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 20: idempotency.v1.CompleteResponse.record:type_name -> idempotency.v1.Record
+	2,  // 21: idempotency.v1.FailRequest.kind:type_name -> idempotency.v1.FailureKind
+	3,  // 22: idempotency.v1.FailRequest.response:type_name -> idempotency.v1.StoredResponse
+	4,  // 23: idempotency.v1.FailResponse.record:type_name -> idempotency.v1.Record
+	4,  // 24: idempotency.v1.LookupResponse.record:type_name -> idempotency.v1.Record
+	22, // 25: idempotency.v1.HeartbeatRequest.lease:type_name -> google.protobuf.Duration
+	5,  // 26: idempotency.v1.HeartbeatRequest.checkpoint:type_name -> idempotency.v1.Checkpoint
+	4,  // 27: idempotency.v1.HeartbeatResponse.record:type_name -> idempotency.v1.Record
+	17, // 28: idempotency.v1.BatchRequest.calls:type_name -> idempotency.v1.BatchCall
+	6,  // 29: idempotency.v1.BatchCall.begin:type_name -> idempotency.v1.BeginRequest
+	8,  // 30: idempotency.v1.BatchCall.complete:type_name -> idempotency.v1.CompleteRequest
+	10, // 31: idempotency.v1.BatchCall.fail:type_name -> idempotency.v1.FailRequest
+	12, // 32: idempotency.v1.BatchCall.lookup:type_name -> idempotency.v1.LookupRequest
+	14, // 33: idempotency.v1.BatchCall.heartbeat:type_name -> idempotency.v1.HeartbeatRequest
+	22, // 34: idempotency.v1.BatchCall.timeout:type_name -> google.protobuf.Duration
+	19, // 35: idempotency.v1.BatchResponse.results:type_name -> idempotency.v1.BatchResult
+	7,  // 36: idempotency.v1.BatchResult.begin:type_name -> idempotency.v1.BeginResponse
+	9,  // 37: idempotency.v1.BatchResult.complete:type_name -> idempotency.v1.CompleteResponse
+	11, // 38: idempotency.v1.BatchResult.fail:type_name -> idempotency.v1.FailResponse
+	13, // 39: idempotency.v1.BatchResult.lookup:type_name -> idempotency.v1.LookupResponse
+	15, // 40: idempotency.v1.BatchResult.heartbeat:type_name -> idempotency.v1.HeartbeatResponse
+	23, // 41: idempotency.v1.BatchResult.error:type_name -> google.rpc.Status
+	6,  // 42: idempotency.v1.Coordinator.Begin:input_type -> idempotency.v1.BeginRequest
+	8,  // 43: idempotency.v1.Coordinator.Complete:input_type -> idempotency.v1.CompleteRequest
+	10, // 44: idempotency.v1.Coordinator.Fail:input_type -> idempotency.v1.FailRequest
+	12, // 45: idempotency.v1.Coordinator.Lookup:input_type -> idempotency.v1.LookupRequest
+	14, // 46: idempotency.v1.Coordinator.Heartbeat:input_type -> idempotency.v1.HeartbeatRequest
+	16, // 47: idempotency.v1.Coordinator.Batch:input_type -> idempotency.v1.BatchRequest
+	7,  // 48: idempotency.v1.Coordinator.Begin:output_type -> idempotency.v1.BeginResponse
+	9,  // 49: idempotency.v1.Coordinator.Complete:output_type -> idempotency.v1.CompleteResponse
+	11, // 50: idempotency.v1.Coordinator.Fail:output_type -> idempotency.v1.FailResponse
+	13, // 51: idempotency.v1.Coordinator.Lookup:output_type -> idempotency.v1.LookupResponse
+	15, // 52: idempotency.v1.Coordinator.Heartbeat:output_type -> idempotency.v1.HeartbeatResponse
+	18, // 53: idempotency.v1.Coordinator.Batch:output_type -> idempotency.v1.BatchResponse
+	48, // [48:54] is the sub-list for method output_type
+	42, // [42:48] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_coordinator_proto_init() }
@@ -1807,14 +1917,14 @@ func file_idempotency_v1_coordinator_proto_init() {
 	if File_idempotency_v1_coordinator_proto != nil {
 		return
 	}
-	file_idempotency_v1_coordinator_proto_msgTypes[13].OneofWrappers = []any{
+	file_idempotency_v1_coordinator_proto_msgTypes[14].OneofWrappers = []any{
 		(*BatchCall_Begin)(nil),
 		(*BatchCall_Complete)(nil),
 		(*BatchCall_Fail)(nil),
 		(*BatchCall_Lookup)(nil),
 		(*BatchCall_Heartbeat)(nil),
 	}
-	file_idempotency_v1_coordinator_proto_msgTypes[15].OneofWrappers = []any{
+	file_idempotency_v1_coordinator_proto_msgTypes[16].OneofWrappers = []any{
 		(*BatchResult_Begin)(nil),
 		(*BatchResult_Complete)(nil),
 		(*BatchResult_Fail)(nil),
@@ -1828,7 +1938,7 @@ func file_idempotency_v1_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idempotency_v1_coordinator_proto_rawDesc), len(file_idempotency_v1_coordinator_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   17,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -65,6 +65,12 @@ const (
 	// INVALID_ARGUMENT: the key does not match the key_pattern of its scope's
 	// policy; nothing was written.
 	ErrorReason_ERROR_REASON_KEY_FORMAT ErrorReason = 11
+	// FAILED_PRECONDITION: Fail ABANDONED by an attempt that recorded a
+	// checkpoint (Heartbeat with a checkpoint): the attempt has acted, so the
+	// key cannot go back to how it was before it. Fail RETRYABLE (the
+	// checkpoint is kept for the next attempt) or UNKNOWN instead; the record
+	// is unchanged.
+	ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED ErrorReason = 12
 )
 
 // Enum value maps for ErrorReason.
@@ -82,6 +88,7 @@ var (
 		9:  "ERROR_REASON_RECORD_UNREADABLE",
 		10: "ERROR_REASON_UNKNOWN_HELD",
 		11: "ERROR_REASON_KEY_FORMAT",
+		12: "ERROR_REASON_CHECKPOINT_RECORDED",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED":                 0,
@@ -96,6 +103,7 @@ var (
 		"ERROR_REASON_RECORD_UNREADABLE":           9,
 		"ERROR_REASON_UNKNOWN_HELD":                10,
 		"ERROR_REASON_KEY_FORMAT":                  11,
+		"ERROR_REASON_CHECKPOINT_RECORDED":         12,
 	}
 )
 
@@ -130,7 +138,7 @@ var File_idempotency_v1_error_reason_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_error_reason_proto_rawDesc = "" +
 	"\n" +
-	"!idempotency/v1/error_reason.proto\x12\x0eidempotency.v1*\xa6\x03\n" +
+	"!idempotency/v1/error_reason.proto\x12\x0eidempotency.v1*\xcc\x03\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12%\n" +
 	"!ERROR_REASON_FINGERPRINT_MISMATCH\x10\x01\x12\x1b\n" +
@@ -144,7 +152,8 @@ const file_idempotency_v1_error_reason_proto_rawDesc = "" +
 	"\x1eERROR_REASON_RECORD_UNREADABLE\x10\t\x12\x1d\n" +
 	"\x19ERROR_REASON_UNKNOWN_HELD\x10\n" +
 	"\x12\x1b\n" +
-	"\x17ERROR_REASON_KEY_FORMAT\x10\vBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
+	"\x17ERROR_REASON_KEY_FORMAT\x10\v\x12$\n" +
+	" ERROR_REASON_CHECKPOINT_RECORDED\x10\fBAZ?github.com/idemcoord/idemcoord/gen/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
 	file_idempotency_v1_error_reason_proto_rawDescOnce sync.Once

@@ -72,3 +72,24 @@ const stampInit: RequestInit = { method: 'POST' };
 const stampedKey: string = stampIdempotencyKey(stampInit);
 void callerInterceptors;
 void stampedKey;
+
+// Recovery points: resume a multi-step operation after the last finished step.
+import { checkpoint, checkpointFrom, Checkpoint } from '../..';
+
+async function provision(client: Client, order: string): Promise<string> {
+  const res = await client.once('orders.provision', order, null, async (attempt) => {
+    const from: Checkpoint | null = attempt.checkpointFrom() ?? checkpointFrom();
+    let charge = from?.phase === 'charged' ? from.data.toString() : '';
+    if (!charge) {
+      charge = 'ch_1';
+      await checkpoint('charged', Buffer.from(charge));
+    }
+    await attempt.checkpoint('provisioned', 'm_1');
+    return { body: Buffer.from(charge) };
+  });
+  const rec = (await client.lookup({ scope: 'orders.provision', key: order })).record;
+  void rec?.checkpoint?.at;
+  void client.heartbeat({ scope: 's', key: 'k', lease_token: 't', checkpoint: { phase: 'p', data: 'd' } });
+  return Buffer.from(res.response.body ?? []).toString();
+}
+void provision(client, 'order-1');

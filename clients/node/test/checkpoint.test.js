@@ -1,0 +1,155 @@
+'use strict';
+// Recovery points (checkpoints) from Node against a real coordinator (see
+// coordinator.js): once, an Express handler behind httpMiddleware, fencing,
+// the abandon rule and the limits.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const crypto = require('node:crypto');
+const express = require('express');
+const grpc = require('@grpc/grpc-js');
+const { Client, checkpoint, checkpointFrom, httpMiddleware, LeaseLostError } = require('..');
+const { startCoordinator } = require('./coordinator');
+
+let coord;
+const clients = [];
+
+test.before(async () => {
+  coord = await startCoordinator();
+});
+
+test.after(async () => {
+  await Promise.all(clients.map((c) => c.shutdown({ timeoutMs: 10000 })));
+  await coord.stop();
+});
+
+function newClient() {
+  const c = new Client(coord.addr, { token: coord.token });
+  clients.push(c);
+  return c;
+}
+
+const TIMEOUT = { timeout: 300000 };
+const uniqueKey = (prefix) => `${prefix}-${crypto.randomUUID()}`;
+const grpcError = (code, message) => Object.assign(new Error(message), { code, details: message });
+
+test('a checkpoint outlives a retryable failure and the next attempt resumes after it', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await assert.rejects(c.once(scope, key, null, async (attempt) => {
+    assert.equal(attempt.checkpointFrom(), null);
+    await checkpoint('charged', Buffer.from('ch_1'));
+    const own = checkpointFrom();
+    assert.equal(own.phase, 'charged');
+    assert.equal(own.data.toString(), 'ch_1');
+    throw grpcError(grpc.status.UNAVAILABLE, 'provisioning backend down');
+  }), /provisioning backend down/);
+  const held = (await c.lookup({ scope, key })).record;
+  assert.equal(held.state, 'STATE_FAILED_RETRYABLE');
+  assert.equal(held.checkpoint.phase, 'charged');
+  assert.equal(Buffer.from(held.checkpoint.data).toString(), 'ch_1');
+  assert.ok(held.checkpoint.at, 'the coordinator stamps the checkpoint');
+
+  const res = await c.once(scope, key, null, async (attempt) => {
+    assert.equal(attempt.lease.previous, 'STATE_FAILED_RETRYABLE');
+    const from = attempt.checkpointFrom();
+    assert.equal(from.phase, 'charged');
+    assert.equal(from.data.toString(), 'ch_1');
+    from.data.fill(0); // a copy: the next read is unchanged
+    assert.equal(checkpointFrom().data.toString(), 'ch_1');
+    await attempt.checkpoint('provisioned', 'm_7');
+    return { body: 'done' };
+  });
+  assert.equal(res.response.body.toString(), 'done');
+  const done = (await c.lookup({ scope, key })).record;
+  assert.equal(done.state, 'STATE_COMPLETED');
+  assert.equal(done.checkpoint.phase, 'provisioned', 'a completed record keeps its last checkpoint');
+});
+
+test('an attempt that recorded a checkpoint is ended RETRYABLE, not ABANDONED', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  // INVALID_ARGUMENT is a caller mistake: without a checkpoint the attempt
+  // is abandoned (no record); after one, the coordinator refuses that.
+  await assert.rejects(c.once(scope, key, null, async () => {
+    await checkpoint('charged', 'ch_2');
+    throw grpcError(grpc.status.INVALID_ARGUMENT, 'bad address');
+  }), /bad address/);
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.state, 'STATE_FAILED_RETRYABLE');
+  assert.equal(rec.checkpoint.phase, 'charged');
+  // Without a checkpoint the same failure leaves no record.
+  const key2 = uniqueKey('order');
+  await assert.rejects(c.once(scope, key2, null, () => {
+    throw grpcError(grpc.status.INVALID_ARGUMENT, 'bad address');
+  }), /bad address/);
+  await assert.rejects(c.lookup({ scope, key: key2 }), (err) => err.code === grpc.status.NOT_FOUND);
+});
+
+test('a checkpoint after the attempt lost the key is refused with LeaseLostError and changes nothing', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await assert.rejects(c.once(scope, key, null, async (attempt) => {
+    await attempt.checkpoint('charged', 'ch_3');
+    // The attempt is ended behind the library's back (as a takeover would).
+    await c.fail({ scope, key, lease_token: attempt.lease.token, kind: 'FAILURE_KIND_RETRYABLE', reason: 'test' });
+    await assert.rejects(attempt.checkpoint('provisioned', 'm_3'), (err) => err instanceof LeaseLostError && err.cause?.code === grpc.status.FAILED_PRECONDITION);
+    throw grpcError(grpc.status.UNAVAILABLE, 'stop');
+  }));
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.checkpoint.phase, 'charged', 'the refused checkpoint changed nothing');
+});
+
+test('bad checkpoints are refused INVALID_ARGUMENT and record nothing; outside an attempt checkpoint rejects', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await assert.rejects(checkpoint('charged', 'x'), /outside an attempt/);
+  assert.equal(checkpointFrom(), null);
+  await c.once(scope, key, null, async () => {
+    await assert.rejects(checkpoint('', 'x'), (err) => err.code === grpc.status.INVALID_ARGUMENT);
+    await assert.rejects(checkpoint('p'.repeat(129), 'x'), (err) => err.code === grpc.status.INVALID_ARGUMENT);
+    await assert.rejects(checkpoint('big', Buffer.alloc(64 * 1024 + 1)), (err) => err.code === grpc.status.INVALID_ARGUMENT);
+    assert.equal(checkpointFrom(), null);
+    return { body: 'ok' };
+  });
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.state, 'STATE_COMPLETED');
+  assert.ok(!rec.checkpoint, 'no checkpoint was recorded');
+});
+
+test('an Express handler behind httpMiddleware records a checkpoint and its retry resumes after it', TIMEOUT, async () => {
+  const c = newClient();
+  const app = express();
+  app.use(httpMiddleware(c, { service: 'node-checkpoint', withoutPrincipal: true }));
+  let runs = 0;
+  app.post('/orders', async (req, res) => {
+    runs++;
+    const from = checkpointFrom();
+    if (!from) {
+      await checkpoint('charged', `ch_${runs}`);
+      res.status(503).send('provisioning backend down'); // retryable
+      return;
+    }
+    res.status(201).send(`resumed after ${from.phase} (${from.data})`);
+  });
+  const server = app.listen(0, '127.0.0.1');
+  await new Promise((resolve) => server.once('listening', resolve));
+  const url = `http://127.0.0.1:${server.address().port}/orders`;
+  const key = uniqueKey('order');
+  try {
+    const first = await fetch(url, { method: 'POST', headers: { 'Idempotency-Key': key } });
+    assert.equal(first.status, 503);
+    const second = await fetch(url, { method: 'POST', headers: { 'Idempotency-Key': key } });
+    assert.equal(second.status, 201);
+    assert.equal(await second.text(), 'resumed after charged (ch_1)');
+    const replay = await fetch(url, { method: 'POST', headers: { 'Idempotency-Key': key } });
+    assert.equal(replay.headers.get('idempotency-result'), 'replayed');
+    assert.equal(runs, 2);
+  } finally {
+    server.close();
+  }
+});
