@@ -164,12 +164,6 @@ function problemBody(status, type, title, detail) {
   return Buffer.from(`${JSON.stringify(p)}\n`);
 }
 
-/** The ErrorInfo reason in a gRPC error's status details, '' when none. */
-function errorReason(err) {
-  const raw = err?.metadata?.get?.('grpc-status-details-bin')?.[0];
-  return raw ? api.errorInfoReason(raw) : '';
-}
-
 /** How long a handler whose client went away may take to end its answer while the middleware keeps its lease. */
 const DEFAULT_LINGER_MS = 60000;
 
@@ -538,7 +532,7 @@ class Guard {
       return { answered: true };
     }
     if (code === S.FAILED_PRECONDITION) {
-      switch (errorReason(err)) {
+      switch (api.errorReason(err)) {
         case 'FINGERPRINT_MISMATCH':
         case 'SCHEMA_VERSION_NOT_ACCEPTED':
           this.problem(res, this.o.mismatchStatus, PROBLEMS.keyReused, 'Idempotency-Key reused',
@@ -962,7 +956,7 @@ module.exports = {
   foldPrincipal,
   httpFingerprint,
   httpOperationScope,
-  errorReason,
+  errorReason: api.errorReason,
   HTTP_SCHEMA_VERSION,
   DEFAULT_HTTP_SCOPE,
   PROBLEMS,
