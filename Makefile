@@ -61,14 +61,15 @@ build:
 	go build -o $(BIN)/idemcoord ./cmd/idemcoord
 
 ## test: lint, check generated code, check the docs, run every test with the race detector, and the Go client's
-## tests and the Node client's suite a second time with their calls sharing Batch RPCs (clients.WithCallBatching,
-## callBatching); tests' artifacts (the console's browser screenshot) land under .artifacts/_artifacts/
+## tests and the Node and Python clients' suites a second time with their calls sharing Batch RPCs
+## (clients.WithCallBatching, callBatching, call_batching); tests' artifacts (the console's browser screenshot)
+## land under .artifacts/_artifacts/
 ARTIFACTS := $(CURDIR)/.artifacts
 test: lint check-docs deploy-check
 	@mkdir -p $(ARTIFACTS)
 	go test -race -count=1 -artifacts -outputdir $(ARTIFACTS) $(GO_PACKAGES)
 	IDEMCOORD_TEST_CALL_BATCHING=2 go test -race -count=1 ./clients/
-	IDEMCOORD_TEST_CALL_BATCHING=2 go test -count=1 -run '^TestNodeClient$$' ./clients/polyglot/
+	IDEMCOORD_TEST_CALL_BATCHING=2 go test -count=1 -run '^Test(Node|Python)Client$$' ./clients/polyglot/
 
 ## check-docs: compile or check every code block of README.md and docs/ (Go built as programs, sh with bash -n,
 ## yaml as a config, js and python parsed), run the pages' Go, Node, Python and HTTP programs against a coordinator
