@@ -38,15 +38,27 @@ function newClient(options = {}) {
 function batchingClient(options = {}) {
   const batch = fault('Batch');
   const unary = {};
+  const flight = { now: 0, most: 0 }; // Batch RPCs in flight
   const count = (opts, nextCall) => {
     const method = opts.method_definition.path.split('/').pop();
     if (method !== 'Batch') {
       unary[method] = (unary[method] ?? 0) + 1;
+      return new grpc.InterceptingCall(nextCall(opts));
     }
-    return new grpc.InterceptingCall(nextCall(opts));
+    return new grpc.InterceptingCall(nextCall(opts), {
+      start(metadata, listener, next) {
+        flight.most = Math.max(flight.most, ++flight.now);
+        next(metadata, {
+          onReceiveStatus(status, nextStatus) {
+            flight.now--;
+            nextStatus(status);
+          },
+        });
+      },
+    });
   };
   const c = newClient({ callBatching: 2, ...options, interceptors: [count, batch.interceptor, ...(options.interceptors ?? [])] });
-  return { c, batch, unary };
+  return { c, batch, unary, flight };
 }
 
 const TIMEOUT = { timeout: 300000 };
@@ -69,8 +81,8 @@ async function rejection(p) {
   assert.fail('resolved, want a rejection');
 }
 
-test('concurrent calls share Batch RPCs, each with its own answer', TIMEOUT, async () => {
-  const { c, batch, unary } = batchingClient();
+test('concurrent calls share Batch RPCs, at most callBatching in flight, each with its own answer', TIMEOUT, async () => {
+  const { c, batch, unary, flight } = batchingClient();
   const keys = Array.from({ length: 64 }, () => uniqueKey('pair'));
   await Promise.all(keys.map(async (key) => {
     const b = await c.begin({ scope: SCOPE, key });
@@ -84,6 +96,7 @@ test('concurrent calls share Batch RPCs, each with its own answer', TIMEOUT, asy
   }));
   assert.deepEqual(unary, {}, 'no call went unary');
   assert.ok(batch.calls < (3 * keys.length) / 2, `${3 * keys.length} calls took ${batch.calls} Batch RPCs: they were not shared`);
+  assert.ok(flight.most <= 2, `${flight.most} Batch RPCs in flight at once`);
   // What the batched client answered is what a unary client reads.
   const plain = newClient();
   const rec = await plain.lookup({ scope: SCOPE, key: keys[7] });
@@ -134,10 +147,13 @@ test('a batched call\'s deadline ends it alone', TIMEOUT, async () => {
   const key = uniqueKey('deadline');
   const short = c.lookup({ scope: SCOPE, key: uniqueKey('short') }, { timeoutMs: 200 });
   const long = c.begin({ scope: SCOPE, key }, { timeoutMs: 60000 });
-  const err = await rejection(short); // while their Batch's answer is held back
-  assert.equal(err.code, grpc.status.DEADLINE_EXCEEDED);
-  assert.ok(batch.held, 'both calls went in the held Batch');
-  release();
+  try {
+    const err = await rejection(short); // while their Batch's answer is held back
+    assert.equal(err.code, grpc.status.DEADLINE_EXCEEDED);
+    assert.ok(batch.held, 'both calls went in the held Batch');
+  } finally {
+    release();
+  }
   assert.equal((await long).outcome, 'OUTCOME_ACQUIRED');
 });
 
@@ -212,6 +228,46 @@ test('once runs fn once among 16 concurrent callers through a batching Client', 
     assert.equal(r.value.response.body.toString(), 'done');
   }
   assert.ok(batch.calls > 0);
+});
+
+test('with callBatching 1, one Batch RPC is in flight at a time and the calls made meanwhile go in the next', TIMEOUT, async () => {
+  const { c, batch, flight } = batchingClient({ callBatching: 1 });
+  let release;
+  batch.hold = { call: batch.calls + 1, until: new Promise((r) => { release = r; }) };
+  const first = c.lookup({ scope: SCOPE, key: uniqueKey('first') }).catch((err) => err);
+  await until(() => batch.held);
+  const later = Array.from({ length: 10 }, () => c.begin({ scope: SCOPE, key: uniqueKey('later') }));
+  try {
+    await new Promise((r) => setTimeout(r, 50)); // nothing is sent while the first is in flight
+    assert.equal(batch.calls, 1);
+  } finally {
+    release();
+  }
+  assert.equal((await first).code, grpc.status.NOT_FOUND);
+  for (const b of await Promise.all(later)) {
+    assert.equal(b.outcome, 'OUTCOME_ACQUIRED');
+  }
+  assert.equal(batch.calls, 2, 'the ten calls made meanwhile went in one Batch');
+  assert.equal(flight.most, 1);
+});
+
+test('with callBatching 2, a call made while one Batch RPC is in flight goes at once in a second', TIMEOUT, async () => {
+  const { c, batch, flight } = batchingClient({ callBatching: 2 });
+  let release;
+  batch.hold = { call: batch.calls + 1, until: new Promise((r) => { release = r; }) };
+  const first = c.lookup({ scope: SCOPE, key: uniqueKey('first') }).catch((err) => err);
+  await until(() => batch.held);
+  try {
+    const second = await Promise.race([
+      c.begin({ scope: SCOPE, key: uniqueKey('second') }), // answered while the first is held
+      new Promise((r) => setTimeout(r, 60000, 'waited for the first')),
+    ]);
+    assert.equal(second.outcome, 'OUTCOME_ACQUIRED');
+    assert.equal(flight.most, 2);
+  } finally {
+    release();
+  }
+  assert.equal((await first).code, grpc.status.NOT_FOUND);
 });
 
 test('a Batch RPC whose reply was lost is retried by each of its calls', TIMEOUT, async () => {
