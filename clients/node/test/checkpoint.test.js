@@ -9,7 +9,7 @@ const crypto = require('node:crypto');
 const express = require('express');
 const grpc = require('@grpc/grpc-js');
 const { Client, checkpoint, checkpointFrom, httpMiddleware, LeaseLostError } = require('..');
-const { startCoordinator } = require('./coordinator');
+const { startCoordinator, clientOptions } = require('./coordinator');
 
 let coord;
 const clients = [];
@@ -24,7 +24,7 @@ test.after(async () => {
 });
 
 function newClient() {
-  const c = new Client(coord.addr, { token: coord.token });
+  const c = new Client(coord.addr, clientOptions(coord));
   clients.push(c);
   return c;
 }
