@@ -215,6 +215,14 @@ func TestRefModel(t *testing.T) {
 			call{in: checkpoint("T1", "receipt", "3", at(0)), out: refused("ALREADY_FINISHED")},
 			call{in: begin("b", at(0)), out: with(replayed("x"), c1)},
 		)},
+		{"a replay, an IN_PROGRESS answer and Complete's answer may leave the checkpoint out", true, seq(
+			call{in: begin("a", at(0)), out: acquired("T1", 0)},
+			call{in: checkpoint("T1", "charge", "1", at(time.Second/2)), out: recorded(1, time.Second/2, c1)},
+			call{in: begin("b", at(time.Second/2)), out: refAnswer{outcome: roInProgress, rec: heldBy(1, time.Second/2, refCheckpoint{})}},
+			call{in: complete("T1", "x"), out: refAnswer{rec: done("x")}},
+			call{in: begin("c", at(0)), out: replayed("x")},
+			call{in: lookup(at(0)), out: with(refAnswer{rec: done("x")}, c1)},
+		)},
 		{"a completed record's checkpoint expires with it, and a new generation starts without one", true, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
 			call{in: checkpoint("T1", "charge", "1", at(time.Second/2)), out: recorded(1, time.Second/2, c1)},
@@ -299,11 +307,17 @@ func TestRefModel(t *testing.T) {
 			call{in: complete("T1", "x"), out: refAnswer{rec: done("x")}},
 			call{in: checkpoint("T1", "charge", "1", at(0)), out: with(refAnswer{rec: done("x")}, ck("charge", "1", 0))},
 		)},
-		{"a replay without the checkpoint", false, seq(
+		{"a replay with another checkpoint", false, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
 			call{in: checkpoint("T1", "charge", "1", at(time.Second/2)), out: recorded(1, time.Second/2, c1)},
 			call{in: complete("T1", "x"), out: with(refAnswer{rec: done("x")}, c1)},
-			call{in: begin("b", at(0)), out: replayed("x")},
+			call{in: begin("b", at(0)), out: with(replayed("x"), c2)},
+		)},
+		{"a Lookup of a completed record without its checkpoint", false, seq(
+			call{in: begin("a", at(0)), out: acquired("T1", 0)},
+			call{in: checkpoint("T1", "charge", "1", at(time.Second/2)), out: recorded(1, time.Second/2, c1)},
+			call{in: complete("T1", "x"), out: refAnswer{rec: done("x")}},
+			call{in: lookup(at(0)), out: refAnswer{rec: done("x")}},
 		)},
 		{"an expired record still shows its checkpoint", false, seq(
 			call{in: begin("a", at(0)), out: acquired("T1", 0)},
