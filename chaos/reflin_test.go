@@ -647,9 +647,9 @@ func (cl *refClient) step() {
 }
 
 // checkpoint puts a random checkpoint into the Heartbeat in: mostly a
-// step of a few bytes, sometimes data at the 64 KiB limit, and one in
-// twenty-five breaks a limit (the coordinator must refuse it and write
-// nothing).
+// step of a few bytes, one in fifty with data at the 64 KiB limit, one in
+// fifty with a phase of 128 bytes, and four in fifty break a limit (the
+// coordinator must refuse them and write nothing).
 func (cl *refClient) checkpoint(in *refCall) {
 	in.hasCk = true
 	in.ckPhase = cl.pick("charge", "provision", "receipt", "p")
