@@ -6,8 +6,8 @@
 // middle of transactions, the primary of a replicated pair killed and its
 // standby promoted, and a linearizability check (porcupine) of per-key
 // histories recorded under those faults against a reference model of the
-// state table of docs/concepts.md, which shares no code with
-// statemachine.
+// state table of docs/concepts.md and of the recovery points' rules
+// (docs/recovery-points.md), which shares no code with statemachine.
 //
 // TestRetryingClients drives the demo services of examples/ with real
 // third-party retrying clients (go-retryablehttp, grpc-go's service-config

@@ -59,7 +59,9 @@ const refMinLostReplies = 10
 
 // TestLinearizableReference records per-key histories of every call of the
 // API — Begin with and without wait and with repeated attempt_ids,
-// Complete, Fail of every kind, Heartbeat, Lookup, Admin Resolve and
+// Complete, Fail of every kind, Heartbeat with and without a checkpoint
+// (some with a token a takeover fenced off, some out of bounds, some
+// followed by the holder's Fail ABANDONED), Lookup, Admin Resolve and
 // Forget — and of reaper passes, from concurrent clients while a proxy cuts
 // the coordinator's database connections at random and PostgreSQL is killed
 // and restarted, and checks with porcupine that every key's history is
@@ -74,7 +76,8 @@ const refMinLostReplies = 10
 // each. At the end every key is read back with faults off. The test fails
 // unless every row of the state table (refTableRows) was exercised and at
 // least refMinLostReplies unanswered calls are shown to have taken effect;
-// it logs the coverage of each row.
+// it logs the coverage of each row, and of the checkpoint's rules
+// (refCheckpointRows) on a line of their own.
 func TestLinearizableReference(t *testing.T) {
 	var (
 		verdict    []string // what failed, repeated at the very end
@@ -196,6 +199,11 @@ func TestLinearizableReference(t *testing.T) {
 	sort.Strings(extra)
 	t.Logf("chaos: reference coverage: %d/%d table rows exercised: %s", len(refTableRows)-len(missing), len(refTableRows), strings.Join(hit, ", "))
 	t.Logf("chaos: reference coverage: other rows: %s", strings.Join(extra, ", "))
+	var cks []string
+	for _, r := range refCheckpointRows {
+		cks = append(cks, fmt.Sprintf("%s=%d", r, rows[r]))
+	}
+	t.Logf("chaos: reference checkpoint coverage: %s", strings.Join(cks, ", "))
 	t.Logf("chaos: reference: unanswered calls shown to have taken effect (commit done, reply lost): %d (minimum %d)", lost, refMinLostReplies)
 	if len(missing) > 0 {
 		verdict = append(verdict, "rows of the state table never exercised: "+strings.Join(missing, "; "))
@@ -494,7 +502,10 @@ type refClient struct {
 	held     string             // the key this client acquired last
 	retry    *refCall           // an unanswered Begin to retry next
 	abandon  string             // a key to Fail ABANDONED next
-	seq      int
+	// stepThenAbandon is a key to record a checkpoint on next, and then
+	// to Fail ABANDONED (which the checkpoint forbids).
+	stepThenAbandon string
+	seq             int
 }
 
 func (cl *refClient) pick(xs ...string) string { return xs[cl.rng.IntN(len(xs))] }
@@ -547,6 +558,14 @@ func (cl *refClient) step() {
 		in.kind, in.scope, in.key, in.pol = rkBegin, cl.retry.scope, cl.retry.key, cl.retry.pol
 		in.attemptID, in.fp, in.ttl, in.lease, in.wait, in.accept = cl.retry.attemptID, cl.retry.fp, cl.retry.ttl, cl.retry.lease, cl.retry.wait, cl.retry.accept
 		cl.retry = nil
+		cl.call(in)
+		return
+	case cl.stepThenAbandon != "":
+		k := strings.SplitN(cl.stepThenAbandon, "/", 2)
+		in.scope, in.key, in.pol = k[0], k[1], refPolicies[k[0]]
+		in.kind, in.token, in.lease = rkHeartbeat, cl.tokens[cl.stepThenAbandon][len(cl.tokens[cl.stepThenAbandon])-1], time.Second
+		in.hasCk, in.ckPhase, in.ckData = true, "step", cl.pick("1", "2")
+		cl.abandon, cl.stepThenAbandon = cl.stepThenAbandon, ""
 		cl.call(in)
 		return
 	case cl.abandon != "":
@@ -604,6 +623,15 @@ func (cl *refClient) step() {
 		in.kind = rkHeartbeat
 		in.token = cl.token(id)
 		in.lease = time.Duration(1+cl.rng.IntN(3)) * time.Second
+		if cl.rng.IntN(2) == 0 {
+			// A holder records the step it finished; one in four of
+			// those uses an older token of the key, which a takeover
+			// has fenced off.
+			cl.checkpoint(&in)
+			if ts := cl.tokens[id]; len(ts) > 1 && cl.rng.IntN(4) == 0 {
+				in.token = ts[cl.rng.IntN(len(ts)-1)]
+			}
+		}
 	case n < 86:
 		in.kind = rkLookup
 	case n < 96:
@@ -616,6 +644,30 @@ func (cl *refClient) step() {
 		in.kind = rkForget
 	}
 	cl.call(in)
+}
+
+// checkpoint puts a random checkpoint into the Heartbeat in: mostly a
+// step of a few bytes, one in fifty with data at the 64 KiB limit, one in
+// fifty with a phase of 128 bytes, and four in fifty break a limit (the
+// coordinator must refuse them and write nothing).
+func (cl *refClient) checkpoint(in *refCall) {
+	in.hasCk = true
+	in.ckPhase = cl.pick("charge", "provision", "receipt", "p")
+	in.ckData = cl.pick("", "1", "2", "ab\x00\xff")
+	switch cl.rng.IntN(50) {
+	case 0:
+		in.ckData = strings.Repeat("d", 64<<10)
+	case 1:
+		in.ckPhase, in.ckBad = "", true
+	case 2:
+		in.ckPhase, in.ckBad = strings.Repeat("p", 129), true
+	case 3:
+		in.ckPhase, in.ckBad = "line\nbreak", true
+	case 4:
+		in.ckData, in.ckBad = strings.Repeat("d", 64<<10+1), true
+	case 5:
+		in.ckPhase = strings.Repeat("p", 128)
+	}
 }
 
 // newCall returns a call of kind on key k = {scope, key}, for the caller
@@ -654,8 +706,11 @@ func (cl *refClient) call(in refCall) refAnswer {
 				cl.tokens[id] = append(ts, out.token)
 			}
 			cl.held = id
-			if out.prev == rsFailedRetryable && cl.rng.IntN(2) == 0 {
+			switch {
+			case out.prev == rsFailedRetryable && cl.rng.IntN(2) == 0:
 				cl.abandon = id
+			case cl.rng.IntN(6) == 0:
+				cl.stepThenAbandon = id
 			}
 		}
 	case rkComplete:
@@ -671,8 +726,11 @@ func (cl *refClient) call(in refCall) refAnswer {
 		cl.lastEnd[id] = in
 	case rkHeartbeat:
 		var r *idempotencyv1.HeartbeatResponse
-		r, err = cl.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: in.scope, Key: in.key, LeaseToken: in.token,
-			Lease: durationpb.New(in.lease)})
+		req := &idempotencyv1.HeartbeatRequest{Scope: in.scope, Key: in.key, LeaseToken: in.token, Lease: durationpb.New(in.lease)}
+		if in.hasCk {
+			req.Checkpoint = &idempotencyv1.Checkpoint{Phase: in.ckPhase, Data: []byte(in.ckData)}
+		}
+		r, err = cl.client.Heartbeat(ctx, req)
 		rec = r.GetRecord()
 	case rkLookup:
 		var r *idempotencyv1.LookupResponse
@@ -703,6 +761,10 @@ func (cl *refClient) call(in refCall) refAnswer {
 		out = refAnswer{err: "NOT_FOUND"}
 	case codes.FailedPrecondition:
 		out = refAnswer{err: reasonOf(err)}
+	case codes.InvalidArgument:
+		// Only a checkpoint out of bounds is bad input here: the model
+		// takes any other call answered so as wrong.
+		out = refAnswer{err: "INVALID_ARGUMENT"}
 	default:
 		cl.h.mu.Lock()
 		cl.h.violations = append(cl.h.violations, fmt.Sprintf("%s answered %v", describeRefCall(in, refAnswer{unknown: true}), err))
@@ -750,6 +812,9 @@ func refViewFromProto(r *idempotencyv1.Record) *refView {
 		reason: r.GetFailureReason(), lease: us(r.GetLeaseExpiresAt()), expires: us(r.GetExpiresAt())}
 	if resp := r.GetResponse(); resp != nil {
 		v.resp, v.hasResp = canonicalOf(resp), true
+	}
+	if c := r.GetCheckpoint(); c != nil {
+		v.ck = refCheckpoint{set: true, phase: c.GetPhase(), data: string(c.GetData()), at: us(c.GetAt())}
 	}
 	m := r.ProtoReflect()
 	if f := m.Descriptor().Fields().ByName(protoreflect.Name("uncertain")); f != nil {

@@ -13,7 +13,8 @@ import (
 
 // This file is a reference model of one key, written from the state table
 // of docs/concepts.md (its states and transitions, sticky uncertainty, the
-// rules on tokens and time) without the statemachine package, so that a
+// rules on tokens and time, and the generation's checkpoint) without the
+// statemachine package, so that a
 // specification bug in statemachine.Next cannot hide by being its own
 // judge. TestLinearizableReference checks the coordinator's histories
 // against it.
@@ -126,6 +127,11 @@ type refCall struct {
 	hasResp  bool
 	msg      *idempotencyv1.StoredResponse // the response as sent
 	reason   string
+	// Heartbeat with a checkpoint (hasCk); ckBad when it breaks the limits
+	// (phase 1-128 printable bytes, data at most 64 KiB).
+	hasCk           bool
+	ckPhase, ckData string
+	ckBad           bool
 	// Resolve.
 	resolveAs int
 	// Reap.
@@ -157,6 +163,26 @@ type refView struct {
 	expires      int64
 	hasUncertain bool // the API has Record.uncertain
 	uncertain    bool
+	ck           refCheckpoint
+}
+
+// refCheckpoint is a record's checkpoint as a caller sees it; the zero
+// value is none.
+type refCheckpoint struct {
+	set         bool
+	phase, data string
+	at          int64 // UnixMicro
+}
+
+func (c refCheckpoint) String() string {
+	if !c.set {
+		return "-"
+	}
+	data := c.data
+	if len(data) > 24 {
+		data = fmt.Sprintf("%s…(%d bytes)", data[:16], len(data))
+	}
+	return fmt.Sprintf("%q:%q@%s", c.phase, data, microString(c.at))
 }
 
 func (v refView) String() string {
@@ -169,6 +195,9 @@ func (v refView) String() string {
 	}
 	if v.hasUncertain {
 		s += fmt.Sprintf(" uncertain=%v", v.uncertain)
+	}
+	if v.ck.set {
+		s += " ckpt=" + v.ck.String()
 	}
 	return s
 }
@@ -210,6 +239,10 @@ type refKey struct {
 	ttl, fttl    time.Duration // of this acquisition
 	uncertain    bool
 	expiredFrom  int
+	// ck is the generation's last checkpoint; ckMine says the latest
+	// acquisition recorded it (its Fail ABANDONED is refused).
+	ck     refCheckpoint
+	ckMine bool
 	// A record Forget deleted may still be replayed from the replay
 	// cache until ghostUntil (real time): up to 1 s is allowed (docs/design.md).
 	ghostUntil                int64
@@ -217,20 +250,21 @@ type refKey struct {
 	ghostFp, ghostResp        string
 	ghostAttempt, ghostGen    int32
 	ghostExpires, ghostUCount int64
+	ghostCk                   refCheckpoint
 }
 
 func (k refKey) String() string {
 	if !k.exists {
 		return "(none)"
 	}
-	return fmt.Sprintf("%s a%d g%d fp=%q tok=%s aid=%s prev=%s origin=%d ended=%d lease=%s expires=%s resp=%v:%s reason=%q uncertain=%v",
+	return fmt.Sprintf("%s a%d g%d fp=%q tok=%s aid=%s prev=%s origin=%d ended=%d lease=%s expires=%s resp=%v:%s reason=%q uncertain=%v ckpt=%s mine=%v",
 		rsNames[k.state], k.attempt, k.gen, k.fp, k.token, k.attemptID, rsNames[k.prev], k.origin, k.ended,
-		microString(k.lease), microString(k.expires), k.hasResp, k.resp, k.reason, k.uncertain)
+		microString(k.lease), microString(k.expires), k.hasResp, k.resp, k.reason, k.uncertain, k.ck, k.ckMine)
 }
 
 // refEffective is k as in effect at now: a lapsed lease reads UNKNOWN (and
 // makes the generation uncertain), an ended record past expires_at reads
-// EXPIRED without its response.
+// EXPIRED without its response and its checkpoint.
 func refEffective(k refKey, now int64) (e refKey, lapsed, expired bool) {
 	e = k
 	switch {
@@ -238,6 +272,7 @@ func refEffective(k refKey, now int64) (e refKey, lapsed, expired bool) {
 		e.state, e.uncertain, lapsed = rsUnknown, true, true
 	case (k.state == rsCompleted || k.state == rsFailedRetryable || k.state == rsFailedReplayable) && k.expires != 0 && now >= k.expires:
 		e.expiredFrom, e.state, e.resp, e.hasResp, expired = k.state, rsExpired, "", false, true
+		e.ck, e.ckMine = refCheckpoint{}, false
 	}
 	return e, lapsed, expired
 }
@@ -245,7 +280,7 @@ func refEffective(k refKey, now int64) (e refKey, lapsed, expired bool) {
 // view is what a caller is told of k.
 func (k refKey) view() refView {
 	v := refView{state: k.state, fp: k.fp, attempt: k.attempt, gen: k.gen, resp: k.resp, hasResp: k.hasResp,
-		reason: k.reason, lease: k.lease, expires: k.expires, uncertain: k.uncertain}
+		reason: k.reason, lease: k.lease, expires: k.expires, uncertain: k.uncertain, ck: k.ck}
 	return v
 }
 
@@ -287,7 +322,30 @@ func viewMatches(want, got refView) bool {
 	if got.hasUncertain && want.state != rsExpired && got.uncertain != want.uncertain {
 		return false
 	}
-	return true
+	// Record.checkpoint is the generation's last checkpoint (phase, data
+	// and the coordinator's time of it) in every state; an EXPIRED record
+	// has none.
+	return got.ck == want.ck
+}
+
+// answerView is the record c's answer a must carry when the key is k:
+// k's view, without its checkpoint where the answer may leave it out and
+// a's does.
+//
+// open: docs/recovery-points.md has a Begin that does not acquire (a
+// replay, an IN_PROGRESS answer) leave the checkpoint out, Lookup having
+// it, yet an UNKNOWN record held under on_unknown: hold answers with it;
+// it says nothing of Complete's and Forget's answers, which leave it out.
+// Those answers may carry the generation's checkpoint or none, never
+// another. Every other answered record carries it: a Begin that acquires,
+// Lookup, Heartbeat, Fail and Resolve.
+func answerView(k refKey, c refCall, a refAnswer) refView {
+	v := k.view()
+	omits := (c.kind == rkBegin && a.outcome != roAcquired) || c.kind == rkComplete || c.kind == rkForget
+	if omits && a.rec != nil && !a.rec.ck.set {
+		v.ck = refCheckpoint{}
+	}
+	return v
 }
 
 // refNext is one state the key may be in after a call, with the table rows
@@ -310,6 +368,7 @@ func refStep(k refKey, c refCall, a refAnswer) []refNext {
 func refStepAt(k refKey, c refCall, a refAnswer, now int64) []refNext {
 	if k.ghostUntil != 0 && c.start >= k.ghostUntil {
 		k.ghostUntil, k.ghostState, k.ghostFp, k.ghostResp, k.ghostAttempt, k.ghostGen, k.ghostExpires = 0, 0, "", "", 0, 0, 0
+		k.ghostCk = refCheckpoint{}
 	}
 	return keepGhost(k, refStepIn(k, c, a, now))
 }
@@ -326,6 +385,7 @@ func keepGhost(k refKey, nexts []refNext) []refNext {
 		if n := &nexts[i].k; n.ghostUntil == 0 {
 			n.ghostUntil, n.ghostState, n.ghostFp, n.ghostResp = k.ghostUntil, k.ghostState, k.ghostFp, k.ghostResp
 			n.ghostAttempt, n.ghostGen, n.ghostExpires, n.ghostUCount = k.ghostAttempt, k.ghostGen, k.ghostExpires, k.ghostUCount
+			n.ghostCk = k.ghostCk
 		}
 	}
 	return nexts
@@ -341,6 +401,9 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 			found = append(found, "IN_PROGRESS/lease runs out")
 		case expired:
 			found = append(found, rsNames[k.state]+"/expires_at passes")
+			if k.ck.set {
+				found = append(found, rsNames[k.state]+"/expires_at passes drops the checkpoint")
+			}
 		}
 	}
 	with := func(nexts []refNext) []refNext {
@@ -359,7 +422,11 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 				return []refNext{{k: k, labels: []string{"(none)/Lookup"}}}
 			}
 		case a.err == "" && a.rec != nil && viewMatches(e.view(), *a.rec):
-			return with([]refNext{{k: k, labels: []string{rsNames[e.state] + "/Lookup"}}})
+			labels := []string{rsNames[e.state] + "/Lookup"}
+			if e.ck.set {
+				labels = append(labels, rsNames[e.state]+"/Lookup with checkpoint")
+			}
+			return with([]refNext{{k: k, labels: labels}})
 		}
 		return nil
 	case rkReap:
@@ -374,12 +441,12 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 		n := refNext{k: refKey{}, labels: []string{rsNames[e.state] + "/Forget"}}
 		if e.state == rsCompleted || e.state == rsFailedReplayable {
 			n.k = refKey{ghostUntil: c.end + int64(time.Second), ghostState: e.state, ghostFp: e.fp, ghostResp: e.resp,
-				ghostAttempt: e.attempt, ghostGen: e.gen, ghostExpires: e.expires}
+				ghostAttempt: e.attempt, ghostGen: e.gen, ghostExpires: e.expires, ghostCk: e.ck}
 		}
 		if a.unknown {
 			return []refNext{{k: k}, n}
 		}
-		if a.err == "" && a.rec != nil && viewMatches(e.view(), *a.rec) {
+		if a.err == "" && a.rec != nil && viewMatches(answerView(e, c, a), *a.rec) {
 			return with([]refNext{n})
 		}
 		return nil
@@ -390,12 +457,12 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 		// record (no replica replays it more than 1 s after
 		// Forget returns).
 		g := refKey{exists: true, state: k.ghostState, fp: k.ghostFp, resp: k.ghostResp, hasResp: true,
-			attempt: k.ghostAttempt, gen: k.ghostGen, expires: k.ghostExpires}
+			attempt: k.ghostAttempt, gen: k.ghostGen, expires: k.ghostExpires, ck: k.ghostCk}
 		ge, _, _ := refEffective(g, now)
 		for _, d := range refBegin(g, ge, c, now) {
 			if !d.write {
 				d.next = k
-				d.label = "forgotten/Begin from the replay cache"
+				d.label, d.also = "forgotten/Begin from the replay cache", nil
 				cands = append(cands, d)
 			}
 		}
@@ -411,7 +478,7 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 		}
 		if d.err != "" {
 			if a.err == d.err {
-				out = append(out, refNext{k: k, labels: []string{d.label}})
+				out = append(out, refNext{k: k, labels: d.labels()})
 			}
 			continue
 		}
@@ -446,10 +513,10 @@ func refStepIn(k refKey, c refCall, a refAnswer, now int64) []refNext {
 		}
 		// Once ABANDONED deleted the record, what FailResponse.record
 		// holds is open.
-		if !d.deleted && (a.rec == nil || !viewMatches(d.answered.view(), *a.rec)) {
+		if !d.deleted && (a.rec == nil || !viewMatches(answerView(d.answered, c, a), *a.rec)) {
 			continue
 		}
-		out = append(out, refNext{k: next, labels: []string{d.label}})
+		out = append(out, refNext{k: next, labels: d.labels()})
 	}
 	if a.unknown {
 		return out
@@ -470,7 +537,10 @@ type refDecision struct {
 	next     refKey
 	answered refKey // the record the answer carries (when not deleted)
 	label    string
+	also     []string // further rows it exercises (the checkpoint's)
 }
+
+func (d refDecision) labels() []string { return append([]string{d.label}, d.also...) }
 
 func refuse(reason, label string) refDecision { return refDecision{err: reason, label: label} }
 
@@ -505,6 +575,7 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 		n.lease = now + c.lease.Microseconds()
 		n.expires = 0
 		n.expiredFrom = 0
+		n.ckMine = false // the generation's checkpoint, if any, is an earlier attempt's
 		return n
 	}
 	if !k.exists {
@@ -521,13 +592,18 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 		n.attempt = 0
 		n.fp = c.fp
 		n.uncertain = false
+		n.ck = refCheckpoint{} // a new generation starts without a checkpoint
 		n = acquire(n, rsExpired)
 		n.origin = originRestart
 		label := "EXPIRED/Begin restart"
 		if c.pol.reject {
 			label = "EXPIRED from FAILED_RETRYABLE/Begin reject"
 		}
-		return []refDecision{{outcome: roAcquired, prev: rsExpired, newToken: true, write: true, next: n, answered: n, label: label + wait}}
+		d := refDecision{outcome: roAcquired, prev: rsExpired, newToken: true, write: true, next: n, answered: n, label: label + wait}
+		if k.ck.set {
+			d.also = []string{"EXPIRED/Begin restart without the old generation's checkpoint"}
+		}
+		return []refDecision{d}
 	}
 	if c.fp != "" && e.fp != "" && c.fp != e.fp {
 		return []refDecision{refuse("FINGERPRINT_MISMATCH", rsNames[e.state]+"/Begin other fingerprint")}
@@ -543,6 +619,9 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 		}
 		d := refDecision{outcome: roAcquired, prev: k.prev, write: true, next: n, answered: n,
 			label: rsNames[e.state] + "/Begin same attempt_id"}
+		if e.ck.set {
+			d.also = []string{"Begin same attempt_id with checkpoint"}
+		}
 		if e.uncertain && k.prev != rsUnknown {
 			// open: whether a repeated Begin after its own lease
 			// lapsed answers the first previous_state or UNKNOWN.
@@ -566,7 +645,12 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 		if e.state == rsFailedRetryable && e.uncertain {
 			label = "FAILED_RETRYABLE uncertain/Begin takeover"
 		}
-		return refDecision{outcome: roAcquired, prev: from, newToken: true, write: true, next: n, answered: n, label: label + wait}
+		d := refDecision{outcome: roAcquired, prev: from, newToken: true, write: true, next: n, answered: n, label: label + wait}
+		if e.ck.set {
+			// The new attempt resumes after the generation's last step.
+			d.also = []string{rsNames[e.state] + "/Begin takeover with checkpoint"}
+		}
+		return d
 	}
 	switch e.state {
 	case rsInProgress:
@@ -600,7 +684,11 @@ func refBegin(k, e refKey, c refCall, now int64) []refDecision {
 				return []refDecision{refuse("SCHEMA_VERSION_NOT_ACCEPTED", rsNames[e.state]+"/Begin schema version not accepted")}
 			}
 		}
-		return []refDecision{{outcome: roReplay, next: k, answered: e, label: rsNames[e.state] + "/Begin replay" + wait}}
+		d := refDecision{outcome: roReplay, next: k, answered: e, label: rsNames[e.state] + "/Begin replay" + wait}
+		if e.ck.set {
+			d.also = []string{rsNames[e.state] + "/Begin replay with checkpoint"}
+		}
+		return []refDecision{d}
 	}
 	return nil
 }
@@ -611,11 +699,23 @@ func refFinish(k, e refKey, c refCall, now int64) []refDecision {
 	if c.kind == rkFail {
 		name += " " + rfNames[c.failKind]
 	}
+	if c.ckBad {
+		// Bad input is refused before anything is read or written.
+		return []refDecision{refuse("INVALID_ARGUMENT", "Heartbeat invalid checkpoint")}
+	}
+	// with adds the checkpoint's row to a Heartbeat's that carries one.
+	with := func(d refDecision, row string) refDecision {
+		if c.hasCk {
+			d.also = append(d.also, row)
+		}
+		return d
+	}
 	if !k.exists {
 		return []refDecision{refuse("NOT_FOUND", "(none)/"+name)}
 	}
 	if c.token == "" || c.token != k.token {
-		return []refDecision{refuse("LEASE_LOST", rsNames[e.state]+"/"+name+" other token")}
+		// Fenced: a stale or taken-over token records no checkpoint.
+		return []refDecision{with(refuse("LEASE_LOST", rsNames[e.state]+"/"+name+" other token"), rsNames[e.state]+"/Heartbeat checkpoint other token")}
 	}
 	if k.ended == endResolved {
 		// open: the holder's token after an operator's Resolve is
@@ -627,7 +727,7 @@ func refFinish(k, e refKey, c refCall, now int64) []refDecision {
 	}
 	// The acquisition ended with this token.
 	if c.kind == rkHeartbeat {
-		return []refDecision{refuse("ALREADY_FINISHED", "ended/Heartbeat")}
+		return []refDecision{with(refuse("ALREADY_FINISHED", "ended/Heartbeat"), "ended/Heartbeat checkpoint")}
 	}
 	same := false
 	switch c.kind {
@@ -661,7 +761,7 @@ func refFinish(k, e refKey, c refCall, now int64) []refDecision {
 
 // refApply is an ending call or Heartbeat with the token of an acquisition
 // that has not ended (IN_PROGRESS, or UNKNOWN by a lapsed lease).
-func refApply(k, e refKey, c refCall, now int64) []refDecision {
+func refApply(k, e refKey, c refCall, now int64) (out []refDecision) {
 	from := rsNames[e.state]
 	n := e
 	n.ended = endNone
@@ -680,7 +780,16 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 	case rkHeartbeat:
 		n.state = rsInProgress
 		n.lease = now + c.lease.Microseconds()
-		return []refDecision{upd("Heartbeat")}
+		if !c.hasCk {
+			return []refDecision{upd("Heartbeat")}
+		}
+		// The step the holder finished: the generation's checkpoint now,
+		// recorded by this acquisition, at the coordinator's time.
+		n.ck = refCheckpoint{set: true, phase: c.ckPhase, data: c.ckData, at: now}
+		n.ckMine = true
+		d := upd("Heartbeat")
+		d.also = []string{from + "/Heartbeat checkpoint"}
+		return []refDecision{d}
 	case rkComplete:
 		n.state, n.resp, n.hasResp = rsCompleted, normResp(c), true
 		n.expires = now + n.ttl.Microseconds()
@@ -714,6 +823,20 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 		// The ABANDONED rows are the IN_PROGRESS row of the table, whether
 		// the lease lapsed meanwhile or not.
 		from = "IN_PROGRESS"
+		if k.ckMine {
+			// An acquisition that recorded a checkpoint has acted: it
+			// cannot put the key back, and the record stays as it is.
+			return []refDecision{refuse("CHECKPOINT_RECORDED", from+"/Fail ABANDONED after its own checkpoint")}
+		}
+		if e.ck.set {
+			// An earlier attempt's checkpoint: the key goes back as
+			// below, checkpoint kept (it belongs to the generation).
+			defer func() {
+				for i := range out {
+					out[i].also = append(out[i].also, from+"/Fail ABANDONED keeps an earlier attempt's checkpoint")
+				}
+			}()
+		}
 		// "As before this acquisition", and a released acquisition does
 		// not count against max_attempts: a takeover's attempt goes back
 		// by one, unless the acquisition may have acted itself (it said
@@ -763,6 +886,7 @@ func refApply(k, e refKey, c refCall, now int64) []refDecision {
 			expired := n
 			expired.state, expired.gen, expired.attempt, expired.fp = rsExpired, n.gen-1, 1, ""
 			expired.expires, expired.reason, expired.resp, expired.hasResp = now, c.reason, "", false
+			expired.ck, expired.ckMine = refCheckpoint{}, false
 			expired.expiredFrom = rsCompleted
 			if c.pol.reject {
 				expired.expiredFrom = rsFailedRetryable
@@ -901,6 +1025,12 @@ func describeRefCall(c refCall, a refAnswer) string {
 		args = fmt.Sprintf("tok=%.14s kind=%s resp=%s reason=%q", c.token, rfNames[c.failKind], c.resp, c.reason)
 	case rkHeartbeat:
 		args = fmt.Sprintf("tok=%.14s lease=%v", c.token, c.lease)
+		if c.hasCk {
+			args += " ckpt=" + refCheckpoint{set: true, phase: c.ckPhase, data: c.ckData}.String()
+			if c.ckBad {
+				args += " (out of bounds)"
+			}
+		}
 	case rkResolve:
 		args = fmt.Sprintf("as=%d", c.resolveAs)
 	case rkReap:
@@ -1022,10 +1152,33 @@ func intersect(a, b map[int]bool) map[int]bool {
 	return out
 }
 
+// refCheckpointRows are the checkpoint's rules, as the labels refStep
+// gives them besides the table's row: recorded by the holder (also after its
+// lease lapsed), fenced for other tokens, refused after the end and out of
+// bounds, returned to the next acquiring Begin of the generation, replayed
+// and read with the result, dropped at expiry and absent from a new
+// generation, and Fail ABANDONED refused after the acquisition's own
+// checkpoint but not after an earlier attempt's.
+var refCheckpointRows = []string{
+	"IN_PROGRESS/Heartbeat checkpoint",
+	"UNKNOWN/Heartbeat checkpoint",
+	"IN_PROGRESS/Heartbeat checkpoint other token",
+	"ended/Heartbeat checkpoint",
+	"Heartbeat invalid checkpoint",
+	"FAILED_RETRYABLE/Begin takeover with checkpoint",
+	"UNKNOWN/Begin takeover with checkpoint",
+	"COMPLETED/Begin replay with checkpoint",
+	"COMPLETED/Lookup with checkpoint",
+	"COMPLETED/expires_at passes drops the checkpoint",
+	"EXPIRED/Begin restart without the old generation's checkpoint",
+	"IN_PROGRESS/Fail ABANDONED after its own checkpoint",
+	"IN_PROGRESS/Fail ABANDONED keeps an earlier attempt's checkpoint",
+}
+
 // refTableRows are the rows of the state table (docs/concepts.md), as the labels
-// refStep gives them; TestLinearizableReference fails unless each is
-// exercised.
-var refTableRows = []string{
+// refStep gives them, and the checkpoint's rules; TestLinearizableReference
+// fails unless each is exercised.
+var refTableRows = append([]string{
 	"(none)/Begin",
 	"IN_PROGRESS/Begin",
 	"IN_PROGRESS/Begin (wait)",
@@ -1079,4 +1232,4 @@ var refTableRows = []string{
 	"COMPLETED/Forget",
 	"UNKNOWN/Forget",
 	"(none)/Lookup",
-}
+}, refCheckpointRows...)

@@ -30,6 +30,11 @@ import (
 //   - every key whose holder died reads UNKNOWN once its lease ran out, is
 //     taken over (ACQUIRED, previous_state UNKNOWN), and the dead holder's
 //     token is fenced off (LEASE_LOST);
+//   - every acquisition and the record after the run carry a checkpoint
+//     that a holder of the key sent, and one whenever some holder's
+//     checkpoint was acknowledged before that Begin started (a holder that
+//     heartbeats records the step "step", and some holders record one
+//     before they die);
 //   - every stored row is a consistent state (checked with SQL);
 //   - no call was answered INTERNAL or took longer than its deadline.
 //
@@ -72,6 +77,8 @@ type workload struct {
 type hold struct {
 	key, token string
 	prev       idempotencyv1.State
+	// beganAt is when the first try of the Begin that acquired started.
+	beganAt time.Time
 	// acquiredAt is when the Begin that acquired returned: the token was
 	// valid at some moment before it.
 	acquiredAt time.Time
@@ -85,6 +92,12 @@ type hold struct {
 	unsure   bool // its Complete never got an answer
 	retried  bool // its Complete was acknowledged only after a retry
 	body     []byte
+	// found is the checkpoint the acquiring Begin returned (nil: none).
+	found *idempotencyv1.Checkpoint
+	// ckSent: the holder sent a checkpoint naming its token; ckAckedAt is
+	// when the coordinator acknowledged it (zero: not acknowledged).
+	ckSent    bool
+	ckAckedAt time.Time
 }
 
 type replay struct {
@@ -212,7 +225,7 @@ func (w *workload) worker(id int, rng *rand.Rand) {
 		key := w.key(slot, gen)
 		var resp *idempotencyv1.BeginResponse
 		attemptID := fmt.Sprintf("w%d-%d", id, seq)
-		_, _, err := w.retry("Begin", true, func(ctx context.Context) error {
+		began, _, err := w.retry("Begin", true, func(ctx context.Context) error {
 			var err error
 			resp, err = w.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: w.scope, Key: key,
 				Lease: durationpb.New(w.lease), AttemptId: attemptID})
@@ -226,7 +239,8 @@ func (w *workload) worker(id int, rng *rand.Rand) {
 			}
 			time.Sleep(time.Duration(10+rng.IntN(40)) * time.Millisecond)
 		case resp.GetOutcome() == idempotencyv1.Outcome_OUTCOME_ACQUIRED:
-			w.work(&hold{key: key, token: resp.GetLeaseToken(), prev: resp.GetPreviousState(), acquiredAt: acquiredAt}, rng)
+			w.work(&hold{key: key, token: resp.GetLeaseToken(), prev: resp.GetPreviousState(), beganAt: began, acquiredAt: acquiredAt,
+				found: resp.GetRecord().GetCheckpoint()}, rng)
 		case resp.GetOutcome() == idempotencyv1.Outcome_OUTCOME_REPLAY:
 			w.mu.Lock()
 			w.replays = append(w.replays, replay{key: key, body: resp.GetRecord().GetResponse().GetBody()})
@@ -251,6 +265,10 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 		return
 	}
 	if rng.Float64() < w.dieChance {
+		if rng.IntN(2) == 0 {
+			// It finished a step, recorded it, and died.
+			_, _ = w.checkpoint(h)
+		}
 		h.died = true
 		return
 	}
@@ -259,11 +277,7 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 		work = w.lease + time.Duration(100+rng.IntN(400))*time.Millisecond
 	} else if rng.Float64() < w.heartbeatChance {
 		time.Sleep(work / 2)
-		start, err := w.call("Heartbeat", func(ctx context.Context) error {
-			_, err := w.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: w.scope, Key: h.key,
-				LeaseToken: h.token, Lease: durationpb.New(w.lease)})
-			return err
-		})
+		start, err := w.checkpoint(h)
 		switch {
 		case err == nil:
 			h.provenAt = start
@@ -300,6 +314,74 @@ func (w *workload) work(h *hold, rng *rand.Rand) {
 	}
 }
 
+// checkpoint records the step h finished with a Heartbeat (its data names
+// the key and the token) and returns the call's start and answer.
+func (w *workload) checkpoint(h *hold) (time.Time, error) {
+	h.ckSent = true
+	start, err := w.call("Heartbeat", func(ctx context.Context) error {
+		_, err := w.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: w.scope, Key: h.key,
+			LeaseToken: h.token, Lease: durationpb.New(w.lease),
+			Checkpoint: &idempotencyv1.Checkpoint{Phase: "step", Data: bodyFor(h.key, h.token)}})
+		return err
+	})
+	if err == nil {
+		h.ckAckedAt = time.Now()
+	}
+	return start, err
+}
+
+// checkCheckpoints checks the checkpoint every acquisition (holds) and
+// every key's record after the run (final) carried: one a holder of the
+// key sent (never another key's, never the acquisition's own), and one at
+// all whenever a holder's checkpoint of the key was acknowledged before
+// the Begin started (or, for final, at all).
+func (w *workload) checkCheckpoints(holds []*hold, final map[string]*idempotencyv1.Record, r *results) {
+	byKey := map[string][]*hold{}
+	for _, h := range holds {
+		byKey[h.key] = append(byKey[h.key], h)
+		if !h.ckAckedAt.IsZero() {
+			r.checkpoints++
+		}
+	}
+	// sent reports whether c is the checkpoint that a holder of key
+	// (other than the token not) sent.
+	sent := func(key string, c *idempotencyv1.Checkpoint, not string) bool {
+		for _, g := range byKey[key] {
+			if g.ckSent && g.token != not && c.GetPhase() == "step" && bytes.Equal(c.GetData(), bodyFor(key, g.token)) {
+				return true
+			}
+		}
+		return false
+	}
+	ackedBefore := func(key string, t time.Time) bool {
+		for _, g := range byKey[key] {
+			if !g.ckAckedAt.IsZero() && g.ckAckedAt.Before(t) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, h := range holds {
+		switch {
+		case h.found != nil && !sent(h.key, h.found, h.token):
+			w.violatef("the Begin that acquired %s (token %s) returned checkpoint %v, which no other holder of the key sent", h.key, h.token, h.found)
+		case h.found == nil && ackedBefore(h.key, h.beganAt):
+			w.violatef("the Begin that acquired %s from %v returned no checkpoint, though one was acknowledged before it started", h.key, h.prev)
+		case h.found != nil:
+			r.resumed++
+		}
+	}
+	for key, rec := range final {
+		c := rec.GetCheckpoint()
+		switch {
+		case c != nil && !sent(key, c, ""):
+			w.violatef("%s ended with checkpoint %v, which no holder of the key sent", key, c)
+		case c == nil && ackedBefore(key, time.Now()):
+			w.violatef("%s ended without a checkpoint, though one was acknowledged", key)
+		}
+	}
+}
+
 func reasonOf(err error) string {
 	for _, d := range status.Convert(err).Details() {
 		if info, ok := d.(*errdetails.ErrorInfo); ok {
@@ -326,15 +408,16 @@ type results struct {
 	checked, lost, doubleLease, replays            int
 	died, diedThenUnknown, unknown, takenOver      int
 	takenOverInLoad, fenced                        int
+	checkpoints, resumed                           int
 	rows, badRows, unavailable, deadline, internal int
 	maxLatency                                     time.Duration
 	overdue                                        int
 }
 
 func (r results) String() string {
-	return fmt.Sprintf("ops=%d acked=%d (after a retry %d) unanswered_completes=%d checked=%d lost=%d double_lease=%d replays=%d died=%d died_then_unknown=%d unknown_at_end=%d taken_over=%d (in load %d) fenced=%d rows=%d bad_rows=%d unavailable=%d deadline_exceeded=%d internal=%d max_call=%v overdue=%d",
+	return fmt.Sprintf("ops=%d acked=%d (after a retry %d) unanswered_completes=%d checked=%d lost=%d double_lease=%d replays=%d died=%d died_then_unknown=%d unknown_at_end=%d taken_over=%d (in load %d) fenced=%d checkpoints=%d resumed_from_checkpoint=%d rows=%d bad_rows=%d unavailable=%d deadline_exceeded=%d internal=%d max_call=%v overdue=%d",
 		r.ops, r.acked, r.ackedAfterRetry, r.unanswered, r.checked, r.lost, r.doubleLease, r.replays, r.died, r.diedThenUnknown, r.unknown, r.takenOver+r.takenOverInLoad,
-		r.takenOverInLoad, r.fenced, r.rows, r.badRows, r.unavailable, r.deadline, r.internal, r.maxLatency.Round(time.Millisecond), r.overdue)
+		r.takenOverInLoad, r.fenced, r.checkpoints, r.resumed, r.rows, r.badRows, r.unavailable, r.deadline, r.internal, r.maxLatency.Round(time.Millisecond), r.overdue)
 }
 
 // verify checks the promises after stop, with the service up. dbURL
@@ -423,6 +506,7 @@ func (w *workload) verify(dbURL string) results {
 	w.mu.Lock()
 	holds = append([]*hold(nil), w.holds...) // with the takeovers
 	w.mu.Unlock()
+	w.checkCheckpoints(holds, final, &r)
 	doubles := doubleLeases(holds)
 	for _, d := range doubles {
 		t.Error(d)
@@ -455,7 +539,7 @@ func (w *workload) verify(dbURL string) results {
 // previous_state UNKNOWN, and completes it.
 func (w *workload) takeOver(key string, r *results) {
 	var resp *idempotencyv1.BeginResponse
-	_, _, err := w.retry("Begin", false, func(ctx context.Context) error {
+	began, _, err := w.retry("Begin", false, func(ctx context.Context) error {
 		var err error
 		resp, err = w.client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: w.scope, Key: key, Lease: durationpb.New(w.lease)})
 		return err
@@ -464,7 +548,8 @@ func (w *workload) takeOver(key string, r *results) {
 		w.violatef("takeover of UNKNOWN %s: %v, %v", key, resp, err)
 		return
 	}
-	h := &hold{key: key, token: resp.GetLeaseToken(), prev: resp.GetPreviousState(), acquiredAt: time.Now()}
+	h := &hold{key: key, token: resp.GetLeaseToken(), prev: resp.GetPreviousState(), beganAt: began, acquiredAt: time.Now(),
+		found: resp.GetRecord().GetCheckpoint()}
 	w.mu.Lock()
 	w.holds = append(w.holds, h)
 	w.mu.Unlock()
