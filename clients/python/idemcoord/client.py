@@ -66,7 +66,16 @@ def _checkpoint_of(rec: Any) -> Optional[Checkpoint]:
 
 
 def _checkpoint_data(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
-    return data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    """A checkpoint's data as bytes (a str is UTF-8); TypeError for anything else.
+
+    bytes() alone would take an int as a length (42 becomes 42 NUL bytes)
+    and an iterable of ints as the bytes themselves.
+    """
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError("idemcoord: checkpoint data must be bytes, bytearray, memoryview or str, not %s" % type(data).__name__)
 
 
 @dataclasses.dataclass

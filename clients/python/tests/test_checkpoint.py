@@ -138,6 +138,44 @@ class CheckpointTest(unittest.TestCase):
         self.assertEqual(rec.state, State.STATE_COMPLETED)
         self.assertFalse(rec.HasField("checkpoint"), "no checkpoint was recorded")
 
+    def test_data_that_is_not_bytes_or_str_is_refused_before_sending(self):
+        # bytes(42) is 42 NUL bytes and bytes([1, 2]) is b"\x01\x02": neither
+        # may be recorded as a checkpoint's data.
+        c = new_client()
+        key = unique_key()
+
+        def fn(attempt):
+            for data in (42, 10 ** 9, [1, 2], {3: 4}, None, 1.5):
+                with self.assertRaises(TypeError, msg=repr(data)):
+                    idemcoord.checkpoint("charged", data)
+            self.assertIsNone(idemcoord.checkpoint_from())
+            buf = bytearray(b"ch_1")
+            idemcoord.checkpoint("charged", buf)
+            buf[:] = b"XXXX"  # the recorded data is a copy
+            self.assertEqual(idemcoord.checkpoint_from().data, b"ch_1")
+            idemcoord.checkpoint("shipped", memoryview(b"sh_1"))
+            idemcoord.checkpoint("mixed", "é")
+            self.assertEqual(idemcoord.checkpoint_from().data, "é".encode())
+            return idemcoord.StoredResponse(body=b"ok")
+        c.once(SCOPE, key, None, fn)
+        rec = c.lookup(scope=SCOPE, key=key).record
+        self.assertEqual((rec.checkpoint.phase, rec.checkpoint.data), ("mixed", "é".encode()))
+
+    def test_asyncio_data_that_is_not_bytes_or_str_is_refused(self):
+        key = unique_key()
+
+        async def run():
+            async with idemcoord.aio.Client(COORD.addr, token=COORD.token) as c:
+                async def fn(attempt):
+                    with self.assertRaises(TypeError):
+                        await idemcoord.aio.checkpoint("charged", 42)
+                    self.assertIsNone(idemcoord.checkpoint_from())
+                    return idemcoord.StoredResponse(body=b"ok")
+                await c.once(SCOPE, key, None, fn)
+                rec = (await c.lookup(scope=SCOPE, key=key)).record
+                self.assertFalse(rec.HasField("checkpoint"))
+        asyncio.run(run())
+
     def test_asyncio_once_records_and_resumes(self):
         key = unique_key()
 
