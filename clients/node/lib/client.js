@@ -42,11 +42,35 @@ function channelCredentials(tls) {
   return grpc.credentials.createInsecure();
 }
 
+/**
+ * v as a new Buffer: a string as UTF-8, the bytes of an ArrayBuffer or of
+ * any view of one (a Uint16Array's bytes, not its elements cut to 8 bits),
+ * copied; null as empty.
+ */
 function toBytes(v) {
   if (v == null) {
     return Buffer.alloc(0);
   }
-  return typeof v === 'string' ? Buffer.from(v, 'utf8') : Buffer.from(v);
+  if (typeof v === 'string') {
+    return Buffer.from(v, 'utf8');
+  }
+  if (ArrayBuffer.isView(v)) {
+    return Buffer.from(new Uint8Array(v.buffer, v.byteOffset, v.byteLength));
+  }
+  if (v instanceof ArrayBuffer || v instanceof SharedArrayBuffer) {
+    return Buffer.from(new Uint8Array(v));
+  }
+  return Buffer.from(v);
+}
+
+/** A checkpoint's data as a new Buffer (see toBytes); a TypeError for anything but bytes, a string or null. */
+function checkpointBytes(data) {
+  const bytesLike = data == null || typeof data === 'string' || ArrayBuffer.isView(data) ||
+    data instanceof ArrayBuffer || data instanceof SharedArrayBuffer;
+  if (!bytesLike) {
+    throw new TypeError(`idemcoord: checkpoint data must be a Buffer, a Uint8Array or a string, not ${Array.isArray(data) ? 'an array' : typeof data}`);
+  }
+  return toBytes(data);
 }
 
 /** Resolves after ms, or rejects with signal's reason when it aborts first. */
@@ -515,7 +539,7 @@ class Lease {
    * 1-128 printable bytes or data over its limit (64 KiB by default).
    */
   async checkpoint(phase, data) {
-    const cp = { phase, data: Buffer.from(data ?? []) };
+    const cp = { phase, data: checkpointBytes(data) };
     let res;
     try {
       res = await this.client.heartbeat({ scope: this.scope, key: this.key, lease_token: this.token, lease: this.request, checkpoint: cp });

@@ -121,6 +121,35 @@ test('bad checkpoints are refused INVALID_ARGUMENT and record nothing; outside a
   assert.ok(!rec.checkpoint, 'no checkpoint was recorded');
 });
 
+test('checkpoint data is recorded byte for byte, and what checkpointFrom answers is a copy', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await c.once(scope, key, null, async () => {
+    // An ArrayBuffer: checkpointFrom must not follow later writes to it.
+    const ab = new Uint8Array([1, 2, 3]).buffer;
+    await checkpoint('charged', ab);
+    new Uint8Array(ab).fill(9);
+    assert.deepEqual([...checkpointFrom().data], [1, 2, 3]);
+    // A view wider than a byte records its bytes, not its elements cut to 8 bits.
+    const wide = new Uint16Array([0x0102, 0x0304]);
+    await checkpoint('wide', wide);
+    assert.deepEqual(checkpointFrom().data, Buffer.from(wide.buffer));
+    // A view of part of a buffer records that part only.
+    await checkpoint('part', new DataView(new Uint8Array([7, 8, 9, 10]).buffer, 1, 2));
+    assert.deepEqual([...checkpointFrom().data], [8, 9]);
+    // Anything else is refused before anything is sent.
+    for (const bad of [42, [300, -1], { length: 2 }, true]) {
+      await assert.rejects(checkpoint('bad', bad), TypeError, `data ${JSON.stringify(bad)}`);
+    }
+    assert.equal(checkpointFrom().phase, 'part');
+    return { body: 'ok' };
+  });
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.checkpoint.phase, 'part');
+  assert.deepEqual([...rec.checkpoint.data], [8, 9]);
+});
+
 test('an Express handler behind httpMiddleware records a checkpoint and its retry resumes after it', TIMEOUT, async () => {
   const c = newClient();
   const app = express();
