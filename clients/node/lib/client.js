@@ -115,6 +115,17 @@ function leaseLength(rec) {
 }
 
 /** Whether a Heartbeat's error means this attempt no longer holds the key. */
+/**
+ * Whether err is the coordinator's refusal of ending, a Fail ABANDONED,
+ * because the attempt recorded a checkpoint this library did not send (the
+ * application's own Heartbeat): it is then ended RETRYABLE instead, which
+ * keeps the checkpoint.
+ */
+function abandonRefused(ending, err) {
+  return ending.kind === 'FAILURE_KIND_ABANDONED' && err?.code === S.FAILED_PRECONDITION &&
+    api.errorReason(err) === api.REASONS.CHECKPOINT_RECORDED;
+}
+
 function leaseGone(err) {
   return err?.code === S.FAILED_PRECONDITION || err?.code === S.NOT_FOUND;
 }
@@ -722,10 +733,7 @@ class Lease {
       await this._send(ending, { timeoutMs: FINISH_TIMEOUT_MS });
       return null;
     } catch (err) {
-      if (ending.kind === 'FAILURE_KIND_ABANDONED' && err?.code === S.FAILED_PRECONDITION &&
-          api.errorReason(err) === api.REASONS.CHECKPOINT_RECORDED) {
-        // A checkpoint this library did not send (the application's own
-        // Heartbeat): end it RETRYABLE instead, which keeps it.
+      if (abandonRefused(ending, err)) {
         return this.finish({ ...ending, kind: 'FAILURE_KIND_RETRYABLE' });
       }
       if (unreachable(err)) {
@@ -750,6 +758,10 @@ class Lease {
         await this._send(ending, { timeoutMs: FINISH_TIMEOUT_MS, signal });
         return;
       } catch (err) {
+        if (abandonRefused(ending, err)) {
+          ending = { ...ending, kind: 'FAILURE_KIND_RETRYABLE' };
+          continue;
+        }
         if (!unreachable(err)) {
           this.client._log('error', 'idemcoord: coordinator refused the end of an attempt', { err: err.message });
           return;

@@ -10,6 +10,7 @@ const express = require('express');
 const grpc = require('@grpc/grpc-js');
 const { Client, checkpoint, checkpointFrom, httpMiddleware, LeaseLostError } = require('..');
 const { startCoordinator } = require('./coordinator');
+const { fault } = require('./fault');
 
 let coord;
 const clients = [];
@@ -23,8 +24,8 @@ test.after(async () => {
   await coord.stop();
 });
 
-function newClient() {
-  const c = new Client(coord.addr, { token: coord.token });
+function newClient(opts = {}) {
+  const c = new Client(coord.addr, { token: coord.token, ...opts });
   clients.push(c);
   return c;
 }
@@ -181,4 +182,23 @@ test('an Express handler behind httpMiddleware records a checkpoint and its retr
   } finally {
     server.close();
   }
+});
+
+test('an ABANDONED refused CHECKPOINT_RECORDED in the background (the coordinator was down) is sent again as RETRYABLE', TIMEOUT, async () => {
+  const fails = fault('Fail');
+  const c = new Client(coord.addr, { token: coord.token, interceptors: [fails.interceptor], maxAttempts: 1 });
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await assert.rejects(c.once(scope, key, null, async (attempt) => {
+    // A checkpoint the library does not know of: the application's own Heartbeat.
+    await c.heartbeat({ scope, key, lease_token: attempt.lease.token, checkpoint: { phase: 'charged', data: Buffer.from('ch_own') } });
+    fails.cutOff = true; // the end of the attempt cannot reach the coordinator
+    throw grpcError(grpc.status.INVALID_ARGUMENT, 'address rejected after the charge');
+  }), /address rejected/);
+  fails.cutOff = false;
+  await c.shutdown(); // waits for the ending retried in the background
+  const rec = (await newClient().lookup({ scope, key })).record;
+  assert.equal(rec.state, 'STATE_FAILED_RETRYABLE');
+  assert.equal(rec.checkpoint.phase, 'charged');
+  assert.ok(fails.requests.some((r) => r.kind === 'FAILURE_KIND_ABANDONED'), 'the library first tried ABANDONED');
 });
