@@ -550,6 +550,9 @@ class Lease {
    * 1-128 printable bytes or data over its limit (64 KiB by default).
    */
   async checkpoint(phase, data) {
+    if (typeof phase !== 'string') {
+      throw new TypeError(`idemcoord: a checkpoint's phase must be a string, not ${typeof phase}`);
+    }
     const cp = { phase, data: checkpointBytes(data) };
     let res;
     try {

@@ -143,6 +143,10 @@ test('checkpoint data is recorded byte for byte, and what checkpointFrom answers
     for (const bad of [42, [300, -1], { length: 2 }, true]) {
       await assert.rejects(checkpoint('bad', bad), TypeError, `data ${JSON.stringify(bad)}`);
     }
+    // A phase that is not a string: checkpointFrom would answer it as given, the next attempt a string.
+    for (const bad of [5, Buffer.from('charged'), { toString: () => 'charged' }, null]) {
+      await assert.rejects(checkpoint(bad, 'x'), TypeError, `phase ${String(bad)}`);
+    }
     assert.equal(checkpointFrom().phase, 'part');
     return { body: 'ok' };
   });

@@ -65,6 +65,13 @@ def _checkpoint_of(rec: Any) -> Optional[Checkpoint]:
     return Checkpoint(str(c.phase), bytes(c.data), at)
 
 
+def _checkpoint_phase(phase: str) -> str:
+    """phase, or TypeError when it is not a str (protobuf would take bytes, and checkpoint_from answer them)."""
+    if not isinstance(phase, str):
+        raise TypeError("idemcoord: a checkpoint's phase must be a str, not %s" % type(phase).__name__)
+    return phase
+
+
 def _checkpoint_data(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
     """A checkpoint's data as bytes (a str is UTF-8); TypeError for anything else.
 
@@ -114,13 +121,13 @@ class Attempt:
         """See idemcoord.checkpoint (in an asyncio attempt: await idemcoord.aio.checkpoint)."""
         if self._holder is None:
             raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
-        self._holder.checkpoint_sync(phase, _checkpoint_data(data))
+        self._holder.checkpoint_sync(_checkpoint_phase(phase), _checkpoint_data(data))
 
     async def checkpoint_async(self, phase: str, data: Union[bytes, bytearray, memoryview, str] = b"") -> None:
         """See idemcoord.aio.checkpoint."""
         if self._holder is None:
             raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
-        await self._holder.checkpoint_async(phase, _checkpoint_data(data))
+        await self._holder.checkpoint_async(_checkpoint_phase(phase), _checkpoint_data(data))
 
     def checkpoint_from(self) -> Optional[Checkpoint]:
         """See idemcoord.checkpoint_from."""

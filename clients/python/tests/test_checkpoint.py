@@ -148,6 +148,10 @@ class CheckpointTest(unittest.TestCase):
             for data in (42, 10 ** 9, [1, 2], {3: 4}, None, 1.5):
                 with self.assertRaises(TypeError, msg=repr(data)):
                     idemcoord.checkpoint("charged", data)
+            # A phase that is not a str: checkpoint_from would answer bytes, the next attempt a str.
+            for phase in (b"charged", 5, None):
+                with self.assertRaises(TypeError, msg=repr(phase)):
+                    idemcoord.checkpoint(phase, b"x")
             self.assertIsNone(idemcoord.checkpoint_from())
             buf = bytearray(b"ch_1")
             idemcoord.checkpoint("charged", buf)
