@@ -269,3 +269,48 @@ func TestCheckpointTxUnderInterceptor(t *testing.T) {
 		t.Fatalf("runs saw %s, %s", a, b)
 	}
 }
+
+// An attempt whose checkpoint the library did not send (CheckpointTx in
+// the function's own transaction) fails with an error of the ABANDONED
+// class while the coordinator is down: the ABANDONED the library keeps
+// trying in the background is refused CHECKPOINT_RECORDED once the
+// coordinator is back, and the library ends the attempt RETRYABLE instead,
+// as it does when the coordinator answers at once (not left to lapse).
+func TestCheckpointTxThenAbandonWhileCoordinatorDown(t *testing.T) {
+	t.Parallel()
+	coord, c := newClient(t, coordtest.Options{})
+	ctx := testCtx(t)
+	_, err := c.Once(ctx, "deploy", "down", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		lease, _ := clients.LeaseFrom(ctx)
+		conn, err := pgx.Connect(ctx, coord.DatabaseURL)
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Close(context.Background())
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = tx.Rollback(context.Background()) }()
+		if _, err := coord.Store.CheckpointTx(ctx, tx, &ledger.CheckpointParams{
+			ID:    ledger.Identity{Tenant: ledger.DefaultTenant, Scope: lease.Scope, Key: lease.Key},
+			Token: lease.Token, Phase: "charged", Data: []byte("ch_tx")}); err != nil {
+			return nil, err
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return nil, err
+		}
+		coord.Stop()
+		return nil, status.Error(codes.InvalidArgument, "address rejected after the charge")
+	})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Once: %v", err)
+	}
+	coord.Restart()
+	if err := c.Shutdown(ctx); err != nil { // waits for the background ending
+		t.Fatal(err)
+	}
+	if rec, cp := lookupCheckpoint(t, c, "deploy", "down"); rec.GetState() != idempotencyv1.State_STATE_FAILED_RETRYABLE || cp != "charged=ch_tx" {
+		t.Fatalf("after the coordinator came back: %v %s, want FAILED_RETRYABLE charged=ch_tx", rec.GetState(), cp)
+	}
+}

@@ -519,13 +519,8 @@ func (l *lease) finish(ctx context.Context, e ending) error {
 	switch {
 	case err == nil:
 		return nil
-	case e.kind == idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED &&
-		errorReason(err) == idempotencyv1.ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED:
-		// A checkpoint this library did not send (ledger.Store.CheckpointTx
-		// in the handler's own transaction, say): end it RETRYABLE, as
-		// above.
-		l.attempt.checkpoints.markRecorded()
-		return l.finish(ctx, ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, reason: e.reason})
+	case l.abandonRefused(e, err):
+		return l.finish(ctx, retryableInstead(e))
 	case unreachable(err):
 		l.c.logger.WarnContext(ctx, "idempotency: coordinator unreachable at the end of an attempt; retrying in the background",
 			"scope", l.scope, "key", l.key, "call", e.String(), "err", err)
@@ -556,6 +551,10 @@ func (l *lease) finishLater(ctx context.Context, e ending) {
 		case <-ctx.Done():
 		case <-t.C:
 			done, err := l.tryFinish(ctx, e)
+			if done && l.abandonRefused(e, err) {
+				e = retryableInstead(e)
+				done, err = l.tryFinish(ctx, e)
+			}
 			switch {
 			case !done:
 				delay = min(delay*2, 2*time.Second)
@@ -575,6 +574,26 @@ func (l *lease) finishLater(ctx context.Context, e ending) {
 			"scope", l.scope, "key", l.key, "call", e.String())
 		return
 	}
+}
+
+// abandonRefused reports whether err is the coordinator's refusal of e, a
+// Fail ABANDONED, because the attempt recorded a checkpoint this library
+// did not see (ledger.Store.CheckpointTx in the handler's own transaction,
+// say), and then notes that the attempt recorded one.
+func (l *lease) abandonRefused(e ending, err error) bool {
+	if e.kind != idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED ||
+		errorReason(err) != idempotencyv1.ErrorReason_ERROR_REASON_CHECKPOINT_RECORDED {
+		return false
+	}
+	l.attempt.checkpoints.markRecorded()
+	return true
+}
+
+// retryableInstead is the ending of an attempt that may not be abandoned
+// (it recorded a checkpoint): RETRYABLE, which keeps the checkpoint for
+// the next attempt.
+func retryableInstead(e ending) ending {
+	return ending{kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, reason: e.reason}
 }
 
 // tryFinish sends e once (with the Client's retries) and, while the

@@ -66,6 +66,25 @@ func TestTenantsAreIsolated(t *testing.T) {
 	// way into the other one.
 	_, err = client.Complete(builds, &idempotencyv1.CompleteRequest{Scope: "build", Key: "same", LeaseToken: a.GetLeaseToken()})
 	wantCode(t, err, codes.FailedPrecondition, "LEASE_LOST")
+	// Nor is a checkpoint: with the other tenant's token it is LEASE_LOST
+	// on its own record (NOT_FOUND where it has none), and writes nothing.
+	_, err = client.Heartbeat(builds, &idempotencyv1.HeartbeatRequest{Scope: "build", Key: "same", LeaseToken: a.GetLeaseToken(),
+		Checkpoint: &idempotencyv1.Checkpoint{Phase: "evil", Data: []byte("x")}})
+	wantCode(t, err, codes.FailedPrecondition, "LEASE_LOST")
+	p, err := client.Begin(pay, &idempotencyv1.BeginRequest{Scope: "build", Key: "held"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = client.Heartbeat(builds, &idempotencyv1.HeartbeatRequest{Scope: "build", Key: "held", LeaseToken: p.GetLeaseToken(),
+		Checkpoint: &idempotencyv1.Checkpoint{Phase: "evil", Data: []byte("x")}})
+	wantCode(t, err, codes.NotFound, "")
+	for _, key := range []string{"same", "held"} {
+		for _, cctx := range []context.Context{pay, builds} {
+			if l, err := client.Lookup(cctx, &idempotencyv1.LookupRequest{Scope: "build", Key: key}); l.GetRecord().GetCheckpoint() != nil {
+				t.Fatalf("%s: a checkpoint with another tenant's token was recorded: %v (%v)", key, l.GetRecord(), err)
+			}
+		}
+	}
 	r, err := client.Begin(pay, &idempotencyv1.BeginRequest{Scope: "build", Key: "same"})
 	if err != nil || r.GetOutcome() != replay {
 		t.Fatalf("tenant payments after tenant builds: %v, %v", r, err)

@@ -477,3 +477,38 @@ func TestCheckpointShown(t *testing.T) {
 		t.Errorf("lookup --output json:\n%s", out)
 	}
 }
+
+// TestTableOutputQuotesUnprintableText: a checkpoint phase, key or failure
+// reason holding a character a terminal acts on (a bidirectional override,
+// ESC) is shown quoted in the table output, never raw.
+func TestTableOutputQuotesUnprintableText(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, "")
+	ctx := context.Background()
+	const phase, key = "charged\u202egnippihs", "order\u2028id"
+	b := e.begin(ctx, "s", key, time.Minute)
+	if _, err := e.client.Heartbeat(ctx, &idempotencyv1.HeartbeatRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken(),
+		Checkpoint: &idempotencyv1.Checkpoint{Phase: phase, Data: []byte("ch_1")}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.Fail(ctx, &idempotencyv1.FailRequest{Scope: "s", Key: key, LeaseToken: b.GetLeaseToken(),
+		Kind: idempotencyv1.FailureKind_FAILURE_KIND_RETRYABLE, Reason: "card declined\x1b[2J"}); err != nil {
+		t.Fatal(err)
+	}
+	out := mustRun(t, e.coord.Addr, "lookup", "s", key)
+	for _, want := range []string{`checkpoint       "charged\u202egnippihs"`, `key              "order\u2028id"`,
+		`failure reason   "card declined\x1b[2J"`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("lookup lacks %s:\n%s", want, out)
+		}
+	}
+	list := mustRun(t, e.coord.Addr, "list", "--checkpoint-phase", phase)
+	if tableRow(t, list, "s", `"order\u2028id"`) == nil {
+		t.Errorf("list --checkpoint-phase:\n%s", list)
+	}
+	for _, raw := range []string{"\u202e", "\u2028", "\x1b"} {
+		if strings.Contains(out+list, raw) {
+			t.Errorf("idemctl printed %q raw:\n%s\n%s", raw, out, list)
+		}
+	}
+}

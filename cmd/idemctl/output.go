@@ -41,8 +41,8 @@ func (c *cli) printRecord(r *idempotencyv1.Record) error {
 	}
 	w := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	row := func(name, value string) { fmt.Fprintf(w, "%s\t%s\n", name, value) }
-	row("scope", r.GetScope())
-	row("key", r.GetKey())
+	row("scope", terminalText(r.GetScope()))
+	row("key", terminalText(r.GetKey()))
 	row("state", stateName(r.GetState()))
 	row("attempt", strconv.Itoa(int(r.GetAttempt())))
 	row("generation", strconv.Itoa(int(r.GetGeneration())))
@@ -51,20 +51,20 @@ func (c *cli) printRecord(r *idempotencyv1.Record) error {
 	row("updated", timeText(r.GetUpdatedAt()))
 	row("lease expires", timeText(r.GetLeaseExpiresAt()))
 	row("expires", timeText(r.GetExpiresAt()))
-	row("failure reason", orDash(r.GetFailureReason()))
+	row("failure reason", orDash(terminalText(r.GetFailureReason())))
 	if resp := r.GetResponse(); resp != nil {
-		row("schema version", orDash(resp.GetSchemaVersion()))
-		row("content type", orDash(resp.GetContentType()))
+		row("schema version", orDash(terminalText(resp.GetSchemaVersion())))
+		row("content type", orDash(terminalText(resp.GetContentType())))
 		row("status code", strconv.Itoa(int(resp.GetStatusCode())))
 		for _, k := range slices.Sorted(maps.Keys(resp.GetMetadata())) {
-			row("metadata "+k, resp.GetMetadata()[k])
+			row("metadata "+terminalText(k), terminalText(resp.GetMetadata()[k]))
 		}
 		row("body", bodyText(resp.GetBody()))
 	} else {
 		row("response", "-")
 	}
 	if cp := r.GetCheckpoint(); cp != nil {
-		row("checkpoint", cp.GetPhase())
+		row("checkpoint", terminalText(cp.GetPhase()))
 		row("checkpoint data", checkpointDataText(cp.GetData()))
 		row("checkpoint at", timeText(cp.GetAt()))
 	} else {
@@ -103,7 +103,7 @@ func (c *cli) printList(l *idempotencyv1.ListRecordsResponse) error {
 	}
 	fmt.Fprintln(w, header)
 	for _, r := range l.GetRecords() {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s", r.GetScope(), r.GetKey(), stateName(r.GetState()),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s", terminalText(r.GetScope()), terminalText(r.GetKey()), stateName(r.GetState()),
 			r.GetAttempt(), r.GetGeneration(), timeText(r.GetUpdatedAt()), timeText(r.GetLeaseExpiresAt()),
 			timeText(r.GetExpiresAt()))
 		if archived {
@@ -133,6 +133,17 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+// terminalText shows s as it is when it is valid UTF-8 and every character
+// is printable (or a space), else quoted in Go syntax: no control, format
+// or bidirectional-override character of a record reaches the terminal,
+// whatever wrote it (a phase or key may hold U+202E, a failure reason ESC).
+func terminalText(s string) string {
+	if utf8.ValidString(s) && !strings.ContainsFunc(s, func(r rune) bool { return !unicode.IsPrint(r) && r != ' ' }) {
+		return s
+	}
+	return strconv.Quote(s)
 }
 
 // bodyText shows a body's size, and the body itself when it is short

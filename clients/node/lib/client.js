@@ -43,11 +43,35 @@ function channelCredentials(tls) {
   return grpc.credentials.createInsecure();
 }
 
+/**
+ * v as a new Buffer: a string as UTF-8, the bytes of an ArrayBuffer or of
+ * any view of one (a Uint16Array's bytes, not its elements cut to 8 bits),
+ * copied; null as empty.
+ */
 function toBytes(v) {
   if (v == null) {
     return Buffer.alloc(0);
   }
-  return typeof v === 'string' ? Buffer.from(v, 'utf8') : Buffer.from(v);
+  if (typeof v === 'string') {
+    return Buffer.from(v, 'utf8');
+  }
+  if (ArrayBuffer.isView(v)) {
+    return Buffer.from(new Uint8Array(v.buffer, v.byteOffset, v.byteLength));
+  }
+  if (v instanceof ArrayBuffer || v instanceof SharedArrayBuffer) {
+    return Buffer.from(new Uint8Array(v));
+  }
+  return Buffer.from(v);
+}
+
+/** A checkpoint's data as a new Buffer (see toBytes); a TypeError for anything but bytes, a string or null. */
+function checkpointBytes(data) {
+  const bytesLike = data == null || typeof data === 'string' || ArrayBuffer.isView(data) ||
+    data instanceof ArrayBuffer || data instanceof SharedArrayBuffer;
+  if (!bytesLike) {
+    throw new TypeError(`idemcoord: checkpoint data must be a Buffer, a Uint8Array or a string, not ${Array.isArray(data) ? 'an array' : typeof data}`);
+  }
+  return toBytes(data);
 }
 
 /** Resolves after ms, or rejects with signal's reason when it aborts first. */
@@ -92,6 +116,17 @@ function leaseLength(rec) {
 }
 
 /** Whether a Heartbeat's error means this attempt no longer holds the key. */
+/**
+ * Whether err is the coordinator's refusal of ending, a Fail ABANDONED,
+ * because the attempt recorded a checkpoint this library did not send (the
+ * application's own Heartbeat): it is then ended RETRYABLE instead, which
+ * keeps the checkpoint.
+ */
+function abandonRefused(ending, err) {
+  return ending.kind === 'FAILURE_KIND_ABANDONED' && err?.code === S.FAILED_PRECONDITION &&
+    api.errorReason(err) === api.REASONS.CHECKPOINT_RECORDED;
+}
+
 function leaseGone(err) {
   return err?.code === S.FAILED_PRECONDITION || err?.code === S.NOT_FOUND;
 }
@@ -530,7 +565,10 @@ class Lease {
    * 1-128 printable bytes or data over its limit (64 KiB by default).
    */
   async checkpoint(phase, data) {
-    const cp = { phase, data: Buffer.from(data ?? []) };
+    if (typeof phase !== 'string') {
+      throw new TypeError(`idemcoord: a checkpoint's phase must be a string, not ${typeof phase}`);
+    }
+    const cp = { phase, data: checkpointBytes(data) };
     let res;
     try {
       res = await this.client.heartbeat({ scope: this.scope, key: this.key, lease_token: this.token, lease: this.request, checkpoint: cp });
@@ -713,10 +751,7 @@ class Lease {
       await this._send(ending, { timeoutMs: FINISH_TIMEOUT_MS });
       return null;
     } catch (err) {
-      if (ending.kind === 'FAILURE_KIND_ABANDONED' && err?.code === S.FAILED_PRECONDITION &&
-          api.errorReason(err) === api.REASONS.CHECKPOINT_RECORDED) {
-        // A checkpoint this library did not send (the application's own
-        // Heartbeat): end it RETRYABLE instead, which keeps it.
+      if (abandonRefused(ending, err)) {
         return this.finish({ ...ending, kind: 'FAILURE_KIND_RETRYABLE' });
       }
       if (unreachable(err)) {
@@ -741,6 +776,10 @@ class Lease {
         await this._send(ending, { timeoutMs: FINISH_TIMEOUT_MS, signal });
         return;
       } catch (err) {
+        if (abandonRefused(ending, err)) {
+          ending = { ...ending, kind: 'FAILURE_KIND_RETRYABLE' };
+          continue;
+        }
         if (!unreachable(err)) {
           this.client._log('error', 'idemcoord: coordinator refused the end of an attempt', { err: err.message });
           return;

@@ -10,6 +10,7 @@ const express = require('express');
 const grpc = require('@grpc/grpc-js');
 const { Client, checkpoint, checkpointFrom, httpMiddleware, LeaseLostError } = require('..');
 const { startCoordinator, clientOptions } = require('./coordinator');
+const { fault } = require('./fault');
 
 let coord;
 const clients = [];
@@ -23,8 +24,8 @@ test.after(async () => {
   await coord.stop();
 });
 
-function newClient() {
-  const c = new Client(coord.addr, clientOptions(coord));
+function newClient(opts = {}) {
+  const c = new Client(coord.addr, clientOptions(coord, opts));
   clients.push(c);
   return c;
 }
@@ -121,6 +122,39 @@ test('bad checkpoints are refused INVALID_ARGUMENT and record nothing; outside a
   assert.ok(!rec.checkpoint, 'no checkpoint was recorded');
 });
 
+test('checkpoint data is recorded byte for byte, and what checkpointFrom answers is a copy', TIMEOUT, async () => {
+  const c = newClient();
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await c.once(scope, key, null, async () => {
+    // An ArrayBuffer: checkpointFrom must not follow later writes to it.
+    const ab = new Uint8Array([1, 2, 3]).buffer;
+    await checkpoint('charged', ab);
+    new Uint8Array(ab).fill(9);
+    assert.deepEqual([...checkpointFrom().data], [1, 2, 3]);
+    // A view wider than a byte records its bytes, not its elements cut to 8 bits.
+    const wide = new Uint16Array([0x0102, 0x0304]);
+    await checkpoint('wide', wide);
+    assert.deepEqual(checkpointFrom().data, Buffer.from(wide.buffer));
+    // A view of part of a buffer records that part only.
+    await checkpoint('part', new DataView(new Uint8Array([7, 8, 9, 10]).buffer, 1, 2));
+    assert.deepEqual([...checkpointFrom().data], [8, 9]);
+    // Anything else is refused before anything is sent.
+    for (const bad of [42, [300, -1], { length: 2 }, true]) {
+      await assert.rejects(checkpoint('bad', bad), TypeError, `data ${JSON.stringify(bad)}`);
+    }
+    // A phase that is not a string: checkpointFrom would answer it as given, the next attempt a string.
+    for (const bad of [5, Buffer.from('charged'), { toString: () => 'charged' }, null]) {
+      await assert.rejects(checkpoint(bad, 'x'), TypeError, `phase ${String(bad)}`);
+    }
+    assert.equal(checkpointFrom().phase, 'part');
+    return { body: 'ok' };
+  });
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.checkpoint.phase, 'part');
+  assert.deepEqual([...rec.checkpoint.data], [8, 9]);
+});
+
 test('an Express handler behind httpMiddleware records a checkpoint and its retry resumes after it', TIMEOUT, async () => {
   const c = newClient();
   const app = express();
@@ -152,4 +186,23 @@ test('an Express handler behind httpMiddleware records a checkpoint and its retr
   } finally {
     server.close();
   }
+});
+
+test('an ABANDONED refused CHECKPOINT_RECORDED in the background (the coordinator was down) is sent again as RETRYABLE', TIMEOUT, async () => {
+  const fails = fault('Fail');
+  const c = new Client(coord.addr, { token: coord.token, interceptors: [fails.interceptor], maxAttempts: 1 });
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('order');
+  await assert.rejects(c.once(scope, key, null, async (attempt) => {
+    // A checkpoint the library does not know of: the application's own Heartbeat.
+    await c.heartbeat({ scope, key, lease_token: attempt.lease.token, checkpoint: { phase: 'charged', data: Buffer.from('ch_own') } });
+    fails.cutOff = true; // the end of the attempt cannot reach the coordinator
+    throw grpcError(grpc.status.INVALID_ARGUMENT, 'address rejected after the charge');
+  }), /address rejected/);
+  fails.cutOff = false;
+  await c.shutdown(); // waits for the ending retried in the background
+  const rec = (await newClient().lookup({ scope, key })).record;
+  assert.equal(rec.state, 'STATE_FAILED_RETRYABLE');
+  assert.equal(rec.checkpoint.phase, 'charged');
+  assert.ok(fails.requests.some((r) => r.kind === 'FAILURE_KIND_ABANDONED'), 'the library first tried ABANDONED');
 });

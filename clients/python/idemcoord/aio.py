@@ -458,6 +458,10 @@ class _AsyncHolder(_HolderBase):
                 await self._send(ending, FINISH_TIMEOUT)
                 return
             except grpc.aio.AioRpcError as err:
+                instead = None if _unreachable(err) else self._unstored(err, ending)
+                if instead is not None:
+                    ending = instead  # as finish does when the coordinator answers at once
+                    continue
                 if not _unreachable(err):
                     self.client._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
                     return

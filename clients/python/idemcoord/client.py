@@ -65,8 +65,24 @@ def _checkpoint_of(rec: Any) -> Optional[Checkpoint]:
     return Checkpoint(str(c.phase), bytes(c.data), at)
 
 
+def _checkpoint_phase(phase: str) -> str:
+    """phase, or TypeError when it is not a str (protobuf would take bytes, and checkpoint_from answer them)."""
+    if not isinstance(phase, str):
+        raise TypeError("idemcoord: a checkpoint's phase must be a str, not %s" % type(phase).__name__)
+    return phase
+
+
 def _checkpoint_data(data: Union[bytes, bytearray, memoryview, str]) -> bytes:
-    return data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    """A checkpoint's data as bytes (a str is UTF-8); TypeError for anything else.
+
+    bytes() alone would take an int as a length (42 becomes 42 NUL bytes)
+    and an iterable of ints as the bytes themselves.
+    """
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError("idemcoord: checkpoint data must be bytes, bytearray, memoryview or str, not %s" % type(data).__name__)
 
 
 @dataclasses.dataclass
@@ -105,13 +121,13 @@ class Attempt:
         """See idemcoord.checkpoint (in an asyncio attempt: await idemcoord.aio.checkpoint)."""
         if self._holder is None:
             raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
-        self._holder.checkpoint_sync(phase, _checkpoint_data(data))
+        self._holder.checkpoint_sync(_checkpoint_phase(phase), _checkpoint_data(data))
 
     async def checkpoint_async(self, phase: str, data: Union[bytes, bytearray, memoryview, str] = b"") -> None:
         """See idemcoord.aio.checkpoint."""
         if self._holder is None:
             raise RuntimeError("idemcoord: this attempt cannot record checkpoints")
-        await self._holder.checkpoint_async(phase, _checkpoint_data(data))
+        await self._holder.checkpoint_async(_checkpoint_phase(phase), _checkpoint_data(data))
 
     def checkpoint_from(self) -> Optional[Checkpoint]:
         """See idemcoord.checkpoint_from."""
@@ -1065,6 +1081,10 @@ class _Holder(_HolderBase):
                 self._send(ending, FINISH_TIMEOUT)
                 return
             except grpc.RpcError as err:
+                instead = None if _unreachable(err) else self._unstored(err, ending)
+                if instead is not None:
+                    ending = instead  # as finish does when the coordinator answers at once
+                    continue
                 if not _unreachable(err):
                     self.client._log.error("idemcoord: coordinator refused the end of an attempt: %s", err)
                     return

@@ -17,7 +17,7 @@ import idemcoord.aio
 from idemcoord import State
 
 from .coordinator import Coordinator
-from .test_client import GrpcError
+from .test_client import Fault, GrpcError
 
 COORD = None
 CLIENTS = []
@@ -137,6 +137,99 @@ class CheckpointTest(unittest.TestCase):
         rec = c.lookup(scope=SCOPE, key=key).record
         self.assertEqual(rec.state, State.STATE_COMPLETED)
         self.assertFalse(rec.HasField("checkpoint"), "no checkpoint was recorded")
+
+    def test_data_that_is_not_bytes_or_str_is_refused_before_sending(self):
+        # bytes(42) is 42 NUL bytes and bytes([1, 2]) is b"\x01\x02": neither
+        # may be recorded as a checkpoint's data.
+        c = new_client()
+        key = unique_key()
+
+        def fn(attempt):
+            for data in (42, 10 ** 9, [1, 2], {3: 4}, None, 1.5):
+                with self.assertRaises(TypeError, msg=repr(data)):
+                    idemcoord.checkpoint("charged", data)
+            # A phase that is not a str: checkpoint_from would answer bytes, the next attempt a str.
+            for phase in (b"charged", 5, None):
+                with self.assertRaises(TypeError, msg=repr(phase)):
+                    idemcoord.checkpoint(phase, b"x")
+            self.assertIsNone(idemcoord.checkpoint_from())
+            buf = bytearray(b"ch_1")
+            idemcoord.checkpoint("charged", buf)
+            buf[:] = b"XXXX"  # the recorded data is a copy
+            self.assertEqual(idemcoord.checkpoint_from().data, b"ch_1")
+            idemcoord.checkpoint("shipped", memoryview(b"sh_1"))
+            idemcoord.checkpoint("mixed", "é")
+            self.assertEqual(idemcoord.checkpoint_from().data, "é".encode())
+            return idemcoord.StoredResponse(body=b"ok")
+        c.once(SCOPE, key, None, fn)
+        rec = c.lookup(scope=SCOPE, key=key).record
+        self.assertEqual((rec.checkpoint.phase, rec.checkpoint.data), ("mixed", "é".encode()))
+
+    def test_asyncio_data_that_is_not_bytes_or_str_is_refused(self):
+        key = unique_key()
+
+        async def run():
+            async with idemcoord.aio.Client(COORD.addr, token=COORD.token) as c:
+                async def fn(attempt):
+                    with self.assertRaises(TypeError):
+                        await idemcoord.aio.checkpoint("charged", 42)
+                    self.assertIsNone(idemcoord.checkpoint_from())
+                    return idemcoord.StoredResponse(body=b"ok")
+                await c.once(SCOPE, key, None, fn)
+                rec = (await c.lookup(scope=SCOPE, key=key)).record
+                self.assertFalse(rec.HasField("checkpoint"))
+        asyncio.run(run())
+
+    def test_an_abandoned_refused_in_the_background_is_sent_again_as_retryable(self):
+        # The end of the attempt cannot reach the coordinator, so the library
+        # retries it in the background; the ABANDONED it sends once it can is
+        # refused CHECKPOINT_RECORDED (a checkpoint of the application's own
+        # Heartbeat), and it must then send RETRYABLE, as finish does.
+        fails = Fault("Fail")
+        c = idemcoord.Client(COORD.addr, token=COORD.token, interceptors=[fails], max_attempts=1)
+        key = unique_key()
+
+        def fn(attempt):
+            c.heartbeat(scope=SCOPE, key=key, lease_token=attempt.lease.token,
+                        checkpoint=dict(phase="charged", data=b"ch_own"))
+            fails.cut_off = True
+            raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, "address rejected after the charge")
+        with self.assertRaises(grpc.RpcError):
+            c.once(SCOPE, key, None, fn)
+        fails.cut_off = False
+        c.shutdown(timeout=60)  # waits for the ending retried in the background
+        rec = new_client().lookup(scope=SCOPE, key=key).record
+        self.assertEqual((rec.state, rec.checkpoint.phase), (State.STATE_FAILED_RETRYABLE, "charged"))
+        self.assertIn("FAILURE_KIND_ABANDONED", [idemcoord.FailureKind.Name(r.kind) for r in fails.requests])
+
+    def test_asyncio_an_abandoned_refused_in_the_background_is_sent_again_as_retryable(self):
+        key = unique_key()
+
+        async def run():
+            c = idemcoord.aio.Client(COORD.addr, token=COORD.token, max_attempts=1)
+            fail, cut, kinds = c.fail, [False], []
+
+            async def cut_off_fail(**fields):
+                kinds.append(fields.get("kind"))
+                if cut[0]:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               "cut off (test)")
+                return await fail(**fields)
+            c.fail = cut_off_fail
+
+            async def fn(attempt):
+                await c.heartbeat(scope=SCOPE, key=key, lease_token=attempt.lease.token,
+                                  checkpoint=dict(phase="charged", data=b"ch_own"))
+                cut[0] = True
+                raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, "address rejected after the charge")
+            with self.assertRaises(grpc.RpcError):
+                await c.once(SCOPE, key, None, fn)
+            cut[0] = False
+            await c.shutdown(timeout=60)
+            self.assertIn("FAILURE_KIND_ABANDONED", kinds)
+        asyncio.run(run())
+        rec = new_client().lookup(scope=SCOPE, key=key).record
+        self.assertEqual((rec.state, rec.checkpoint.phase), (State.STATE_FAILED_RETRYABLE, "charged"))
 
     def test_asyncio_once_records_and_resumes(self):
         key = unique_key()
