@@ -92,7 +92,8 @@ func TestLinearizableReference(t *testing.T) {
 // TestCitusLinearizableReference is TestLinearizableReference with the
 // records on a Citus cluster of two workers: the proxy cuts the
 // coordinator's connections to the Citus coordinator node, and a kill
-// round kills one worker (SIGKILL) and starts it again, the two in turn.
+// round kills one worker (SIGKILL) and starts it again, the two in turn
+// (the reference keys live on both: checked).
 // It runs a fixed number of rounds, 80 (make test-citus) or 200
 // (make chaos), and checks the histories without requiring the state
 // table's coverage: covering it took 450 rounds, ten minutes, in one run.
@@ -104,6 +105,19 @@ func TestCitusLinearizableReference(t *testing.T) {
 		t.Fatal(err)
 	}
 	dbURL := cc.URL("idemcoord")
+	if err := ledger.Migrate(context.Background(), dbURL); err != nil {
+		t.Fatal(err)
+	}
+	// The worker kills hit calls only if the keys live on both workers.
+	var workers int
+	if err := sqlConn(t, dbURL).QueryRow(context.Background(), `SELECT count(DISTINCT nodeport) FROM pg_dist_shard_placement
+		WHERE shardid IN (SELECT get_shard_id_for_distribution_column('idempotency_records', k) FROM unnest($1::text[]) AS k)`,
+		refKeyNames()).Scan(&workers); err != nil {
+		t.Fatal(err)
+	}
+	if workers != len(cc.Workers) {
+		t.Fatalf("the reference keys %v live on %d of the %d workers", refKeyNames(), workers, len(cc.Workers))
+	}
 	kills := 0
 	runLinearizableReference(t, s, refDatabase{url: dbURL, name: "citus",
 		// A round takes about a second on Citus, three times as long as on
@@ -123,6 +137,17 @@ func TestCitusLinearizableReference(t *testing.T) {
 				waitNoCitusTransactions(t, w.URL("idemcoord"))
 			}
 		}})
+}
+
+// refKeyNames returns the distinct keys of refKeys.
+func refKeyNames() []string {
+	var names []string
+	for _, k := range refKeys {
+		if !slices.Contains(names, k[1]) {
+			names = append(names, k[1])
+		}
+	}
+	return names
 }
 
 // refDatabase is the database a reference run uses: its URL (migrated by
