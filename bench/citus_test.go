@@ -24,7 +24,8 @@ import (
 // Citus) and once on a durable Citus cluster (a coordinator node and two
 // workers), and reports each server's CPU
 // seconds per 1000 pairs (its postmaster and children, from /proc) and
-// the pairs per second. A figure, not a check; the machine's other load
+// the pairs per second; then the same for replays of 1024 COMPLETED keys.
+// A figure, not a check; the machine's other load
 // moves it:
 //
 //	IDEMCOORD_TEST_CITUS=1 go test -run '^$' -bench BenchmarkCitusCPUPerPair -benchtime 1x ./bench/
@@ -84,6 +85,37 @@ func BenchmarkCitusCPUPerPair(b *testing.B) {
 				}
 			})
 		}
+		// Replays of COMPLETED keys (the replay cache answers them once
+		// notifications are trusted on every node).
+		keys := make([]string, 1024)
+		for i := range keys {
+			keys[i] = fmt.Sprintf("replay-%s-%d", st.name, i)
+			r, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "bench", Key: keys[i], Lease: durationpb.New(time.Minute)})
+			if err == nil {
+				_, err = client.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "bench", Key: keys[i], LeaseToken: r.GetLeaseToken(),
+					Response: &idempotencyv1.StoredResponse{Body: []byte("ok")}})
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, callers := range []int{64, 256} {
+			b.Run(fmt.Sprintf("%s/replays/callers=%d", st.name, callers), func(b *testing.B) {
+				runReplays(b, client, callers, time.Second, keys) // warm-up
+				before := make([]float64, len(st.nodes))
+				for i, n := range st.nodes {
+					before[i] = treeCPU(n.pid())
+				}
+				start := time.Now()
+				replays := runReplays(b, client, callers, cell, keys)
+				took := time.Since(start)
+				b.ReportMetric(float64(replays)/took.Seconds(), "replays/s")
+				for i, n := range st.nodes {
+					cpu := treeCPU(n.pid()) - before[i]
+					b.ReportMetric(cpu/float64(replays)*1000, n.name+"-cpu-s/1000replays")
+				}
+			})
+		}
 		_ = conn.Close()
 		c.Stop()
 	}
@@ -118,6 +150,37 @@ func runPairs(b *testing.B, client idempotencyv1.CoordinatorClient, callers int,
 	wg.Wait()
 	if err, ok := failed.Load().(error); ok {
 		b.Fatalf("a pair failed: %v", err)
+	}
+	return done.Load()
+}
+
+// runReplays Begins keys (COMPLETED) from callers goroutines for d, each
+// answer a replay, and returns how many there were.
+func runReplays(b *testing.B, client idempotencyv1.CoordinatorClient, callers int, d time.Duration, keys []string) int64 {
+	var done atomic.Int64
+	var failed atomic.Value
+	deadline := time.Now().Add(d)
+	var wg sync.WaitGroup
+	for w := range callers {
+		wg.Go(func() {
+			for i := w; time.Now().Before(deadline); i++ {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				r, err := client.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "bench", Key: keys[i%len(keys)], Lease: durationpb.New(time.Minute)})
+				cancel()
+				if err == nil && r.GetOutcome() != idempotencyv1.Outcome_OUTCOME_REPLAY {
+					err = fmt.Errorf("Begin of a COMPLETED key answered %v", r.GetOutcome())
+				}
+				if err != nil {
+					failed.Store(err)
+					return
+				}
+				done.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if err, ok := failed.Load().(error); ok {
+		b.Fatalf("a replay failed: %v", err)
 	}
 	return done.Load()
 }
