@@ -32,10 +32,12 @@ run: build
 	@scripts/run-local.sh
 
 ## test-citus: the ledger's and the server's tests against a local Citus cluster (a coordinator node and two
-## workers that internal/pgtest starts; Citus from ../shared/citus/build.sh), as .ci/run runs them
+## workers that internal/pgtest starts; Citus from ../shared/citus/build.sh), then the Citus fault tests of
+## chaos/ (a worker killed under load; the reference model, short), as .ci/run runs them
 .PHONY: test-citus
 test-citus:
 	IDEMCOORD_TEST_CITUS=1 go test -count=1 -timeout 25m ./ledger/ ./server/
+	IDEMCOORD_TEST_CITUS=1 go test -count=1 -timeout 15m -v -run '^TestCitus' ./chaos/
 
 ## test-pgbouncer: every server behaviour test with the coordinator behind a PgBouncer in transaction
 ## pooling mode, LISTEN direct and notifications off (`make test` runs a representative set)

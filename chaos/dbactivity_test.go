@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"context"
+	"net/url"
 	"testing"
 	"time"
 
@@ -31,6 +32,33 @@ func waitNoOpenTransactionsOf(t *testing.T, dbURL, app string) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// waitNoCitusTransactions waits until the Citus worker at dbURL shows no
+// statement or transaction in progress on a connection from a Citus
+// coordinator node: a single-shard statement commits on the worker, which
+// may still be at it after the coordinator node's backend ended.
+func waitNoCitusTransactions(t *testing.T, dbURL string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		n, err := countActivity(dbURL, `application_name LIKE 'citus_internal%' AND state IS DISTINCT FROM 'idle'`)
+		if err == nil && n == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the worker %s still has %d statements or transactions of a coordinator node open after 30s (%v)", hostOf(dbURL), n, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func hostOf(dbURL string) string {
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		return "?"
+	}
+	return u.Host
 }
 
 func openTransactions(dbURL, app string) (int, error) {

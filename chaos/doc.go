@@ -28,7 +28,10 @@
 // counts; at most 3 times per run.
 //
 // The short versions run in `go test ./...`; IDEMCOORD_CHAOS=long (set by
-// `make chaos`) runs longer loads with more faults.
+// `make chaos`) runs longer loads with more faults. The Citus tests
+// (TestCitus*: a worker killed under load, the reference model on Citus)
+// start their own three-node Citus cluster and run only under
+// IDEMCOORD_TEST_CITUS=1 (`make test-citus`) or IDEMCOORD_CHAOS=long.
 //
 // Only test code imports this package. Its one exported helper, Proxy, is a
 // TCP forwarder that cuts connections on demand or at random; it imports

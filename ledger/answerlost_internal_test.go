@@ -281,6 +281,11 @@ func TestMayHaveCommitted(t *testing.T) {
 		{"could not connect", &pgconn.ConnectError{}, false},
 		{"never sent", neverSentError{}, false},
 		{"connection closed while the answer was awaited", closedConnError{}, true},
+		// What a Citus coordinator node answered when a worker was killed
+		// during a Begin's commit there (TestCitusWorkerKill met it).
+		{"a Citus worker failed during the commit", &pgconn.PgError{Severity: "ERROR", Code: "XX000",
+			Message: "could not commit transaction for shard 102010 on at least one active node", Routine: citusPostCommitFailure}, true},
+		{"another internal error", &pgconn.PgError{Severity: "ERROR", Code: "XX000", Routine: "elog_finish"}, false},
 	} {
 		if got := mayHaveCommitted(c.err); got != c.may {
 			t.Errorf("%s: may have committed %v, want %v", c.name, got, c.may)
@@ -288,6 +293,9 @@ func TestMayHaveCommitted(t *testing.T) {
 		// classify marks the lost answers among its ErrUnavailable.
 		if got := answerLost(classify(c.err)); got != c.may {
 			t.Errorf("%s classified: %v, answer lost %v, want %v", c.name, classify(c.err), got, c.may)
+		}
+		if c.may && !errors.Is(classify(c.err), ErrUnavailable) {
+			t.Errorf("%s classified: %v, want ErrUnavailable", c.name, classify(c.err))
 		}
 	}
 }

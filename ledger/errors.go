@@ -97,13 +97,26 @@ func isLockTimeout(err error) bool {
 // TestWaitingRunTxLostCommitThenForgotten met it so.
 func mayHaveCommitted(err error) bool {
 	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
-		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
+		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" || citusCommitFailed(pgErr)
 	}
 	if errors.Is(err, pgconn.ErrConnClosed) {
 		return true
 	}
 	var connectErr *pgconn.ConnectError
 	return !errors.As(err, &connectErr) && !pgconn.SafeToRetry(err)
+}
+
+// citusPostCommitFailure is the routine of the error a Citus coordinator
+// node raises when a worker failed while it committed a transaction's
+// writes there ("could not commit transaction for shard … on at least one
+// active node", SQLSTATE XX000): the worker's connection broke during the
+// COMMIT, or the COMMIT failed there. Whether the write committed on the
+// worker is unknown.
+const citusPostCommitFailure = "ErrorIfPostCommitFailedShardPlacements"
+
+// citusCommitFailed reports whether pgErr is that error.
+func citusCommitFailed(pgErr *pgconn.PgError) bool {
+	return pgErr.Code == "XX000" && pgErr.Routine == citusPostCommitFailure
 }
 
 // answerLostError is ErrUnavailable for a statement that may have committed
@@ -152,7 +165,8 @@ func classify(err error) error {
 			pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03", // shutdown, crash, cannot connect now
 			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
-			pgErr.Code == "40001", pgErr.Code == "40P01": // serialization failure, deadlock: retry
+			pgErr.Code == "40001", pgErr.Code == "40P01", // serialization failure, deadlock: retry
+			citusCommitFailed(pgErr): // a Citus worker failed during the commit
 			unavailable = fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
 		default:
 			return err

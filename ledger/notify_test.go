@@ -34,6 +34,8 @@ func TestHeartbeatDoesNotWake(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
+	ledger.SkipOnCitus(t, s, "the two records' changes notify on the workers that hold them, over two connections, "+
+		"so the sentinel's wake-up does not prove the earlier ones arrived (TestCitusReplayCacheForgetOnEveryWorker checks notifications there)")
 	ctx := context.Background()
 	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
 	held := ledger.Identity{Tenant: "t", Scope: "s", Key: "held"}
@@ -108,6 +110,8 @@ func TestNotificationQueueOverLimit(t *testing.T) {
 	}
 	defer replica.Close()
 	ledger.SkipWithoutNotifications(t, replica)
+	ledger.SkipOnCitus(t, replica, "the writer's idemcoord.notify_queue_limit is a setting of its sessions on the coordinator node, "+
+		"which does not reach the workers where the trigger runs (TestCitusNotifyOverflowOnWorker)")
 	ev := statemachine.Event{TTL: time.Hour, FailureTTL: time.Hour, Lease: time.Hour}
 	cached := ledger.Identity{Tenant: "t", Scope: "s", Key: "cached"}
 	res, err := writer.Begin(ctx, &ledger.BeginParams{ID: cached, Event: ev})

@@ -60,6 +60,11 @@ func (d dialect) String() string {
 // citusInstalledSQL reports whether the database has the citus extension.
 const citusInstalledSQL = `SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')`
 
+// citusNodesSQL lists the active primary nodes of a Citus cluster other
+// than the coordinator node: host, port.
+const citusNodesSQL = `SELECT nodename, nodeport FROM pg_dist_node
+WHERE noderole = 'primary' AND isactive AND groupid <> 0 ORDER BY nodeid`
+
 // citusDistributedSQL reports whether the records table is distributed (on
 // a database with the citus extension only).
 const citusDistributedSQL = `SELECT EXISTS (SELECT 1 FROM pg_dist_partition
@@ -777,6 +782,13 @@ RETURNING scope`), args: append([]any{now, batch}, args...)}
 // arithmetic.
 func citusStatements() *statements {
 	st := postgreSQLStatements()
+	// A change notifies on the worker that holds the record, and its
+	// trigger counts there the changes it could not notify: the listener
+	// creates that table on each worker it listens on.
+	st.notifier.Prepare = `CREATE TABLE IF NOT EXISTS idemcoord_notify_drops (
+    id      boolean PRIMARY KEY DEFAULT true CHECK (id),
+    dropped bigint  NOT NULL DEFAULT 0);
+INSERT INTO idemcoord_notify_drops DEFAULT VALUES ON CONFLICT DO NOTHING`
 	identity := func(id Identity, more ...any) []any {
 		return append([]any{id.Tenant, id.Scope, id.Key}, more...)
 	}

@@ -189,14 +189,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 	}
 	s := &Store{pool: pool, sql: statementsFor(d), dialect: d, clock: o.clock, logger: o.logger, keyring: ringOf(o.keyring), exactCountBytes: exactCountBytes}
 	if d == citus {
-		// Changes notify on the worker that holds the record, where no
-		// replica listens: without notifications, waiting Begins poll and
-		// there is no replay cache (which could replay a record Forgotten
-		// through another replica). Each Begin and Complete runs its own
-		// statement, routed to its key's shard: a batch of keys of
-		// several shards would be a two-phase commit.
-		o.noNotify, o.noBatch = true, true
-		o.logger.Info("ledger: the database is Citus (records distributed): change notifications, the replay cache and batching are off")
+		// Each Begin and Complete runs its own statement, routed to its
+		// key's shard: a batch of keys of several shards would be a
+		// two-phase commit. Changes notify on the worker that holds the
+		// record: the notifier listens on every node (citusNodes).
+		o.noBatch = true
+		o.logger.Info("ledger: the database is Citus (records distributed): batching is off; change notifications are listened for on every node")
 	} else {
 		o.logger.Info("ledger: the database is PostgreSQL")
 	}
@@ -216,6 +214,9 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		listenCfg = ncfg
 	}
 	ncfg := notifier.Config{Statements: s.sql.notifier, ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
+	if d == citus {
+		ncfg.Nodes = func(ctx context.Context) ([]*pgx.ConnConfig, error) { return citusNodes(ctx, pool, listenCfg) }
+	}
 	if o.noNotify {
 		// No listener: the notifier never trusts notifications, so
 		// subscribers poll, and there is no replay cache (it learns of
@@ -440,11 +441,17 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 			return res, nil
 		}
 	}
-	return s.lockedWith(ctx, p.ID, ev, p.Policy, lockedHooks{late: func(res *Result) {
+	res, err := s.lockedWith(ctx, p.ID, ev, p.Policy, lockedHooks{late: func(res *Result) {
 		if madeBy(res, ev.NewToken) {
 			s.releaseGone(ctx, p, res.Record)
 		}
 	}})
+	// On Citus a replay is decided here (the insert of an existing key
+	// reads nothing): cache it as a read would.
+	if err == nil && res != nil && s.cache != nil && res.Outcome == statemachine.OutcomeReplay {
+		s.cache.Put(recordHash(p.ID), res.Record, seq)
+	}
+	return res, err
 }
 
 // ownAcquisition answers a Begin that finds its own acquisition (its lease
@@ -915,4 +922,34 @@ func detectDialect(ctx context.Context, pool *pgxpool.Pool) (dialect, error) {
 		return postgreSQL, err
 	}
 	return citus, nil
+}
+
+// citusNodes lists the Citus cluster's primary nodes other than the
+// coordinator node (the workers, active ones) as connection
+// configurations: base with each node's host and port. Record changes
+// notify on the node that holds the record.
+func citusNodes(ctx context.Context, pool *pgxpool.Pool, base *pgx.ConnConfig) ([]*pgx.ConnConfig, error) {
+	rows, err := pool.Query(ctx, citusNodesSQL)
+	if err != nil {
+		return nil, err
+	}
+	type node struct {
+		Host string
+		Port int32
+	}
+	nodes, err := pgx.CollectRows(rows, pgx.RowToStructByPos[node])
+	if err != nil {
+		return nil, err
+	}
+	confs := make([]*pgx.ConnConfig, 0, len(nodes))
+	for _, nd := range nodes {
+		c := base.Copy()
+		c.Host, c.Port, c.Fallbacks = nd.Host, uint16(nd.Port), nil
+		if c.TLSConfig != nil {
+			c.TLSConfig = c.TLSConfig.Clone()
+			c.TLSConfig.ServerName = nd.Host
+		}
+		confs = append(confs, c)
+	}
+	return confs, nil
 }

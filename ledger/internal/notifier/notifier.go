@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"log/slog"
 	"math"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Channel is the channel the records trigger notifies on.
@@ -46,6 +48,9 @@ type Statements struct {
 	Ping string
 	// QueueUsage reads the notification queue's usage: one float8.
 	QueueUsage string
+	// Prepare, when not empty, runs on each other node (Config.Nodes)
+	// before its LISTEN: it creates there what Dropped and Ping read.
+	Prepare string
 }
 
 // Config is what a Notifier listens with and whom it tells.
@@ -66,6 +71,15 @@ type Config struct {
 	// when changes went un-notified), before subscribers wake.
 	OnPayload func(string)
 	OnLost    func()
+	// Nodes, when set, lists the other database nodes on which record
+	// changes notify (a Citus cluster's workers), as connection
+	// configurations. The Notifier listens and pings on each as on
+	// ConnConfig, each with its own trust: notifications are trusted
+	// only while they are on every node. It calls Nodes every
+	// nodesEvery, follows nodes added and removed, and does not trust
+	// notifications while the latest call failed or is older than the
+	// freshness asked of Fresh.
+	Nodes func(ctx context.Context) ([]*pgx.ConnConfig, error)
 }
 
 // Change notification tuning.
@@ -92,18 +106,52 @@ const (
 	// at idemcoord.notify_queue_limit (default 0.5).
 	queueWarnAt    = 0.1
 	queueWarnEvery = time.Minute
+	// nodesEvery is how often Config.Nodes is called.
+	nodesEvery = pingEvery
 )
 
-// Notifier keeps one dedicated connection LISTENing on Channel and wakes
+// Notifier keeps one dedicated connection LISTENing on Channel on each
+// node (the database of ConnConfig, and those Config.Nodes lists) and wakes
 // the subscribers of the record each notification names. It reconnects by
 // itself; after a reconnect it wakes every subscriber, since notifications
-// may have been missed. While it cannot trust notifications (not
-// connected, its pings do not come back, or the database reported changes
-// it did not notify), it wakes every subscriber every pollEvery: waiting
-// Begins poll. It is safe for concurrent use.
+// may have been missed. While it cannot trust notifications (a node's
+// listener is not connected, its pings do not come back, or the node
+// reported changes it did not notify), it wakes every subscriber every
+// pollEvery: waiting Begins poll. It is safe for concurrent use.
 type Notifier struct {
 	cfg   Config
 	nonce string
+	// main is the node of ConnConfig, pinged through Pings.
+	main *node
+	// nodesRead is when Config.Nodes last answered (UnixNano; 0 never, or
+	// after a failure).
+	nodesRead atomic.Int64
+
+	// stopPing ends the ping loop, which closes pingDone.
+	stopPing context.CancelFunc
+	pingDone chan struct{}
+
+	mu      sync.Mutex
+	subs    map[string]map[*subscription]struct{}
+	others  map[string]*node // by host:port/database, from Config.Nodes
+	started bool
+	cancel  context.CancelFunc
+	done    chan struct{}
+	wg      sync.WaitGroup // the other nodes' goroutines
+}
+
+// node is one database's listener and its trust.
+type node struct {
+	n     *Notifier
+	name  string
+	conn  *pgx.ConnConfig
+	pings Querier
+	// prepare is Statements.Prepare for the other nodes, "" for main.
+	prepare string
+	// closePings closes the other nodes' ping pool.
+	closePings func()
+	// stop ends an other node's listener and pings.
+	stop context.CancelFunc
 
 	// lastSeen is the send time (UnixNano, local clock) of the latest own
 	// ping that came back; connectedAt when the listener last connected;
@@ -115,17 +163,15 @@ type Notifier struct {
 	usage    atomic.Uint64
 	connects atomic.Int64
 
-	// stopPing ends the ping loop, which closes pingDone.
-	stopPing context.CancelFunc
-	pingDone chan struct{}
-
 	mu         sync.Mutex
-	subs       map[string]map[*subscription]struct{}
 	connected  bool
-	started    bool
-	cancel     context.CancelFunc
 	connCancel context.CancelFunc // ends the current listening connection
-	done       chan struct{}
+}
+
+func (n *Notifier) newNode(name string, conn *pgx.ConnConfig, pings Querier, prepare string) *node {
+	nd := &node{n: n, name: name, conn: conn, pings: pings, prepare: prepare}
+	nd.dropped.Store(-1)
+	return nd
 }
 
 type subscription struct {
@@ -148,8 +194,8 @@ func New(cfg Config) *Notifier {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	n := &Notifier{cfg: cfg, subs: map[string]map[*subscription]struct{}{},
-		nonce: hex.EncodeToString(b[:])}
-	n.dropped.Store(-1)
+		nonce: hex.EncodeToString(b[:]), others: map[string]*node{}}
+	n.main = n.newNode("", cfg.ConnConfig, cfg.Pings, "")
 	return n
 }
 
@@ -165,25 +211,74 @@ type Stats struct {
 	Polling bool
 }
 
-// Stats reports the state of change notifications.
+// Stats reports the state of change notifications: the highest queue
+// usage and the sum of the drop counts over the nodes (-1 while one is
+// unknown).
 func (n *Notifier) Stats() Stats {
-	return Stats{QueueUsage: math.Float64frombits(n.usage.Load()), Dropped: n.dropped.Load(), Polling: n.Polling()}
+	st := Stats{Polling: n.Polling()}
+	for _, nd := range n.nodes() {
+		st.QueueUsage = max(st.QueueUsage, math.Float64frombits(nd.usage.Load()))
+		d := nd.dropped.Load()
+		if d < 0 || st.Dropped < 0 {
+			st.Dropped = -1
+		} else {
+			st.Dropped += d
+		}
+	}
+	return st
 }
 
-// Polling reports whether notifications cannot be trusted now.
-func (n *Notifier) Polling() bool {
+// nodes returns main and the other nodes.
+func (n *Notifier) nodes() []*node {
 	n.mu.Lock()
-	connected := n.connected
-	n.mu.Unlock()
-	now := time.Now().UnixNano()
-	seen := max(n.lastSeen.Load(), n.connectedAt.Load())
-	return !connected || now < n.pollUntil.Load() || now-seen > int64(pingStaleAfter)
+	defer n.mu.Unlock()
+	nodes := []*node{n.main}
+	for _, nd := range n.others {
+		nodes = append(nodes, nd)
+	}
+	return nodes
 }
 
-// Fresh reports whether an own ping came back within d and notifications
-// can be trusted: the replay cache is served only then.
+// Polling reports whether notifications cannot be trusted now: on some
+// node, or because the list of nodes is not known.
+func (n *Notifier) Polling() bool {
+	if n.cfg.Nodes != nil && time.Now().UnixNano()-n.nodesRead.Load() > int64(pingStaleAfter) {
+		return true
+	}
+	for _, nd := range n.nodes() {
+		if nd.polling() {
+			return true
+		}
+	}
+	return false
+}
+
+func (nd *node) polling() bool {
+	nd.mu.Lock()
+	connected := nd.connected
+	nd.mu.Unlock()
+	now := time.Now().UnixNano()
+	seen := max(nd.lastSeen.Load(), nd.connectedAt.Load())
+	return !connected || now < nd.pollUntil.Load() || now-seen > int64(pingStaleAfter)
+}
+
+// Fresh reports whether, on every node, an own ping came back within d
+// and notifications can be trusted (and, with Config.Nodes, the list of
+// nodes was read within d): the replay cache is served only then.
 func (n *Notifier) Fresh(d time.Duration) bool {
-	return time.Since(time.Unix(0, n.lastSeen.Load())) < d && time.Now().UnixNano() >= n.pollUntil.Load()
+	if n.cfg.Nodes != nil && time.Since(time.Unix(0, n.nodesRead.Load())) >= d {
+		return false
+	}
+	for _, nd := range n.nodes() {
+		if !nd.fresh(d) {
+			return false
+		}
+	}
+	return true
+}
+
+func (nd *node) fresh(d time.Duration) bool {
+	return time.Since(time.Unix(0, nd.lastSeen.Load())) < d && time.Now().UnixNano() >= nd.pollUntil.Load()
 }
 
 // startLocked starts the listener unless it runs already. Call with n.mu
@@ -211,7 +306,7 @@ func (n *Notifier) Start() {
 	go func() {
 		defer close(n.pingDone)
 		if !n.cfg.NoListen {
-			n.pingLoop(pctx)
+			n.main.pingLoop(pctx)
 		}
 	}()
 }
@@ -231,11 +326,11 @@ func (n *Notifier) Subscribe(h string) (<-chan struct{}, func()) {
 		n.subs[h] = set
 	}
 	set[sub] = struct{}{}
-	if n.connected {
+	n.mu.Unlock()
+	if n.main.isConnected() {
 		// Tell the new subscriber the listener is up, as a reconnect would.
 		sub.notify()
 	}
-	n.mu.Unlock()
 	return sub.ch, func() {
 		n.mu.Lock()
 		delete(set, sub)
@@ -259,6 +354,13 @@ func (n *Notifier) Close() {
 		cancel()
 		<-done
 	}
+	n.wg.Wait()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for name, nd := range n.others {
+		nd.closePings()
+		delete(n.others, name)
+	}
 }
 
 func (n *Notifier) wake(h string) {
@@ -279,13 +381,20 @@ func (n *Notifier) wakeAll() {
 	}
 }
 
-// reconnect ends the current listening connection; run connects again.
-func (n *Notifier) reconnect() {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.connCancel != nil {
-		n.connCancel()
+// reconnect ends the current listening connection; the listen loop
+// connects again.
+func (nd *node) reconnect() {
+	nd.mu.Lock()
+	defer nd.mu.Unlock()
+	if nd.connCancel != nil {
+		nd.connCancel()
 	}
+}
+
+func (nd *node) isConnected() bool {
+	nd.mu.Lock()
+	defer nd.mu.Unlock()
+	return nd.connected
 }
 
 func (n *Notifier) run(ctx context.Context) {
@@ -302,13 +411,23 @@ func (n *Notifier) run(ctx context.Context) {
 		<-ctx.Done()
 		return
 	}
+	if n.cfg.Nodes != nil {
+		n.wg.Go(func() { n.nodesLoop(ctx) })
+	}
+	n.main.listenLoop(ctx)
+}
+
+// listenLoop listens on the node until ctx ends, reconnecting after
+// failures.
+func (nd *node) listenLoop(ctx context.Context) {
 	backoff := 50 * time.Millisecond
 	for ctx.Err() == nil {
-		err := n.listen(ctx)
+		err := nd.listen(ctx)
 		if ctx.Err() != nil {
 			return
 		}
-		n.cfg.Logger.Warn("change listener lost its connection; reconnecting (waiting Begins poll meanwhile)", "err", err, "in", backoff)
+		nd.n.cfg.Logger.Warn("change listener lost its connection; reconnecting (waiting Begins poll meanwhile)",
+			"node", nd.label(), "err", err, "in", backoff)
 		select {
 		case <-ctx.Done():
 			return
@@ -316,6 +435,85 @@ func (n *Notifier) run(ctx context.Context) {
 		}
 		backoff = min(backoff*2, 2*time.Second)
 	}
+}
+
+// label names the node in logs.
+func (nd *node) label() string {
+	if nd.name == "" {
+		return "database"
+	}
+	return nd.name
+}
+
+// nodesLoop calls Config.Nodes every nodesEvery and starts and stops the
+// other nodes' listeners to match.
+func (n *Notifier) nodesLoop(ctx context.Context) {
+	t := time.NewTicker(nodesEvery)
+	defer t.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, pingStaleAfter)
+		confs, err := n.cfg.Nodes(qctx)
+		cancel()
+		if err != nil {
+			n.nodesRead.Store(0)
+			if ctx.Err() == nil {
+				n.cfg.Logger.Debug("listing the database nodes failed", "err", err)
+			}
+		} else if n.syncNodes(ctx, confs) {
+			n.nodesRead.Store(time.Now().UnixNano())
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// syncNodes starts a listener on each node of confs not listened on yet
+// and stops those of nodes no longer listed. It reports false when a new
+// node's ping pool could not be made.
+func (n *Notifier) syncNodes(ctx context.Context, confs []*pgx.ConnConfig) bool {
+	want := map[string]*pgx.ConnConfig{}
+	for _, c := range confs {
+		want[net.JoinHostPort(c.Host, strconv.Itoa(int(c.Port)))+"/"+c.Database] = c
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	ok := true
+	for name, nd := range n.others {
+		if _, keep := want[name]; !keep {
+			n.cfg.Logger.Info("no longer listening for changes on a node removed from the cluster", "node", name)
+			nd.stop()
+			nd.closePings()
+			delete(n.others, name)
+		}
+	}
+	for name, c := range want {
+		if n.others[name] != nil {
+			continue
+		}
+		pcfg, err := pgxpool.ParseConfig("")
+		if err != nil {
+			ok = false
+			continue
+		}
+		pcfg.ConnConfig = c.Copy()
+		pcfg.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+		if err != nil {
+			ok = false
+			continue
+		}
+		nd := n.newNode(name, c, pool, n.cfg.Statements.Prepare)
+		nd.closePings = pool.Close
+		nctx, cancel := context.WithCancel(ctx)
+		nd.stop = cancel
+		n.others[name] = nd
+		n.wg.Go(func() { nd.listenLoop(nctx) })
+		n.wg.Go(func() { nd.pingLoop(nctx) })
+	}
+	return ok
 }
 
 // pollLoop wakes every subscriber every pollEvery while notifications
@@ -337,17 +535,23 @@ func (n *Notifier) pollLoop(ctx context.Context) {
 
 // listen connects, LISTENs and dispatches notifications until the
 // connection fails or ctx ends.
-func (n *Notifier) listen(ctx context.Context) error {
+func (nd *node) listen(ctx context.Context) error {
+	n := nd.n
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	n.mu.Lock()
-	n.connCancel = cancel
-	n.mu.Unlock()
-	conn, err := pgx.ConnectConfig(ctx, n.cfg.ConnConfig)
+	nd.mu.Lock()
+	nd.connCancel = cancel
+	nd.mu.Unlock()
+	conn, err := pgx.ConnectConfig(ctx, nd.conn)
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	if nd.prepare != "" {
+		if _, err := conn.Exec(ctx, nd.prepare); err != nil {
+			return err
+		}
+	}
 	if _, err := conn.Exec(ctx, n.cfg.Statements.Listen); err != nil {
 		return err
 	}
@@ -356,15 +560,15 @@ func (n *Notifier) listen(ctx context.Context) error {
 	if err := conn.QueryRow(ctx, n.cfg.Statements.Dropped).Scan(&dropped); err != nil {
 		return err
 	}
-	n.dropped.Store(dropped)
+	nd.dropped.Store(dropped)
 	// Changes made while no connection listened were missed.
 	if n.cfg.OnLost != nil {
 		n.cfg.OnLost()
 	}
-	n.connectedAt.Store(time.Now().UnixNano())
-	n.connects.Add(1)
-	n.setConnected(true)
-	defer n.setConnected(false)
+	nd.connectedAt.Store(time.Now().UnixNano())
+	nd.connects.Add(1)
+	nd.setConnected(true)
+	defer nd.setConnected(false)
 	n.wakeAll()
 	for {
 		note, err := conn.WaitForNotification(ctx)
@@ -372,7 +576,7 @@ func (n *Notifier) listen(ctx context.Context) error {
 			return err
 		}
 		if rest, ok := strings.CutPrefix(note.Payload, "ping:"); ok {
-			n.pinged(rest)
+			nd.pinged(rest)
 			continue
 		}
 		if n.cfg.OnPayload != nil {
@@ -382,31 +586,33 @@ func (n *Notifier) listen(ctx context.Context) error {
 	}
 }
 
-func (n *Notifier) setConnected(c bool) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	n.connected = c
+func (nd *node) setConnected(c bool) {
+	nd.mu.Lock()
+	defer nd.mu.Unlock()
+	nd.connected = c
 }
 
 // pingPayload is the payload of a ping sent at t, without the drop count
 // the ping statement appends.
-func (n *Notifier) pingPayload(t time.Time) string {
+func (nd *node) pingPayload(t time.Time) string {
+	n := nd.n
 	return "ping:" + n.nonce + ":" + strconv.FormatInt(t.UnixNano(), 10) + ":"
 }
 
 // pinged handles a ping (the payload after "ping:"), of any replica: its
 // drop count tells whether changes went un-notified since the last one;
 // an own ping also records the listener's delay.
-func (n *Notifier) pinged(rest string) {
+func (nd *node) pinged(rest string) {
+	n := nd.n
 	parts := strings.Split(rest, ":")
 	if len(parts) != 3 {
 		return
 	}
 	if d, err := strconv.ParseInt(parts[2], 10, 64); err == nil {
-		if prev := n.dropped.Swap(d); prev >= 0 && d != prev {
-			n.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
+		if prev := nd.dropped.Swap(d); prev >= 0 && d != prev {
+			nd.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
 			n.cfg.Logger.Warn("changes were not notified (the notification queue was over its limit): "+
-				"replay cache dropped, waiting Begins poll", "not_notified", d-prev, "poll_for", pollHold)
+				"replay cache dropped, waiting Begins poll", "node", nd.label(), "not_notified", d-prev, "poll_for", pollHold)
 			if n.cfg.OnLost != nil {
 				n.cfg.OnLost()
 			}
@@ -416,14 +622,15 @@ func (n *Notifier) pinged(rest string) {
 	if parts[0] != n.nonce {
 		return
 	}
-	if ns, err := strconv.ParseInt(parts[1], 10, 64); err == nil && ns > n.lastSeen.Load() {
-		n.lastSeen.Store(ns)
+	if ns, err := strconv.ParseInt(parts[1], 10, 64); err == nil && ns > nd.lastSeen.Load() {
+		nd.lastSeen.Store(ns)
 	}
 }
 
 // pingLoop sends a ping every pingEvery until ctx ends, watches the
 // notification queue's usage, and reconnects a listener that fell behind.
-func (n *Notifier) pingLoop(ctx context.Context) {
+func (nd *node) pingLoop(ctx context.Context) {
+	n := nd.n
 	t := time.NewTicker(pingEvery)
 	defer t.Stop()
 	var warned time.Time
@@ -437,27 +644,27 @@ func (n *Notifier) pingLoop(ctx context.Context) {
 		pctx, cancel := context.WithTimeout(ctx, pingStaleAfter)
 		var ignored string
 		var usage float64
-		err := n.cfg.Pings.QueryRow(pctx, n.cfg.Statements.Ping, Channel, n.pingPayload(sent)).Scan(&ignored, &usage)
+		err := nd.pings.QueryRow(pctx, n.cfg.Statements.Ping, Channel, nd.pingPayload(sent)).Scan(&ignored, &usage)
 		if err != nil {
 			// A full queue refuses the ping's notification; read the usage
 			// on its own.
-			err = n.cfg.Pings.QueryRow(pctx, n.cfg.Statements.QueueUsage).Scan(&usage)
+			err = nd.pings.QueryRow(pctx, n.cfg.Statements.QueueUsage).Scan(&usage)
 		}
 		cancel()
 		if err != nil {
 			if ctx.Err() == nil {
-				n.cfg.Logger.Debug("notification ping failed", "err", err)
+				n.cfg.Logger.Debug("notification ping failed", "node", nd.label(), "err", err)
 			}
 			continue
 		}
-		n.usage.Store(math.Float64bits(usage))
+		nd.usage.Store(math.Float64bits(usage))
 		if usage >= queueWarnAt && time.Since(warned) >= queueWarnEvery {
 			warned = time.Now()
 			n.cfg.Logger.Warn("PostgreSQL's notification queue is filling: a listening connection is not reading "+
 				"(a stalled replica?); past idemcoord.notify_queue_limit (default 50%) changes are no longer notified "+
-				"and every replica polls", "usage", usage)
+				"and every replica polls", "node", nd.label(), "usage", usage)
 		}
-		n.checkLag(sent)
+		nd.checkLag(sent)
 	}
 }
 
@@ -466,12 +673,13 @@ func (n *Notifier) pingLoop(ctx context.Context) {
 // behind, and holds PostgreSQL's queue back for every replica. Until the
 // new connection is up, the replay cache is not served and waiting Begins
 // poll; the reconnect runs OnLost.
-func (n *Notifier) checkLag(sent time.Time) {
-	seen := max(n.lastSeen.Load(), n.connectedAt.Load())
+func (nd *node) checkLag(sent time.Time) {
+	seen := max(nd.lastSeen.Load(), nd.connectedAt.Load())
 	if lag := sent.Sub(time.Unix(0, seen)); seen > 0 && lag > listenerLagLimit {
-		n.cfg.Logger.Warn("change listener fell behind; reconnecting it (replay cache dropped, waiting Begins poll)", "lag", lag)
-		n.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
-		n.connectedAt.Store(time.Now().UnixNano()) // one reconnect per lag limit
-		n.reconnect()
+		nd.n.cfg.Logger.Warn("change listener fell behind; reconnecting it (replay cache dropped, waiting Begins poll)",
+			"node", nd.label(), "lag", lag)
+		nd.pollUntil.Store(time.Now().Add(pollHold).UnixNano())
+		nd.connectedAt.Store(time.Now().UnixNano()) // one reconnect per lag limit
+		nd.reconnect()
 	}
 }
