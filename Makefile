@@ -86,11 +86,11 @@ docs-generated:
 	go test -count=1 -run '^TestGeneratedBlocksAreCurrent$$' ./internal/doccheck/ -update
 
 ## chaos: the long fault tests (IDEMCOORD_CHAOS=long; the short ones run in `make test`): coordinator
-## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) under SIGKILL, the demo services
+## SIGKILL, PostgreSQL stop/kill, connection cuts, linearizability, the payments demo (RunTx) and the provisioning demo (checkpoints) under SIGKILL, the demo services
 ## driven by third-party retrying clients through toxiproxy (TestRetryingClients); each prints a `chaos: <test>:` line
 .PHONY: chaos fuzz-short
 chaos:
-	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/
+	IDEMCOORD_CHAOS=long go test -race -count=1 -timeout 30m -v ./chaos/ ./examples/payments/ ./examples/provisioning/
 
 ## mutants: plant each bug of a fixed list (scripts/mutants.sh) in a throwaway copy, one at a
 ## time, and check that the tests named for it fail; prints the score
