@@ -1,7 +1,6 @@
 package payments_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -11,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -22,18 +20,10 @@ import (
 	"github.com/idemcoord/idemcoord/examples/payments"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
 	"github.com/idemcoord/idemcoord/internal/pgtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m, payments.Migrate)) }
-
-// service runs cmd/paymentsd as a separate process that the test kills.
-type service struct {
-	bin  string
-	url  string
-	addr string
-	log  *os.File
-	cmd  *exec.Cmd
-}
 
 func buildService(t *testing.T) string {
 	t.Helper()
@@ -43,47 +33,6 @@ func buildService(t *testing.T) string {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	return bin
-}
-
-// start starts the service and waits until it serves.
-func (s *service) start() error {
-	cmd := exec.Command(s.bin, "-listen", s.addr, "-rescue-after", "2s", "-chaos-pause", "30ms")
-	cmd.Env = append(os.Environ(), "DATABASE_URL="+s.url)
-	cmd.Stderr = s.log
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return err
-	}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "listening on") {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		return fmt.Errorf("paymentsd did not start: %q %v\n%s", line, err, s.logTail())
-	}
-	go func() { _, _ = io.Copy(io.Discard, stdout) }()
-	s.cmd = cmd
-	return nil
-}
-
-// stop ends the service with sig and waits for it to exit.
-func (s *service) stop(sig syscall.Signal) {
-	if s.cmd == nil {
-		return
-	}
-	_ = s.cmd.Process.Signal(sig)
-	_ = s.cmd.Wait()
-	s.cmd = nil
-}
-
-func (s *service) logTail() string {
-	b, _ := os.ReadFile(s.log.Name())
-	if len(b) > 4000 {
-		b = b[len(b)-4000:]
-	}
-	return string(b)
 }
 
 // answer is an acknowledged HTTP answer.
@@ -137,11 +86,14 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	svc := &service{bin: buildService(t), url: url, addr: coordtest.FreeAddr(t), log: logFile}
-	if err := svc.start(); err != nil {
+	addr := coordtest.FreeAddr(t)
+	// paymentsd runs as a process of its own, which the test kills.
+	svc := &testkit.Service{Bin: buildService(t), Args: []string{"-listen", addr, "-rescue-after", "2s", "-chaos-pause", "30ms"},
+		Env: []string{"DATABASE_URL=" + url}, Log: logFile}
+	if err := svc.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { svc.stop(syscall.SIGKILL) })
+	t.Cleanup(func() { svc.Stop(syscall.SIGKILL) })
 
 	prefix := fmt.Sprintf("k%d-", rand.Int64())
 	keyOf := func(i int) string { return prefix + fmt.Sprint(i) }
@@ -159,7 +111,7 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 				for range 2 { // the same request twice at once, each retried until answered
 					dup.Go(func() {
 						for time.Now().Before(giveUp) {
-							a, err := post(client, svc.addr, keyOf(i), requestFor(i))
+							a, err := post(client, addr, keyOf(i), requestFor(i))
 							if err == nil && (a.status == http.StatusCreated || a.status == http.StatusUnprocessableEntity) {
 								mu.Lock()
 								acks[i] = append(acks[i], a)
@@ -190,9 +142,9 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 				return
 			case <-time.After(time.Duration(20+rand.IntN(300)) * time.Millisecond):
 			}
-			svc.stop(syscall.SIGKILL)
+			svc.Stop(syscall.SIGKILL)
 			killed++
-			if err := svc.start(); err != nil {
+			if err := svc.Start(); err != nil {
 				t.Error(err)
 				return
 			}
@@ -228,11 +180,11 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 		}
 		return n
 	}
-	svc.stop(syscall.SIGTERM)
+	svc.Stop(syscall.SIGTERM)
 	waitFor(t, "stuck jobs to age past the rescue time", func() bool {
 		return query(`SELECT count(*) FROM river_job WHERE state = 'running' AND attempted_at > now() - interval '3 seconds'`) == 0
 	})
-	if err := svc.start(); err != nil {
+	if err := svc.Start(); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, "every receipt job to complete", func() bool {
@@ -252,7 +204,7 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 		if n := query(`SELECT count(*) FROM receipts_sent r JOIN charges c ON c.id = r.charge_id WHERE c.idempotency_key = $1`, key); n != wantCharges {
 			t.Errorf("key %s: %d receipts sent, want %d", key, n, wantCharges)
 		}
-		replay, err := post(client, svc.addr, key, requestFor(i))
+		replay, err := post(client, addr, key, requestFor(i))
 		if err != nil || replay.result != "replayed" {
 			t.Fatalf("key %s: replay %+v, %v", key, replay, err)
 		}
@@ -285,7 +237,7 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 	t.Logf("chaos: TestChargesSurviveSIGKILL: %d keys, %d SIGKILLs, %d receipt jobs delivered more than once, %d of them after their effect committed (the inbox replayed)",
 		keys, killed, redelivered, deduped)
 	if t.Failed() {
-		t.Logf("paymentsd log:\n%s", svc.logTail())
+		t.Logf("paymentsd log:\n%s", svc.LogTail(4000))
 	}
 }
 

@@ -1,7 +1,6 @@
 package provisioning_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -11,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -20,47 +18,10 @@ import (
 	"github.com/idemcoord/idemcoord/examples/provisioning"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 	"github.com/idemcoord/idemcoord/internal/coordtest"
+	"github.com/idemcoord/idemcoord/internal/testkit"
 )
 
 func TestMain(m *testing.M) { os.Exit(coordtest.Main(m)) }
-
-// service runs cmd/provisiond as a separate process that the test kills.
-type service struct {
-	bin, addr string
-	args      []string
-	log       *os.File
-	cmd       *exec.Cmd
-}
-
-func (s *service) start() error {
-	cmd := exec.Command(s.bin, append([]string{"-listen", s.addr}, s.args...)...)
-	cmd.Stderr = s.log
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return err
-	}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "listening on") {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		return fmt.Errorf("provisiond did not start: %q %v", line, err)
-	}
-	go func() { _, _ = io.Copy(io.Discard, stdout) }()
-	s.cmd = cmd
-	return nil
-}
-
-func (s *service) stop(sig syscall.Signal) {
-	if s.cmd == nil {
-		return
-	}
-	_ = s.cmd.Process.Signal(sig)
-	_ = s.cmd.Wait()
-	s.cmd = nil
-}
 
 type answer struct {
 	status       int
@@ -120,11 +81,13 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 			if !withCheckpoints {
 				args = append(args, "-without-checkpoints")
 			}
-			svc := &service{bin: bin, addr: coordtest.FreeAddr(t), args: args, log: logFile}
-			if err := svc.start(); err != nil {
+			addr := coordtest.FreeAddr(t)
+			// provisiond runs as a process of its own, which the test kills.
+			svc := &testkit.Service{Bin: bin, Args: append([]string{"-listen", addr}, args...), Log: logFile}
+			if err := svc.Start(); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { svc.stop(syscall.SIGKILL) })
+			t.Cleanup(func() { svc.Stop(syscall.SIGKILL) })
 			prefix := fmt.Sprintf("order-%d-", rand.Int64())
 			keyOf := func(i int) string { return prefix + fmt.Sprint(i) }
 			client := &http.Client{Timeout: time.Minute}
@@ -138,7 +101,7 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 				workers.Go(func() {
 					for i := range work {
 						for time.Now().Before(giveUp) {
-							a, err := order(client, svc.addr, keyOf(i))
+							a, err := order(client, addr, keyOf(i))
 							if err == nil && a.status == http.StatusCreated {
 								mu.Lock()
 								acks[i] = a
@@ -163,9 +126,9 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 						return
 					case <-time.After(time.Duration(50+rand.IntN(400)) * time.Millisecond):
 					}
-					svc.stop(syscall.SIGKILL)
+					svc.Stop(syscall.SIGKILL)
 					killed++
-					if err := svc.start(); err != nil {
+					if err := svc.Start(); err != nil {
 						t.Error(err)
 						return
 					}
@@ -212,7 +175,7 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 				if withCheckpoints && rec.GetCheckpoint().GetPhase() != provisioning.Steps[len(provisioning.Steps)-1] {
 					t.Errorf("%s: completed record's checkpoint %v, want the last step's", key, rec.GetCheckpoint())
 				}
-				replay, err := order(client, svc.addr, key)
+				replay, err := order(client, addr, key)
 				if err != nil || replay.result != "replayed" || replay.status != a.status || replay.body != a.body {
 					t.Errorf("%s: acknowledged %+v, replay %+v %v", key, a, replay, err)
 				}
@@ -223,8 +186,7 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 			t.Logf("chaos: TestStepsRunOnceAcrossSIGKILL %s: %d orders, %d SIGKILLs, %d upstream steps ran more than once",
 				name, sent, killed, twice)
 			if t.Failed() {
-				b, _ := os.ReadFile(logFile.Name())
-				t.Logf("provisiond log (tail):\n%s", tail(b, 4000))
+				t.Logf("provisiond log (tail):\n%s", svc.LogTail(4000))
 			}
 		})
 	}
@@ -237,11 +199,4 @@ func closed(c chan struct{}) bool {
 	default:
 		return false
 	}
-}
-
-func tail(b []byte, n int) []byte {
-	if len(b) > n {
-		return b[len(b)-n:]
-	}
-	return b
 }
