@@ -1,5 +1,5 @@
 // Package testkit holds the small test helpers that tests of several
-// packages share: a log destination safe for concurrent use (LogBuffer)
+// packages share: a log destination safe for concurrent use (LogBuffer),
 // a throwaway certificate authority (CA) and a program run as a process that
 // a test kills (Service). Only tests import it.
 //
