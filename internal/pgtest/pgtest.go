@@ -38,6 +38,10 @@ var current atomic.Pointer[environment]
 const (
 	migrateTimeout = 5 * time.Minute
 	adminTimeout   = time.Minute
+	// dropTimeout bounds dropping a test's database on one node. On a busy
+	// machine Citus's maintenance daemon can take long to leave a database
+	// being dropped (each try waits 5 s in the server before 55006).
+	dropTimeout = 3 * time.Minute
 )
 
 // Main prepares PostgreSQL for a test binary, runs its tests and cleans up;
@@ -191,22 +195,43 @@ func (env *environment) nodeURLs() []string {
 func (env *environment) dropDatabase(ctx context.Context, dbname string) error {
 	var errs []error
 	for _, node := range env.nodeURLs() {
+		nctx, cancel := context.WithTimeout(ctx, dropTimeout)
 		for attempt := 1; ; attempt++ {
-			err := execOn(ctx, node, "DROP DATABASE IF EXISTS "+pgx.Identifier{dbname}.Sanitize()+" WITH (FORCE)")
+			err := execOn(nctx, node, "DROP DATABASE IF EXISTS "+pgx.Identifier{dbname}.Sanitize()+" WITH (FORCE)")
 			// 55006 object_in_use: on Citus, FORCE does not end the
 			// extension's maintenance daemon, which leaves the database
 			// on its own when it is dropped, but not at once.
 			var pgErr *pgconn.PgError
-			if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || attempt == 20 {
+			if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || nctx.Err() != nil {
 				if err != nil {
-					errs = append(errs, fmt.Errorf("on %s: %w", hostPort(node), err))
+					errs = append(errs, fmt.Errorf("on %s: %w (still connected: %s)", hostPort(node), err, holders(node, dbname)))
 				}
 				break
 			}
-			time.Sleep(time.Duration(attempt) * 10 * time.Millisecond)
+			time.Sleep(min(time.Duration(attempt)*10*time.Millisecond, time.Second))
 		}
+		cancel()
 	}
 	return errors.Join(errs...)
+}
+
+// holders names the sessions connected to database dbname on node, for the
+// message of a drop that failed.
+func holders(node, dbname string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, node)
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	var who string
+	err = conn.QueryRow(ctx, `SELECT coalesce(string_agg(format('%s/%s/%s', backend_type, application_name, state), ', '), 'none')
+		FROM pg_stat_activity WHERE datname = $1`, dbname).Scan(&who)
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	return who
 }
 
 // url returns the URL of database dbname on the environment's server.
@@ -274,9 +299,8 @@ func (env *environment) newDatabase(t testing.TB) string {
 			}
 			return
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
-		defer cancel()
-		if err := env.dropDatabase(ctx, name); err != nil {
+		// dropDatabase bounds each node's drop (dropTimeout).
+		if err := env.dropDatabase(context.Background(), name); err != nil {
 			t.Errorf("pgtest: drop database %s: %v", name, err)
 		}
 	})
