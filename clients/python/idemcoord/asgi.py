@@ -327,6 +327,11 @@ class IdempotencyMiddleware:
         finally:
             _current.reset(token)
             leaving.cancel()
+        if left.is_set():
+            # The app may have seen the disconnect and returned before the
+            # task that cancels the attempt on it ran: the attempt ended
+            # with its request all the same.
+            attempt.cancel(attempt.reason or RuntimeError("idemcoord: the client went away"))
         if recorded:
             return
         await stop()

@@ -382,3 +382,56 @@ class ASGIAsyncClientTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ASGIRaceTest(unittest.TestCase):
+    def test_an_app_that_returns_silently_as_soon_as_it_sees_the_disconnect_is_never_taken_for_a_200(self):
+        """The app sees http.disconnect and returns at once without a word: the attempt ends as a silent one
+        (UNKNOWN after the mark), never answered 200 and stored. Driven in-process. Under load (a CI run of
+        the conformance suite) the app once returned before the middleware's task that cancels the attempt
+        on the disconnect had run, and the middleware answered 200 and stored COMPLETED; the middleware now
+        also looks at the disconnect itself when the app returns. This test does not force that order."""
+        import uuid
+        key = "race-" + uuid.uuid4().hex
+
+        app_started = None
+
+        async def app(scope, receive, send):
+            app_started.set()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            idemcoord.mark_side_effect()
+            return None  # returns without a word, without yielding to the loop first
+
+        async def main():
+            nonlocal app_started
+            app_started = asyncio.Event()
+            guarded = IdempotencyMiddleware(app, client=CLIENT, service="race", without_principal=True)
+            body_sent = asyncio.Event()
+            sent = []
+
+            async def receive():
+                if not body_sent.is_set():
+                    body_sent.set()
+                    return {"type": "http.request", "body": b"x", "more_body": False}
+                await app_started.wait()  # the client leaves once the app runs
+                return {"type": "http.disconnect"}
+
+            async def send(msg):
+                sent.append(msg)
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/items", "raw_path": b"/items", "query_string": b"", "root_path": "",
+                     "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"1")],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+            await guarded(scope, receive, send)
+            return sent
+        sent = asyncio.run(main())
+        starts = [m for m in sent if m["type"] == "http.response.start"]
+        self.assertTrue(all(m["status"] != 200 for m in starts), starts)
+        deadline = time.monotonic() + 10
+        while True:
+            state = CLIENT.lookup(scope="race POST /items", key=key).record.state
+            if state != idemcoord.State.STATE_IN_PROGRESS or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.assertEqual(state, idemcoord.State.STATE_UNKNOWN)
