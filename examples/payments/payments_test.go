@@ -129,37 +129,20 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 		})
 	}
 	done := make(chan struct{})
-	done2 := make(chan struct{}) // closed when the killer is through
-	var killer sync.WaitGroup
-	killer.Add(1)
-	killed := 0
-	go func() {
-		defer killer.Done()
-		defer close(done2)
-		for killed < kills {
-			select {
-			case <-done:
-				return
-			case <-time.After(time.Duration(20+rand.IntN(300)) * time.Millisecond):
-			}
-			svc.Stop(syscall.SIGKILL)
-			killed++
-			if err := svc.Start(); err != nil {
-				t.Error(err)
-				return
-			}
-		}
-	}()
+	killer := svc.KillRepeatedly(kills, 20*time.Millisecond, 300*time.Millisecond, done)
 	// Keys keep coming until every kill happened, so each lands under load.
 	sent := 0
-	for ; sent < keys || !killerDone(done2); sent++ {
+	for ; sent < keys || !killer.Through(); sent++ {
 		work <- sent
 	}
 	keys = sent
 	close(work)
 	clients.Wait()
 	close(done)
-	killer.Wait()
+	killed, err := killer.Result()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -238,15 +221,6 @@ func TestChargesSurviveSIGKILL(t *testing.T) {
 		keys, killed, redelivered, deduped)
 	if t.Failed() {
 		t.Logf("paymentsd log:\n%s", svc.LogTail(4000))
-	}
-}
-
-func killerDone(c chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
 	}
 }
 

@@ -115,35 +115,21 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 					}
 				})
 			}
-			killerDone := make(chan struct{})
 			stopKiller := make(chan struct{})
-			killed := 0
-			go func() {
-				defer close(killerDone)
-				for killed < kills {
-					select {
-					case <-stopKiller:
-						return
-					case <-time.After(time.Duration(50+rand.IntN(400)) * time.Millisecond):
-					}
-					svc.Stop(syscall.SIGKILL)
-					killed++
-					if err := svc.Start(); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
+			killer := svc.KillRepeatedly(kills, 50*time.Millisecond, 400*time.Millisecond, stopKiller)
 			// Orders keep coming until every kill happened, so each lands
 			// under load.
 			sent := 0
-			for ; sent < keys || !closed(killerDone); sent++ {
+			for ; sent < keys || !killer.Through(); sent++ {
 				work <- sent
 			}
 			close(work)
 			workers.Wait()
 			close(stopKiller)
-			<-killerDone
+			killed, err := killer.Result()
+			if err != nil {
+				t.Fatal(err)
+			}
 			if t.Failed() {
 				t.FailNow()
 			}
@@ -189,14 +175,5 @@ func TestStepsRunOnceAcrossSIGKILL(t *testing.T) {
 				t.Logf("provisiond log (tail):\n%s", svc.LogTail(4000))
 			}
 		})
-	}
-}
-
-func closed(c chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
 	}
 }

@@ -4,10 +4,12 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // Service is a program run as its own process, which a test kills and
@@ -69,4 +71,54 @@ func (s *Service) LogTail(n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
+}
+
+// Killer is the goroutine of KillRepeatedly.
+type Killer struct {
+	done   chan struct{}
+	killed int
+	err    error
+}
+
+// KillRepeatedly SIGKILLs the program kills times and starts it again at
+// once, each time after a random pause of minPause plus up to spread,
+// until stop closes. A start that fails ends it; see Result.
+func (s *Service) KillRepeatedly(kills int, minPause, spread time.Duration, stop <-chan struct{}) *Killer {
+	k := &Killer{done: make(chan struct{})}
+	go func() {
+		defer close(k.done)
+		for k.killed < kills {
+			select {
+			case <-stop:
+				return
+			case <-time.After(minPause + rand.N(spread)): //nolint:gosec // a test's random pause, not a secret
+			}
+			s.Stop(syscall.SIGKILL)
+			k.killed++
+			if k.err = s.Start(); k.err != nil {
+				return
+			}
+		}
+	}()
+	return k
+}
+
+// Done is closed once the killer is through.
+func (k *Killer) Done() <-chan struct{} { return k.done }
+
+// Through reports whether the killer is through.
+func (k *Killer) Through() bool {
+	select {
+	case <-k.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// Result waits until the killer is through and returns how many times it
+// killed the program, and the error of a start that failed.
+func (k *Killer) Result() (killed int, err error) {
+	<-k.done
+	return k.killed, k.err
 }
