@@ -191,7 +191,7 @@ func TestBeginBatchDropsGoneCallers(t *testing.T) {
 // runs every Begin and Complete alone (on Citus).
 func skipWithoutBatching(t *testing.T, s *Store) {
 	t.Helper()
-	if s.begins == nil {
+	if s.writes == nil {
 		t.Skip("this store does not batch (on Citus every Begin and Complete runs alone)")
 	}
 }

@@ -9,13 +9,16 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemcoord/idemcoord/statemachine"
 )
 
 // Batch sizes and worker counts of the coalesced write paths.
 const (
-	// DefaultBatchWorkers is how many batches of Begins, and how many of
-	// Completes, run at once by default; see WithBatchWorkers.
+	// DefaultBatchWorkers is how many coalesced rounds (each the Begins
+	// and Completes queued when it starts, one transaction) run at once
+	// by default; see WithBatchWorkers.
 	DefaultBatchWorkers = 1
 	batchMax            = 64
 )
@@ -117,13 +120,60 @@ func (s *Store) batchFailed(kind string, n int, err error, closing bool) error {
 	return nil
 }
 
+// writeReq is a call queued for a coalesced round: a *beginReq or a
+// *completeReq.
+type writeReq interface{ queuedWrite() }
+
+func (*beginReq) queuedWrite()    {}
+func (*completeReq) queuedWrite() {}
+
+// runRound runs one coalesced round: whatever Begins and Completes were
+// queued when it started. When it holds both, they are written in one
+// transaction (one WAL flush, one round trip): the Completes' statement,
+// then the Begins', pipelined with a single Sync, and every caller is
+// answered only after that transaction committed. A round of one kind is
+// that kind's batch.
+//
+// Every round takes its row locks in one order, the Completes' rows in
+// the global order (compareIdentity), then the Begins' rows in the same
+// order, so two rounds cannot deadlock on each other. The Begins'
+// statement bounds its lock waits (batchLockWait); a refusal of either
+// statement rolls back both, and every caller of the round then runs on
+// its own, as a refused batch's callers do.
+func (s *Store) runRound(ctx context.Context, batch []writeReq) {
+	var begins []*beginReq
+	var completes []*completeReq
+	for _, r := range batch {
+		switch r := r.(type) {
+		case *beginReq:
+			begins = append(begins, r)
+		case *completeReq:
+			completes = append(completes, r)
+		}
+	}
+	bs, cs := s.liveBegins(begins), s.liveCompletes(completes)
+	switch {
+	case len(cs) == 0:
+		s.beginBatch(ctx, bs)
+	case len(bs) == 0:
+		s.completeBatch(ctx, cs)
+	default:
+		s.mixedBatch(ctx, bs, cs)
+	}
+}
+
 // runBeginBatch runs one batch of Begins and answers each request.
 func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
+	s.beginBatch(ctx, s.liveBegins(batch))
+}
+
+// liveBegins answers the requests whose caller has gone, and those of keys
+// another transaction was just seen holding (which wait on their own, not
+// in a batch), and returns the rest in the global lock order.
+func (s *Store) liveBegins(batch []*beginReq) []*beginReq {
 	live := liveBatch(batch, func(r *beginReq) context.Context { return r.ctx },
 		func(r *beginReq) Identity { return r.p.ID },
 		func(r *beginReq, err error) { r.out <- beginRes{err: err} })
-	// A key another transaction was just seen holding waits on its own,
-	// not in the batch.
 	now := time.Now()
 	unheld := live[:0]
 	for _, r := range live {
@@ -133,7 +183,14 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		}
 		unheld = append(unheld, r)
 	}
-	live = unheld
+	return unheld
+}
+
+// closing reports whether the store's batch workers are stopping.
+func (s *Store) closing() bool { return s.writes != nil && s.writes.Closing() }
+
+// beginBatch writes live (from liveBegins) and answers each request.
+func (s *Store) beginBatch(ctx context.Context, live []*beginReq) {
 	switch len(live) {
 	case 0:
 		return
@@ -147,15 +204,30 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 			r.out <- beginRes{}
 			return
 		}
-		if err != nil && s.begins.Closing() {
+		if err != nil && s.closing() {
 			err = errStoreClosed
 		}
 		r.out <- beginRes{rec: rec, now: now, inserted: inserted, found: found, err: classify(err)}
 		return
 	}
-	// One row per record: a later request of the same record is answered
-	// from the same row (or, if the row is not its own creation, decides
-	// on the single-record path).
+	q := s.beginBatchQuery(live)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
+	var found map[Identity]beginRow
+	if err == nil {
+		found, err = s.scanBeginRows(rows)
+	}
+	if err != nil {
+		answerBegins(live, nil, s.batchFailed("begin", len(live), err, s.closing()))
+		return
+	}
+	answerBegins(live, found, nil)
+}
+
+// beginBatchQuery is the batch statement of live's Begins: one row per
+// record; a later request of the same record is answered from the same
+// row (or, if the row is not its own creation, decides on the
+// single-record path).
+func (s *Store) beginBatchQuery(live []*beginReq) query {
 	recs := make([]newRecord, 0, len(live))
 	for i, r := range live {
 		if i > 0 && live[i-1].p.ID == r.p.ID {
@@ -163,41 +235,49 @@ func (s *Store) runBeginBatch(ctx context.Context, batch []*beginReq) {
 		}
 		recs = append(recs, newRecordOf(r.p.ID, r.ev))
 	}
-	type row struct {
-		rec      statemachine.Record
-		now      time.Time
-		inserted bool
-		err      error // the row could not be read
+	return s.sql.beginBatch(recs, s.newRowKeyID(), s.now(), batchLockWait)
+}
+
+// beginRow is what a batch of Begins found for one record.
+type beginRow struct {
+	rec      statemachine.Record
+	now      time.Time
+	inserted bool
+	err      error // the row could not be read
+}
+
+// scanBeginRows reads the rows of a batch of Begins and closes them.
+func (s *Store) scanBeginRows(rows pgx.Rows) (map[Identity]beginRow, error) {
+	found := make(map[Identity]beginRow)
+	var err error
+	for rows.Next() {
+		var id Identity
+		var rw beginRow
+		dest, fin := s.scanTargets(&rw.rec, &id)
+		if err = rows.Scan(append(append([]any{&rw.inserted, &id.Tenant, &id.Scope, &id.Key}, dest...), &rw.now)...); err != nil {
+			break
+		}
+		// A row that cannot be decoded fails its own callers only.
+		rw.err = fin()
+		rw.now = rw.now.UTC()
+		found[id] = rw
 	}
-	found := make(map[Identity]row, len(recs))
-	q := s.sql.beginBatch(recs, s.newRowKeyID(), s.now(), batchLockWait)
-	rows, err := s.pool.Query(ctx, q.sql, q.args...)
+	rows.Close()
 	if err == nil {
-		for rows.Next() {
-			var id Identity
-			var rw row
-			dest, fin := s.scanTargets(&rw.rec, &id)
-			if err = rows.Scan(append(append([]any{&rw.inserted, &id.Tenant, &id.Scope, &id.Key}, dest...), &rw.now)...); err != nil {
-				break
-			}
-			// A row that cannot be decoded fails its own callers only.
-			rw.err = fin()
-			rw.now = rw.now.UTC()
-			found[id] = rw
-		}
-		rows.Close()
-		if err == nil {
-			err = rows.Err()
-		}
+		err = rows.Err()
 	}
-	if err != nil {
-		failed := s.batchFailed("begin", len(live), err, s.begins.Closing())
-		for _, r := range live {
-			r.out <- beginRes{err: failed}
-		}
-		return
-	}
+	return found, err
+}
+
+// answerBegins answers every request of a batch of Begins: with failed
+// when the batch failed as a whole (nil: run on its own), else from the
+// rows it found.
+func answerBegins(live []*beginReq, found map[Identity]beginRow, failed error) {
 	for _, r := range live {
+		if failed != nil || found == nil {
+			r.out <- beginRes{err: failed}
+			continue
+		}
 		rw, ok := found[r.p.ID]
 		switch {
 		case !ok:
@@ -227,76 +307,148 @@ type completeRes struct {
 	err error
 }
 
-// runCompleteBatch runs one batch of Completes and answers each request. A
-// batch holds at most one request per record; the others decide on the
-// locked path, after this batch commits.
+// runCompleteBatch runs one batch of Completes and answers each request.
 func (s *Store) runCompleteBatch(ctx context.Context, batch []*completeReq) {
+	s.completeBatch(ctx, s.liveCompletes(batch))
+}
+
+// liveCompletes answers the requests whose caller has gone, and every
+// request of a record but the first (a batch holds at most one request
+// per record; the others decide on the locked path, after this batch
+// commits), and returns the rest in the global lock order.
+func (s *Store) liveCompletes(batch []*completeReq) []*completeReq {
 	sorted := liveBatch(batch, func(r *completeReq) context.Context { return r.ctx },
 		func(r *completeReq) Identity { return r.id },
 		func(r *completeReq, err error) { r.out <- completeRes{err: err} })
 	live := sorted[:0]
 	for i, r := range sorted {
 		if i > 0 && sorted[i-1].id == r.id {
-			// A second Complete of the same record in this batch: let it
-			// decide on its own, after this batch commits.
 			r.out <- completeRes{}
 			continue
 		}
 		live = append(live, r)
 	}
+	return live
+}
+
+// completeBatch writes live (from liveCompletes) and answers each request.
+func (s *Store) completeBatch(ctx context.Context, live []*completeReq) {
 	switch len(live) {
 	case 0:
 		return
 	case 1:
 		r := live[0]
 		res, err := s.completeHeldOne(ctx, r.id, r.ev.Token, r.response)
-		if err != nil && s.completes.Closing() {
+		if err != nil && s.closing() {
 			err = errStoreClosed
 		}
 		r.out <- completeRes{res: res, err: classify(err)}
 		return
 	}
-	n := len(live)
-	cs := make([]heldCompletion, n)
+	q := s.completeBatchQuery(live)
+	rows, err := s.pool.Query(ctx, q.sql, q.args...)
+	var done map[Identity]completeRes
+	if err == nil {
+		done, err = s.scanCompleteRows(rows)
+	}
+	if err != nil {
+		answerCompletes(live, nil, s.batchFailed("complete", len(live), err, s.closing()))
+		return
+	}
+	answerCompletes(live, done, nil)
+}
+
+// completeBatchQuery is the batch statement of live's Completes.
+func (s *Store) completeBatchQuery(live []*completeReq) query {
+	cs := make([]heldCompletion, len(live))
 	for i, r := range live {
 		cs[i] = heldCompletion{id: r.id, token: r.ev.Token, response: r.response}
 	}
-	type row struct {
-		res *Result
-		err error // the row was written but cannot be read back
+	return s.sql.completeBatch(cs, s.now())
+}
+
+// scanCompleteRows reads the rows of a batch of Completes and closes them:
+// the answer of each record it completed (or the error of a row written
+// but unreadable).
+func (s *Store) scanCompleteRows(rows pgx.Rows) (map[Identity]completeRes, error) {
+	done := make(map[Identity]completeRes)
+	var err error
+	for rows.Next() {
+		var id Identity
+		var rec statemachine.Record
+		var now time.Time
+		dest, fin := s.scanTargets(&rec, &id)
+		if err = rows.Scan(append(append([]any{&id.Tenant, &id.Scope, &id.Key}, dest...), &now)...); err != nil {
+			break
+		}
+		if ferr := fin(); ferr != nil {
+			done[id] = completeRes{err: ferr}
+			continue
+		}
+		done[id] = completeRes{res: &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now.UTC()}}
 	}
-	done := make(map[Identity]row, n)
-	q := s.sql.completeBatch(cs, s.now())
-	rows, err := s.pool.Query(ctx, q.sql, q.args...)
+	rows.Close()
 	if err == nil {
-		for rows.Next() {
-			var id Identity
-			var rec statemachine.Record
-			var now time.Time
-			dest, fin := s.scanTargets(&rec, &id)
-			if err = rows.Scan(append(append([]any{&id.Tenant, &id.Scope, &id.Key}, dest...), &now)...); err != nil {
-				break
-			}
-			if ferr := fin(); ferr != nil {
-				done[id] = row{err: ferr}
-				continue
-			}
-			done[id] = row{res: &Result{Decision: statemachine.Decision{Write: statemachine.WriteUpdate, Record: rec, Exists: true}, Now: now.UTC()}}
+		err = rows.Err()
+	}
+	return done, err
+}
+
+// answerCompletes answers every request of a batch of Completes: with
+// failed when the batch failed as a whole (nil: take the locked path),
+// else from the records it completed (a record it did not complete is not
+// held by that token: the locked path decides).
+func answerCompletes(live []*completeReq, done map[Identity]completeRes, failed error) {
+	for _, r := range live {
+		if failed != nil || done == nil {
+			r.out <- completeRes{err: failed}
+			continue
 		}
-		rows.Close()
-		if err == nil {
-			err = rows.Err()
+		r.out <- done[r.id]
+	}
+}
+
+// mixedBatch writes a round's Begins (bs, from liveBegins) and Completes
+// (cs, from liveCompletes) in one transaction and answers each request
+// after it committed; see runRound.
+func (s *Store) mixedBatch(ctx context.Context, bs []*beginReq, cs []*completeReq) {
+	cq, bq := s.completeBatchQuery(cs), s.beginBatchQuery(bs)
+	b := &pgx.Batch{}
+	b.Queue(cq.sql, cq.args...)
+	b.Queue(bq.sql, bq.args...)
+	br := s.pool.SendBatch(ctx, b)
+	var done map[Identity]completeRes
+	var found map[Identity]beginRow
+	rows, err := br.Query()
+	if err == nil {
+		done, err = s.scanCompleteRows(rows)
+	}
+	if err == nil {
+		if rows, err = br.Query(); err == nil {
+			found, err = s.scanBeginRows(rows)
 		}
+	}
+	// The transaction commits at the batch's end: nothing is answered
+	// from its rows before that.
+	if cerr := br.Close(); err == nil {
+		err = cerr
 	}
 	if err != nil {
-		failed := s.batchFailed("complete", n, err, s.completes.Closing())
-		for _, r := range live {
-			r.out <- completeRes{err: failed}
-		}
+		failed := s.batchFailed("begin and complete", len(bs)+len(cs), err, s.closing())
+		answerCompletes(cs, nil, failed)
+		answerBegins(bs, nil, failed)
 		return
 	}
-	for _, r := range live {
-		d := done[r.id]
-		r.out <- completeRes(d)
+	answerCompletes(cs, done, nil)
+	answerBegins(bs, found, nil)
+}
+
+// rejectWrite answers a queued call the closing store will not run.
+func rejectWrite(r writeReq) {
+	switch r := r.(type) {
+	case *beginReq:
+		r.out <- beginRes{err: errStoreClosed}
+	case *completeReq:
+		r.out <- completeRes{err: errStoreClosed}
 	}
 }

@@ -34,7 +34,7 @@ func SkipOnCitus(t testing.TB, s *Store, why string) {
 // every Begin and Complete alone (on Citus).
 func SkipWithoutBatching(t testing.TB, s *Store) {
 	t.Helper()
-	if s.begins == nil {
+	if s.writes == nil {
 		t.Skip("this store does not batch (on Citus every Begin and Complete runs alone)")
 	}
 }

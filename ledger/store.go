@@ -37,10 +37,9 @@ type Store struct {
 	// exactCountBytes: below this table size StateCounts counts exactly.
 	exactCountBytes int64
 
-	// begins and completes coalesce concurrent calls into one statement
-	// (nil when batching is off).
-	begins    *coalescer.Coalescer[*beginReq]
-	completes *coalescer.Coalescer[*completeReq]
+	// writes coalesces concurrent Begins and Completes into rounds, each
+	// one transaction (nil when batching is off; see runRound).
+	writes *coalescer.Coalescer[writeReq]
 	// held remembers keys whose Begins met another transaction's lock,
 	// which batches then leave to run on their own.
 	held heldKeys
@@ -135,12 +134,12 @@ func WithoutBatching() Option {
 	return func(o *options) { o.noBatch = true }
 }
 
-// WithBatchWorkers sets how many batches of Begins, and how many batches
-// of Completes, run at once (default
-// DefaultBatchWorkers; less than 1 means the default). A batch takes every
-// call queued when it starts, so fewer workers make larger batches: fewer
-// commits and less database CPU per call when PostgreSQL is the
-// bottleneck, at the price of a call waiting for the batch ahead of it.
+// WithBatchWorkers sets how many coalesced rounds run at once (default
+// DefaultBatchWorkers; less than 1 means the default). A round takes every
+// Begin and Complete queued when it starts and writes them in one
+// transaction, so fewer workers make larger rounds: fewer commits and less
+// database CPU per call when PostgreSQL is the bottleneck, at the price of
+// a call waiting for the round ahead of it.
 func WithBatchWorkers(n int) Option {
 	return func(o *options) { o.workers = n }
 }
@@ -229,10 +228,7 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		if workers < 1 {
 			workers = DefaultBatchWorkers
 		}
-		s.begins = coalescer.New(workers, batchMax, batchTimeout, s.runBeginBatch,
-			func(r *beginReq) { r.out <- beginRes{err: errStoreClosed} })
-		s.completes = coalescer.New(workers, batchMax, batchTimeout, s.runCompleteBatch,
-			func(r *completeReq) { r.out <- completeRes{err: errStoreClosed} })
+		s.writes = coalescer.New(workers, 2*batchMax, batchTimeout, s.runRound, rejectWrite)
 	}
 	if o.cacheMax > 0 {
 		s.cache = replaycache.New(o.cacheMax, func() bool { return s.notifier.Fresh(replaycache.Freshness) })
@@ -254,9 +250,8 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 // calls made after Close return ErrUnavailable too. Close waits for calls
 // on their own connection to finish.
 func (s *Store) Close() {
-	if s.begins != nil {
-		s.begins.Close()
-		s.completes.Close()
+	if s.writes != nil {
+		s.writes.Close()
 	}
 	s.waitReleases()
 	s.notifier.Close()
@@ -580,9 +575,9 @@ const singleLockWait = 500 * time.Millisecond
 // does not start. A write that creates the key after its caller has gone
 // is released (see Begin).
 func (s *Store) beginRead(ctx context.Context, p *BeginParams, ev statemachine.Event) (rec statemachine.Record, inserted bool, now time.Time, found bool, err error) {
-	if s.begins != nil {
+	if s.writes != nil {
 		r := &beginReq{ctx: ctx, p: p, ev: ev, out: make(chan beginRes, 1)}
-		if !s.begins.Submit(ctx, r) {
+		if !s.writes.Submit(ctx, r) {
 			return rec, false, now, false, submitErr(ctx)
 		}
 		var out beginRes
@@ -672,9 +667,9 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 	if err != nil {
 		return nil, err
 	}
-	if s.completes != nil {
+	if s.writes != nil {
 		r := &completeReq{ctx: ctx, id: id, ev: ev, response: stored, out: make(chan completeRes, 1)}
-		if !s.completes.Submit(ctx, r) {
+		if !s.writes.Submit(ctx, r) {
 			return nil, submitErr(ctx)
 		}
 		select {

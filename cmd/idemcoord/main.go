@@ -158,7 +158,7 @@ func parseFlags(args []string) (*config, error) {
 	readTimeout := fs.String("http-read-timeout", env("IDEMCOORD_HTTP_READ_TIMEOUT", server.DefaultHTTPReadTimeout.String()),
 		"how long --http-listen waits for a request's headers and body (IDEMCOORD_HTTP_READ_TIMEOUT)")
 	fs.UintVar(&c.batchWorkers, "batch-workers", envs.uint("IDEMCOORD_BATCH_WORKERS", ledger.DefaultBatchWorkers),
-		"how many batches of Begins, and of Completes, run at once; fewer make larger batches, cheaper for PostgreSQL per call (IDEMCOORD_BATCH_WORKERS)")
+		"how many coalesced rounds (the Begins and Completes queued when one starts, written in one transaction) run at once; fewer make larger rounds, cheaper for PostgreSQL per call (IDEMCOORD_BATCH_WORKERS)")
 	slowCall := fs.String("slow-call-threshold", env("IDEMCOORD_SLOW_CALL_THRESHOLD", server.DefaultSlowCallThreshold.String()),
 		"a successful call is logged at info level only when it takes at least this long (at debug level otherwise); failed calls are always logged; 0s logs every call at info level (IDEMCOORD_SLOW_CALL_THRESHOLD)")
 	hosts := fs.String("http-allowed-hosts", env("IDEMCOORD_HTTP_ALLOWED_HOSTS", ""),
