@@ -672,6 +672,13 @@ func (c PolicyConfig) apply(p Policy) (Policy, error) {
 	return p, errors.Join(errs...)
 }
 
+// maxStoredBytes bounds limits.max_response_bytes and
+// limits.max_checkpoint_bytes together: a record's answer carries both,
+// and must fit in one gRPC message (grpcMaxMessageBytes, the limit of the
+// coordinator's listener and gRPC clients' default) with 64 KiB to spare
+// for the identity, tokens, reasons and framing.
+const maxStoredBytes = grpcMaxMessageBytes - 64<<10
+
 func (c LimitsConfig) apply(l Limits) (Limits, error) {
 	var errs []error
 	setInt := func(name string, dst *int, src *int) {
@@ -690,6 +697,11 @@ func (c LimitsConfig) apply(l Limits) (Limits, error) {
 	setInt("max_reason_bytes", &l.MaxReasonBytes, c.MaxReasonBytes)
 	setInt("max_response_bytes", &l.MaxResponseBytes, c.MaxResponseBytes)
 	setInt("max_checkpoint_bytes", &l.MaxCheckpointBytes, c.MaxCheckpointBytes)
+	if l.MaxResponseBytes+l.MaxCheckpointBytes > maxStoredBytes {
+		errs = append(errs, fmt.Errorf("max_response_bytes %d + max_checkpoint_bytes %d: at most %d together, so that a record carrying both "+
+			"(a replay's answer, a Lookup's) fits in one gRPC message of %d bytes with its identity and other fields",
+			l.MaxResponseBytes, l.MaxCheckpointBytes, maxStoredBytes, grpcMaxMessageBytes))
+	}
 	if c.MinLease != nil {
 		l.MinLease = time.Duration(*c.MinLease)
 	}

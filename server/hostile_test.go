@@ -269,3 +269,23 @@ func TestWaiterOutlastsAnOutage(t *testing.T) {
 		t.Fatalf("the waiter: %v", err)
 	}
 }
+
+// TestStoredLimitsFitOneMessage refuses limits under which a record's
+// answer (its response and its checkpoint) could not travel in one gRPC
+// message, naming both limits, and accepts the largest that fit.
+func TestStoredLimitsFitOneMessage(t *testing.T) {
+	t.Parallel()
+	for _, cfg := range []string{
+		"limits: {max_checkpoint_bytes: 8388608}",
+		"limits: {max_response_bytes: 4194304}",
+		"limits: {max_response_bytes: 3145728, max_checkpoint_bytes: 1048576}",
+	} {
+		_, err := server.ParsePolicies([]byte(cfg))
+		if err == nil || !strings.Contains(err.Error(), "max_response_bytes") || !strings.Contains(err.Error(), "max_checkpoint_bytes") {
+			t.Errorf("config %q: %v, want it refused naming max_response_bytes and max_checkpoint_bytes", cfg, err)
+		}
+	}
+	if _, err := server.ParsePolicies([]byte("limits: {max_response_bytes: 3145728, max_checkpoint_bytes: 983040}")); err != nil {
+		t.Errorf("limits that fit one message with room to spare: %v", err)
+	}
+}
