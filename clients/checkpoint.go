@@ -98,13 +98,19 @@ func Checkpoint(ctx context.Context, phase string, data []byte) error {
 		c.At = got.GetAt()
 	}
 	a.checkpoints.mu.Lock()
-	a.checkpoints.own = c
-	a.checkpoints.mu.Unlock()
+	defer a.checkpoints.mu.Unlock()
+	// Concurrent Checkpoint calls of one attempt may be answered in
+	// another order than the coordinator wrote them: the one it wrote
+	// last (the latest coordinator time) stays.
+	if own := a.checkpoints.own; own == nil || c.At == nil || own.At == nil || !c.GetAt().AsTime().Before(own.GetAt().AsTime()) {
+		a.checkpoints.own = c
+	}
 	return nil
 }
 
 // CheckpointFrom returns the checkpoint of the attempt ctx belongs to (see
-// Checkpoint): the last one this attempt recorded, or else the one the
+// Checkpoint): the last one this attempt recorded (of calls made at once,
+// the one the coordinator wrote last), or else the one the
 // attempt resumes after, which an earlier attempt of the key recorded
 // (returned by the Begin that acquired the key). ok is false when there is
 // none, and outside an attempt. data is a copy.

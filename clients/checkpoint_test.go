@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -312,5 +314,64 @@ func TestCheckpointTxThenAbandonWhileCoordinatorDown(t *testing.T) {
 	}
 	if rec, cp := lookupCheckpoint(t, c, "deploy", "down"); rec.GetState() != idempotencyv1.State_STATE_FAILED_RETRYABLE || cp != "charged=ch_tx" {
 		t.Fatalf("after the coordinator came back: %v %s, want FAILED_RETRYABLE charged=ch_tx", rec.GetState(), cp)
+	}
+}
+
+// heldAnswerConn holds back the answer of the first Heartbeat whose
+// checkpoint phase is phase until release is closed (the coordinator has
+// written it by then: written is closed).
+type heldAnswerConn struct {
+	grpc.ClientConnInterface
+	phase            string
+	once             sync.Once
+	written, release chan struct{}
+}
+
+func (c *heldAnswerConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	err := c.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
+	if hb, ok := args.(*idempotencyv1.HeartbeatRequest); ok && hb.GetCheckpoint().GetPhase() == c.phase {
+		held := false
+		c.once.Do(func() { held = true })
+		if held {
+			close(c.written)
+			<-c.release
+		}
+	}
+	return err
+}
+
+// Two Checkpoint calls of one attempt at once, the first answered only
+// after the second: CheckpointFrom returns the one the coordinator wrote
+// last, as Lookup shows it, not the one answered last.
+func TestConcurrentCheckpointsKeepTheLastWritten(t *testing.T) {
+	t.Parallel()
+	coord := coordtest.Start(t, coordtest.Options{})
+	conn := &heldAnswerConn{ClientConnInterface: coord.Dial(t), phase: "first", written: make(chan struct{}), release: make(chan struct{})}
+	c := clients.New(conn, fixtureOptions()...)
+	t.Cleanup(func() { _ = c.Shutdown(context.Background()) })
+	ctx := testCtx(t)
+	var seen string
+	_, err := c.Once(ctx, "deploy", "concurrent-steps", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
+		first := make(chan error, 1)
+		go func() { first <- clients.Checkpoint(ctx, "first", []byte("1")) }()
+		<-conn.written
+		if err := clients.Checkpoint(ctx, "second", []byte("2")); err != nil {
+			return nil, err
+		}
+		close(conn.release)
+		if err := <-first; err != nil {
+			return nil, err
+		}
+		seen = checkpointSeen(ctx)
+		return stored("done"), nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, cp := lookupCheckpoint(t, c, "deploy", "concurrent-steps"); cp != "second=2" {
+		t.Fatalf("the coordinator holds %s, want second=2", cp)
+	}
+	if seen != "second=2" {
+		t.Fatalf("CheckpointFrom after both answers: %s, want second=2 (the one written last)", seen)
 	}
 }
