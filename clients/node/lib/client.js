@@ -581,7 +581,7 @@ class Lease {
       }
       throw err;
     }
-    this.own = { phase: cp.phase, data: cp.data, at: res?.record?.checkpoint?.at ?? null };
+    this.own = laterCheckpoint(this.own, { phase: cp.phase, data: cp.data, at: res?.record?.checkpoint?.at ?? null });
   }
 
   /** The attempt's last own checkpoint, else the one it resumes after, else null; data is a copy. */
@@ -839,6 +839,20 @@ function checkpointFrom() {
 }
 
 /** A copy of a Checkpoint message (null for none). */
+/**
+ * Of an attempt's checkpoint so far (own) and one just answered (next), the one the coordinator
+ * wrote last: concurrent checkpoint() calls may be answered in another order than they were
+ * written, and a checkpoint's `at` is the coordinator's time of writing it.
+ */
+function laterCheckpoint(own, next) {
+  if (!own || !own.at || !next.at) {
+    return next;
+  }
+  const s1 = BigInt(own.at.seconds ?? 0), s2 = BigInt(next.at.seconds ?? 0);
+  const before = s2 < s1 || (s2 === s1 && (next.at.nanos ?? 0) < (own.at.nanos ?? 0));
+  return before ? own : next;
+}
+
 function copyCheckpoint(c) {
   if (!c || !c.phase) {
     return null;
@@ -850,4 +864,6 @@ module.exports = {
   Client, markSideEffect, currentLease, checkpoint, checkpointFrom, DEFAULT_FAILURE_KINDS,
   // For the middlewares and the interceptor (lib/http.js, lib/grpc.js).
   Lease, currentAttempt, newAttemptId, failReason, answerLost, RELEASE_REASON,
+  // For the tests.
+  laterCheckpoint,
 };

@@ -206,3 +206,54 @@ test('an ABANDONED refused CHECKPOINT_RECORDED in the background (the coordinato
   assert.equal(rec.checkpoint.phase, 'charged');
   assert.ok(fails.requests.some((r) => r.kind === 'FAILURE_KIND_ABANDONED'), 'the library first tried ABANDONED');
 });
+
+test('of concurrent checkpoints, checkpointFrom keeps the one the coordinator wrote last', TIMEOUT, async () => {
+  // The answer of the Heartbeat that records "first" is held back until "second" was answered.
+  let markWritten;
+  const written = new Promise((resolve) => { markWritten = resolve; });
+  let release;
+  const released = new Promise((resolve) => { release = resolve; });
+  let heldOne = false;
+  const holdFirst = (options, nextCall) => {
+    let mine = false;
+    return new grpc.InterceptingCall(nextCall(options), {
+      start(metadata, listener, next) {
+        next(metadata, {
+          onReceiveMessage(message, nextMessage) {
+            if (!mine) {
+              nextMessage(message);
+              return;
+            }
+            markWritten();
+            released.then(() => nextMessage(message));
+          },
+        });
+      },
+      sendMessage(message, next) {
+        if (!heldOne && message?.checkpoint?.phase === 'first') {
+          heldOne = true;
+          mine = true;
+        }
+        next(message);
+      },
+    });
+  };
+  // Unbatched, so that each Heartbeat is its own call the interceptor sees.
+  const c = newClient({ callBatching: 0, interceptors: [holdFirst] });
+  const scope = 'node.checkpoint';
+  const key = uniqueKey('concurrent');
+  let seen;
+  await c.once(scope, key, null, async () => {
+    const first = checkpoint('first', Buffer.from('1'));
+    await written;
+    await checkpoint('second', Buffer.from('2'));
+    release();
+    await first;
+    seen = checkpointFrom();
+    return { body: 'done' };
+  });
+  const rec = (await c.lookup({ scope, key })).record;
+  assert.equal(rec.checkpoint.phase, 'second', 'the coordinator wrote second last');
+  assert.equal(seen.phase, 'second', 'checkpointFrom keeps the checkpoint written last, not the one answered last');
+  assert.equal(seen.data.toString(), '2');
+});

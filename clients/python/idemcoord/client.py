@@ -65,6 +65,17 @@ def _checkpoint_of(rec: Any) -> Optional[Checkpoint]:
     return Checkpoint(str(c.phase), bytes(c.data), at)
 
 
+def _later_checkpoint(own: Optional[Checkpoint], new: Checkpoint) -> Checkpoint:
+    """Of an attempt's checkpoint so far and one just answered, the one the coordinator wrote last.
+
+    Concurrent checkpoint calls may be answered in another order than they were written; a
+    checkpoint's ``at`` is the coordinator's time of writing it.
+    """
+    if own is None or own.at is None or new.at is None or new.at >= own.at:
+        return new
+    return own
+
+
 def _checkpoint_phase(phase: str) -> str:
     """phase, or TypeError when it is not a str (protobuf would take bytes, and checkpoint_from answer them)."""
     if not isinstance(phase, str):
@@ -885,7 +896,7 @@ class _HolderBase:
 
     def _recorded(self, phase: str, data: bytes, res: Any) -> None:
         at = _checkpoint_of(getattr(res, "record", None))
-        self.own = Checkpoint(phase, data, at.at if at is not None and at.phase == phase else None)
+        self.own = _later_checkpoint(self.own, Checkpoint(phase, data, at.at if at is not None and at.phase == phase else None))
 
     @property
     def length(self) -> float:

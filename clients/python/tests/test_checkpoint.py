@@ -5,8 +5,10 @@ and an ASGI app whose retry resumes after the checkpoint.
 """
 
 import asyncio
+import contextvars
 import logging
 import os
+import threading
 import unittest
 import uuid
 
@@ -324,3 +326,59 @@ class MiddlewareCheckpointTest(unittest.TestCase):
         self.addCleanup(close)
         self.post_twice(base)
         self.assertEqual(len(runs), 2)
+
+
+class _HoldFirstAnswer(grpc.UnaryUnaryClientInterceptor):
+    """Holds back the answer of the first Heartbeat recording phase "first" until released."""
+
+    def __init__(self):
+        self.written = threading.Event()
+        self.release = threading.Event()
+        self._held = False
+        self._lock = threading.Lock()
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        outcome = continuation(client_call_details, request)
+        ck = getattr(request, "checkpoint", None)
+        if ck is not None and request.HasField("checkpoint") and ck.phase == "first":
+            with self._lock:
+                mine, self._held = not self._held, True
+            if mine:
+                outcome.result()  # the coordinator has written it
+                self.written.set()
+                self.release.wait(30)
+        return outcome
+
+
+class ConcurrentCheckpointTest(unittest.TestCase):
+    def test_of_concurrent_checkpoints_checkpoint_from_keeps_the_one_written_last(self):
+        hold = _HoldFirstAnswer()
+        c = idemcoord.Client(COORD.addr, token=COORD.token, interceptors=[hold])
+        CLIENTS.append(c)
+        key = unique_key("concurrent")
+        seen = []
+
+        def fn(attempt):
+            errors = []
+
+            def first():
+                try:
+                    idemcoord.checkpoint("first", b"1")
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            t = threading.Thread(target=contextvars.copy_context().run, args=(first,))
+            t.start()
+            self.assertTrue(hold.written.wait(30), "the first checkpoint was not written")
+            idemcoord.checkpoint("second", b"2")
+            hold.release.set()
+            t.join(30)
+            self.assertEqual(errors, [])
+            own = idemcoord.checkpoint_from()
+            seen.append((own.phase, own.data))
+            return idemcoord.StoredResponse(body=b"done")
+
+        c.once(SCOPE, key, None, fn)
+        rec = c.lookup(scope=SCOPE, key=key).record
+        self.assertEqual(rec.checkpoint.phase, "second")
+        self.assertEqual(seen, [("second", b"2")], "checkpoint_from keeps the checkpoint written last, not the one answered last")
