@@ -102,7 +102,7 @@ func Checkpoint(ctx context.Context, phase string, data []byte) error {
 	// Concurrent Checkpoint calls of one attempt may be answered in
 	// another order than the coordinator wrote them: the one it wrote
 	// last (the latest coordinator time) stays.
-	if own := a.checkpoints.own; own == nil || c.At == nil || own.At == nil || !c.GetAt().AsTime().Before(own.GetAt().AsTime()) {
+	if own := a.checkpoints.own; own == nil || c.GetAt() == nil || own.GetAt() == nil || !c.GetAt().AsTime().Before(own.GetAt().AsTime()) {
 		a.checkpoints.own = c
 	}
 	return nil
