@@ -129,17 +129,23 @@ func (*completeReq) queuedWrite() {}
 
 // runRound runs one coalesced round: whatever Begins and Completes were
 // queued when it started. When it holds both, they are written in one
-// transaction (one WAL flush, one round trip): the Completes' statement,
-// then the Begins', pipelined with a single Sync, and every caller is
+// transaction (one WAL flush, one round trip): the Begins' statement, then
+// the Completes', pipelined with a single Sync, and every caller is
 // answered only after that transaction committed. A round of one kind is
 // that kind's batch.
 //
-// Every round takes its row locks in one order, the Completes' rows in
-// the global order (compareIdentity), then the Begins' rows in the same
-// order, so two rounds cannot deadlock on each other. The Begins'
-// statement bounds its lock waits (batchLockWait); a refusal of either
-// statement rolls back both, and every caller of the round then runs on
-// its own, as a refused batch's callers do.
+// The Begins go first. A Begin of a key waits only for another
+// transaction's uncommitted insert or change of that key, and while a
+// round runs its Begins it holds no lock but those of the keys it inserts,
+// which no Complete can name (a Complete's key exists, with the
+// completing caller's token): so two rounds cannot wait on each other
+// across kinds, as they could if each completed a key the other was
+// beginning; within a kind both take their row locks in the global order
+// (compareIdentity). The Begins' statement bounds lock waits for the rest
+// of the transaction (batchLockWait), the Completes' included: a round
+// that meets a held key is refused within that bound, which rolls back
+// both statements, and every caller of the round then runs on its own, as
+// a refused batch's callers do.
 func (s *Store) runRound(ctx context.Context, batch []writeReq) {
 	var begins []*beginReq
 	var completes []*completeReq
@@ -412,20 +418,20 @@ func answerCompletes(live []*completeReq, done map[Identity]completeRes, failed 
 // (cs, from liveCompletes) in one transaction and answers each request
 // after it committed; see runRound.
 func (s *Store) mixedBatch(ctx context.Context, bs []*beginReq, cs []*completeReq) {
-	cq, bq := s.completeBatchQuery(cs), s.beginBatchQuery(bs)
+	bq, cq := s.beginBatchQuery(bs), s.completeBatchQuery(cs)
 	b := &pgx.Batch{}
-	b.Queue(cq.sql, cq.args...)
 	b.Queue(bq.sql, bq.args...)
+	b.Queue(cq.sql, cq.args...)
 	br := s.pool.SendBatch(ctx, b)
 	var done map[Identity]completeRes
 	var found map[Identity]beginRow
 	rows, err := br.Query()
 	if err == nil {
-		done, err = s.scanCompleteRows(rows)
+		found, err = s.scanBeginRows(rows)
 	}
 	if err == nil {
 		if rows, err = br.Query(); err == nil {
-			found, err = s.scanBeginRows(rows)
+			done, err = s.scanCompleteRows(rows)
 		}
 	}
 	// The transaction commits at the batch's end: nothing is answered

@@ -189,3 +189,71 @@ func TestRoundAnswerLostTellsEveryCallerUnavailable(t *testing.T) {
 		t.Fatalf("the round committed, but its completion reads %v", rec.State)
 	}
 }
+
+// TestCrossedRoundsDoNotWaitOnEachOther: two rounds at once, each
+// completing the key the other begins (a repeated Begin of a key whose
+// holder is completing it, through another replica). Were the Completes
+// written first, each round would hold its completed row and wait, in its
+// Begins, for the other's: both would be refused after the lock wait and
+// every caller sent to run alone. The Begins go first, so both rounds
+// commit. Another transaction holds both rows (FOR UPDATE) until both
+// rounds wait, so that they run at once.
+func TestCrossedRoundsDoNotWaitOnEachOther(t *testing.T) {
+	t.Parallel()
+	s, conn := roundFixture(t)
+	ctx := context.Background()
+	other, err := Open(ctx, conn.Config().ConnString(), WithReplayCache(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	c1, c2 := heldCompleteReq(t, s, "crossed-1"), heldCompleteReq(t, other, "crossed-2")
+	b2, b1 := newBeginReq(ctx, "crossed-2"), newBeginReq(ctx, "crossed-1")
+
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM idempotency_records WHERE key IN ('crossed-1', 'crossed-2') FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{}, 2)
+	go func() { s.runRound(ctx, []writeReq{c1, b2}); done <- struct{}{} }()
+	go func() { other.runRound(ctx, []writeReq{c2, b1}); done <- struct{}{} }()
+	// Both rounds wait on the held rows, then the rows are released.
+	waitLocked, err := pgx.Connect(ctx, conn.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = waitLocked.Close(ctx) }()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		var n int
+		if err := waitLocked.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of the two rounds wait on the held rows after a minute", n)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+	<-done
+	for _, c := range []*completeReq{c1, c2} {
+		if out := <-c.out; out.err != nil || out.res == nil || out.res.Record.State != statemachine.StateCompleted {
+			t.Errorf("the Complete of %s in its round: %+v, want its completion from the round (not sent to run alone)", c.id.Key, out)
+		}
+	}
+	for _, b := range []*beginReq{b1, b2} {
+		if out := <-b.out; out.err != nil || !out.found {
+			t.Errorf("the Begin of %s in its round: %+v, want the record the round read (not sent to run alone)", b.p.ID.Key, out)
+		}
+	}
+}
