@@ -3,6 +3,7 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -277,5 +278,54 @@ func TestRestartKeepsCompletedRecords(t *testing.T) {
 		if got := r.GetRecord().GetResponse(); !bytes.Equal(got.GetBody(), resp.GetBody()) {
 			t.Fatalf("%s after restart: %v", key, got)
 		}
+	}
+}
+
+// TestConcurrentPairsAndRepeats: 32 callers each run pairs of new keys
+// (Begin, a repeated Begin while held, Complete, a replay) at once, so that
+// Begins, Completes and repeats share coalesced rounds: every pair ends
+// COMPLETED with its own body, every repeat while held is IN_PROGRESS,
+// every replay returns the body, and nothing else is written. It is one of
+// the contract tests run again through PgBouncer in transaction pooling.
+func TestConcurrentPairsAndRepeats(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	const callers, pairs = 32, 12
+	var wg sync.WaitGroup
+	errs := make(chan error, callers)
+	for c := range callers {
+		wg.Go(func() {
+			for p := range pairs {
+				key := fmt.Sprintf("pair-%d-%d", c, p)
+				b, err := e.begin("pairs", key)
+				if err != nil || b.GetOutcome() != acquired {
+					errs <- fmt.Errorf("Begin %s: %v %v", key, b.GetOutcome(), err)
+					return
+				}
+				if r, err := e.begin("pairs", key); err != nil || r.GetOutcome() != inProgress {
+					errs <- fmt.Errorf("repeated Begin of held %s: %v %v, want IN_PROGRESS", key, r.GetOutcome(), err)
+					return
+				}
+				body := []byte("body of " + key)
+				if _, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "pairs", Key: key, LeaseToken: b.GetLeaseToken(),
+					Response: &idempotencyv1.StoredResponse{Body: body}}); err != nil {
+					errs <- fmt.Errorf("Complete %s: %v", key, err)
+					return
+				}
+				r, err := e.begin("pairs", key)
+				if err != nil || r.GetOutcome() != replay || !bytes.Equal(r.GetRecord().GetResponse().GetBody(), body) {
+					errs <- fmt.Errorf("replay of %s: %v %q %v", key, r.GetOutcome(), r.GetRecord().GetResponse().GetBody(), err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := e.rowCount(); n != callers*pairs {
+		t.Fatalf("%d records, want %d", n, callers*pairs)
 	}
 }

@@ -20,7 +20,7 @@ var contractTests = []string{
 	"TestWaitRunsOutAnswersInProgress", "TestFailKinds", "TestRepeatedEndingCalls", "TestHeartbeatExtendsLease",
 	"TestLeaseExpiryMakesUnknownAndTakeover", "TestUnknownHeldUnderHoldPolicy", "TestAdminResolveCompleted",
 	"TestAdminForget", "TestAdminListRecords", "TestTenantsAreIsolated", "TestEncryptionAtRestAndRotation",
-	"TestInvalidArgumentsWriteNothing", "TestReadOnlyDatabaseAnswersUnavailable",
+	"TestInvalidArgumentsWriteNothing", "TestReadOnlyDatabaseAnswersUnavailable", "TestConcurrentPairsAndRepeats",
 }
 
 // TestContractThroughPgBouncer runs contractTests again, in a child test
