@@ -172,6 +172,12 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
 	}
 	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
+	// load_balance_hosts=random spreads the pool's connections over a
+	// multi-host URL's hosts (on Citus, nodes with metadata route any
+	// key's statements); the notifier's connection stays on the first.
+	if err := balanceHosts(cfg); err != nil {
+		return nil, fmt.Errorf("ledger: database URL: %w", err)
+	}
 	if o.notifyQueueLimit != "" {
 		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
 	}
