@@ -22,19 +22,19 @@ const loadBalanceParam = "load_balance_hosts"
 // random order (one host picked at random first, then the others in the
 // URL's order, so a host that is down still falls back to the next). It
 // removes the parameter from the run-time parameters sent to the server.
-// Any other value is an error.
-func balanceHosts(cfg *pgxpool.Config) error {
+// Any other value is an error. It reports whether it spreads.
+func balanceHosts(cfg *pgxpool.Config) (bool, error) {
 	v, ok := cfg.ConnConfig.RuntimeParams[loadBalanceParam]
 	if !ok {
-		return nil
+		return false, nil
 	}
 	delete(cfg.ConnConfig.RuntimeParams, loadBalanceParam)
 	switch v {
 	case "disable":
-		return nil
+		return false, nil
 	case "random":
 	default:
-		return fmt.Errorf("invalid %s value: %q (want disable or random)", loadBalanceParam, v)
+		return false, fmt.Errorf("invalid %s value: %q (want disable or random)", loadBalanceParam, v)
 	}
 	next := cfg.BeforeConnect
 	cfg.BeforeConnect = func(ctx context.Context, cc *pgx.ConnConfig) error {
@@ -46,7 +46,17 @@ func balanceHosts(cfg *pgxpool.Config) error {
 		randomFirstHost(&cc.Config)
 		return nil
 	}
-	return nil
+	return true, nil
+}
+
+// firstHostPool returns a small pool of balanced's configuration whose
+// connections go to the URL's first host (falling back to the others in
+// order), as without load_balance_hosts.
+func firstHostPool(ctx context.Context, balanced *pgxpool.Config) (*pgxpool.Pool, error) {
+	cfg := balanced.Copy()
+	cfg.BeforeConnect = nil
+	cfg.MaxConns = 4
+	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
 // randomFirstHost reorders c's hosts (Host, Port and the Fallbacks) so

@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"crypto/sha256"
 	"fmt"
 	"net/url"
 	"strings"
@@ -66,7 +67,8 @@ func withQuery(t *testing.T, dbURL, name, value string) string {
 // pool's connections land on more than one node (each connection's
 // server port, and pg_stat_activity of each node), and Begin and Complete
 // of many keys work through them (a worker with metadata routes any
-// key's statement).
+// key's statement), and the console's sessions (a table of the
+// coordinator node) too.
 func TestCitusLoadBalanceHosts(t *testing.T) {
 	cc := pgtest.StartCitusCluster(t, pgtest.ClusterOptions{})
 	ctx := t.Context()
@@ -120,6 +122,16 @@ func TestCitusLoadBalanceHosts(t *testing.T) {
 		_, _ = fmt.Sscan(u.Port(), &port)
 		if after[i] < perPort[uint16(port)] {
 			t.Errorf("node %s: %d idemcoord connections in pg_stat_activity, fewer than the pool's %d there", u.Host, after[i], perPort[uint16(port)])
+		}
+	}
+	// The console's sessions live in a table of the coordinator node
+	// only: they go to the URL's first host, never to a worker.
+	sessions := NewSessions(s)
+	for i := range 20 {
+		id, tok := sha256.Sum256(fmt.Appendf(nil, "id%d", i)), sha256.Sum256(fmt.Appendf(nil, "tok%d", i))
+		if _, err := sessions.Create(ctx, &CreateSessionParams{IDSHA256: id[:], Tenant: "t", TokenSHA256: tok[:], Credential: []byte("c"),
+			IdleTimeout: time.Hour, MaxLifetime: time.Hour}); err != nil {
+			t.Fatalf("create console session %d: %v", i, err)
 		}
 	}
 	t.Logf("pool connections by server port %v; idemcoord connections per node %v", perPort, after)
