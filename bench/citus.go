@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -131,41 +132,36 @@ func (e *environment) citusCells(ctx context.Context) (_ []Cell, _ *CitusInfo, e
 	}
 	logf("Citus %s, nodes: %s", info.Version, strings.Join(info.Nodes, ", "))
 
+	spread, err := spreadURL(ce.dbURL, append([]*pgtest.Cluster{cc.Coordinator}, cc.Workers...))
+	if err != nil {
+		return nil, nil, err
+	}
+	// First through the coordinator node's URL, then the same pairs with
+	// the coordinator's pool spread over every node.
 	var cells []Cell
-	run := func(kind cellKind, c int) error {
-		cell, err := ce.runCell(ctx, kind, c, nil)
-		if err != nil {
-			return err
-		}
-		cells = append(cells, cell)
-		return nil
-	}
-	if err := ce.startCoordinator(ctx); err != nil {
-		return nil, nil, err
-	}
-	if err := ce.prepareReplayKeys(ctx); err != nil {
-		return nil, nil, err
-	}
-	for _, c := range e.s.PathConcurrency {
-		if err := run(kindCitusPairs, c); err != nil {
+	for _, phase := range []struct {
+		coordURL string
+		kinds    []cellKind
+	}{{"", []cellKind{kindCitusPairs, kindCitusReplays}}, {spread, []cellKind{kindCitusSpreadPairs}}} {
+		ce.stopCoordinator()
+		ce.closeClients()
+		ce.coordURL = phase.coordURL
+		if err := ce.startCoordinator(ctx); err != nil {
 			return nil, nil, err
 		}
-		if err := run(kindCitusReplays, c); err != nil {
-			return nil, nil, err
+		if slices.Contains(phase.kinds, kindCitusReplays) {
+			if err := ce.prepareReplayKeys(ctx); err != nil {
+				return nil, nil, err
+			}
 		}
-	}
-	// The same pairs with the coordinator's pool spread over every node.
-	ce.stopCoordinator()
-	ce.closeClients()
-	if ce.coordURL, err = spreadURL(ce.dbURL, append([]*pgtest.Cluster{cc.Coordinator}, cc.Workers...)); err != nil {
-		return nil, nil, err
-	}
-	if err := ce.startCoordinator(ctx); err != nil {
-		return nil, nil, err
-	}
-	for _, c := range e.s.PathConcurrency {
-		if err := run(kindCitusSpreadPairs, c); err != nil {
-			return nil, nil, err
+		for _, c := range e.s.PathConcurrency {
+			for _, kind := range phase.kinds {
+				cell, err := ce.runCell(ctx, kind, c, nil)
+				if err != nil {
+					return nil, nil, err
+				}
+				cells = append(cells, cell)
+			}
 		}
 	}
 	return cells, info, nil

@@ -79,7 +79,7 @@ func randomFirstHost(c *pgconn.Config) {
 	if len(hosts) < 2 {
 		return
 	}
-	pick := hosts[rand.IntN(len(hosts))]
+	pick := hosts[rand.IntN(len(hosts))] //nolint:gosec // which host a connection tries first, not a secret
 	ordered := make([]*pgconn.FallbackConfig, 0, len(all))
 	var rest []*pgconn.FallbackConfig
 	for _, f := range all {
