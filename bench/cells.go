@@ -28,6 +28,12 @@ const (
 	// Pairs and replays through the generated stub (see paths.go).
 	kindStubPairs   cellKind = pathStub + "-pairs"
 	kindStubReplays cellKind = pathStub + "-replays"
+	// Pairs and replays on Citus (see citus.go): through the coordinator
+	// node's URL, and pairs through the URL that spreads the coordinator's
+	// connections over every node.
+	kindCitusPairs       cellKind = "citus-pairs"
+	kindCitusReplays     cellKind = "citus-replays"
+	kindCitusSpreadPairs cellKind = "citus-spread-pairs"
 )
 
 // direct reports that the kind talks to PostgreSQL without the coordinator.
@@ -42,6 +48,10 @@ var cellCalls = map[cellKind][]string{
 
 	kindStubPairs:   {"begin", "complete"},
 	kindStubReplays: {"begin"},
+
+	kindCitusPairs:       {"begin", "complete"},
+	kindCitusReplays:     {"begin"},
+	kindCitusSpreadPairs: {"begin", "complete"},
 }
 
 // benchScope is the scope of every record the bench writes.
@@ -90,9 +100,9 @@ type op func(ctx context.Context, w int, r *rand.Rand, lat []time.Duration) erro
 
 func (e *environment) op(kind cellKind) op {
 	switch kind {
-	case kindPairs:
+	case kindPairs, kindCitusPairs, kindCitusSpreadPairs:
 		return e.pairOp(e.client)
-	case kindReplays:
+	case kindReplays, kindCitusReplays:
 		return e.replayOp(e.client)
 	case kindStubPairs:
 		return e.pairOp(e.stub)
@@ -194,6 +204,9 @@ type Cell struct {
 	CoordCPUSeconds  float64 `json:"coordinator_cpu_s"`
 	PGCPUSeconds     float64 `json:"postgres_cpu_s"`
 	DriverCPUSeconds float64 `json:"driver_cpu_s"`
+	// WorkerCPUSeconds is, on Citus, each worker's (PGCPUSeconds is then
+	// the coordinator node's).
+	WorkerCPUSeconds []float64 `json:"worker_cpu_s,omitempty"`
 	// CoordPeakRSSMB is the coordinator's VmHWM at the end of the cell,
 	// reset before it (the peak over its life when the reset failed).
 	CoordPeakRSSMB float64 `json:"coordinator_peak_rss_mb"`
@@ -254,7 +267,7 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	}
 	// Each cell starts from a fresh checkpoint, so none of them pays for
 	// another's dirty pages or meets a timed checkpoint by chance.
-	if err := e.exec(ctx, "CHECKPOINT"); err != nil {
+	if err := e.checkpoint(ctx); err != nil {
 		return Cell{}, fmt.Errorf("checkpoint: %w", err)
 	}
 	calls := cellCalls[kind]
@@ -319,11 +332,15 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 		CoordCPUSeconds:  after.coordCPU - before.coordCPU,
 		PGCPUSeconds:     after.pgCPU - before.pgCPU,
 		DriverCPUSeconds: after.selfCPU - before.selfCPU,
+		WorkerCPUSeconds: after.workersCPU(before),
 		CoordPeakRSSMB:   after.coordHWM,
 		RSSResetFailed:   pid != 0 && !rssReset,
 	}
 	if capacity := float64(runtime.NumCPU()) * cell.Seconds; capacity > 0 {
 		others := (after.busyCPU - before.busyCPU) - cell.CoordCPUSeconds - cell.PGCPUSeconds - cell.DriverCPUSeconds
+		for _, w := range cell.WorkerCPUSeconds {
+			others -= w
+		}
 		cell.OthersCPUShare = max(others, 0) / capacity
 		cell.StealShare = (after.stealCPU - before.stealCPU) / capacity
 	}

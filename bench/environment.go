@@ -31,9 +31,14 @@ const benchDatabase = "idemcoord_bench"
 type environment struct {
 	s       *settings
 	cluster *pgtest.Cluster
+	// workers are, on Citus, the workers (cluster is the coordinator node).
+	workers []*pgtest.Cluster
 	dbURL   string // the bench database, as the baseline and the driver reach it
-	pgInfo  postgresInfo
-	dir     string // the coordinator's config and log
+	// coordURL, when set, is the coordinator's --database-url instead of
+	// dbURL.
+	coordURL string
+	pgInfo   postgresInfo
+	dir      string // the coordinator's config and log
 
 	addr      string // the coordinator's gRPC address
 	coord     *exec.Cmd
@@ -157,8 +162,12 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 	// The pool size stays the coordinator's own (ledger's default, 32):
 	// pool_max_conns in the URL would also reach the migration, whose
 	// driver passes it to the server, which refuses it.
+	dbURL := e.dbURL
+	if e.coordURL != "" {
+		dbURL = e.coordURL
+	}
 	args := append([]string{"--listen", grpcAddr, "--http-listen", httpAddr,
-		"--database-url", e.dbURL, "--log-level", e.s.CoordLogLevel},
+		"--database-url", dbURL, "--log-level", e.s.CoordLogLevel},
 		strings.Fields(e.s.CoordFlags)...)
 	cmd := exec.Command(e.s.coordinator, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
@@ -317,6 +326,26 @@ func (e *environment) close() {
 func (e *environment) exec(ctx context.Context, sql string, args ...any) error {
 	_, err := e.admin.Exec(ctx, sql, args...)
 	return err
+}
+
+// checkpoint runs CHECKPOINT on the bench database's server, and on
+// Citus on every worker too.
+func (e *environment) checkpoint(ctx context.Context) error {
+	if err := e.exec(ctx, "CHECKPOINT"); err != nil {
+		return err
+	}
+	for _, w := range e.workers {
+		conn, err := pgx.Connect(ctx, w.URL(benchDatabase))
+		if err != nil {
+			return err
+		}
+		_, err = conn.Exec(ctx, "CHECKPOINT")
+		_ = conn.Close(context.WithoutCancel(ctx))
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // freeAddr returns a loopback address nothing listens on now.

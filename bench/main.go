@@ -93,7 +93,10 @@ type settings struct {
 	PathConcurrency []int    `json:"paths_concurrency,omitempty"`
 	// Quick marks a short run (fewer cells, shorter ones): its figures are
 	// rougher and the 10M-record goals are not measured.
-	Quick         bool   `json:"quick,omitempty"`
+	Quick bool `json:"quick,omitempty"`
+	// Citus runs the pairs and replays cells on a Citus cluster too
+	// (-citus; see citus.go).
+	Citus         bool   `json:"citus,omitempty"`
 	CoordLogLevel string `json:"coordinator_log_level"`
 	CoordFlags    string `json:"coordinator_flags,omitempty"`
 	// Commit is the revision the coordinator was built from, "-dirty" when
@@ -136,6 +139,9 @@ func parseFlags(args []string) (*settings, error) {
 		"pairs and replays each: stub (the generated client, one unary RPC per call), node and python (their libraries' clients, "+
 		"with call batching as -client-batching says, driven by clients/node/bench and clients/python/bench); empty for none (BENCH_PATHS)")
 	pathConc := fs.String("paths-concurrency", env("BENCH_PATHS_CONCURRENCY", "64,256"), "callers of the -paths cells (BENCH_PATHS_CONCURRENCY)")
+	fs.BoolVar(&s.Citus, "citus", env("BENCH_CITUS", "1") != "0", "after the single PostgreSQL's cells, run pairs and replays at the -paths-concurrency callers "+
+		"on a durable Citus cluster (a coordinator node and two workers), through the coordinator node's URL and through a URL spreading the connections over every node; "+
+		"reported not measured when the citus extension is not installed (BENCH_CITUS=0 turns it off)")
 	fs.IntVar(&s.BodyBytes, "body-bytes", envInt("BENCH_BODY_BYTES", 150), "size of the stored response body (BENCH_BODY_BYTES)")
 	fs.IntVar(&s.ReplayKeys, "replay-keys", envInt("BENCH_REPLAY_KEYS", 1024), "COMPLETED keys the replay cells cycle through (BENCH_REPLAY_KEYS)")
 	fs.IntVar(&s.GhzConcurrency, "ghz-concurrency", envInt("BENCH_GHZ_CONCURRENCY", 64), "concurrency of the ghz replay row (BENCH_GHZ_CONCURRENCY)")
@@ -300,6 +306,14 @@ func run(ctx context.Context, args []string) error {
 	}
 	rep.Cells = append(rep.Cells, pathCells...)
 	rep.PathsSkipped = skipped
+	// The Citus cells run after every single-PostgreSQL cell that the
+	// coordinator serves, and with the single PostgreSQL idle.
+	citusCells, citusInfo, citusSkipped, err := env.runCitus(ctx)
+	if err != nil {
+		return err
+	}
+	rep.Cells = append(rep.Cells, citusCells...)
+	rep.CitusInfo, rep.CitusSkipped = citusInfo, citusSkipped
 	if s.ghz != "" {
 		g, err := env.runGhz(ctx)
 		if err != nil {

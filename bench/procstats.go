@@ -27,6 +27,8 @@ type snapshot struct {
 	coordHWM float64 // MB
 	busyCPU  float64 // seconds, the whole machine (every CPU, every process)
 	stealCPU float64 // seconds the hypervisor gave to other machines
+	// workerCPU is, on Citus, each worker's postmaster and children.
+	workerCPU []float64
 }
 
 // snapshot reads the counters; coordPID 0 skips the coordinator's.
@@ -40,6 +42,9 @@ func (e *environment) snapshot(coordPID int) snapshot {
 	}
 	if pm := e.cluster.PostmasterPID(); pm != 0 {
 		s.pgCPU = treeCPU(pm)
+	}
+	for _, w := range e.workers {
+		s.workerCPU = append(s.workerCPU, treeCPU(w.PostmasterPID()))
 	}
 	s.busyCPU, s.stealCPU, _ = machineCPU()
 	var ru syscall.Rusage
@@ -202,4 +207,16 @@ func describeMachine() machine {
 		m.Kernel = strings.TrimSpace(string(b))
 	}
 	return m
+}
+
+// workersCPU returns each worker's CPU seconds between before and s, or
+// nil when there are no workers.
+func (s snapshot) workersCPU(before snapshot) []float64 {
+	var out []float64
+	for i, c := range s.workerCPU {
+		if i < len(before.workerCPU) {
+			out = append(out, c-before.workerCPU[i])
+		}
+	}
+	return out
 }

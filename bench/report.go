@@ -31,9 +31,14 @@ type report struct {
 	// path and concurrency; PathsSkipped those whose runtime was missing.
 	Paths        []PathRow `json:"paths,omitempty"`
 	PathsSkipped []PathRow `json:"paths_skipped,omitempty"`
-	Ghz          *GhzRow   `json:"ghz,omitempty"`
-	Scale        *Scale    `json:"scale,omitempty"`
-	Goals        []Goal    `json:"goals"`
+	// Citus are the Citus cells' rows (-citus); CitusSkipped says why
+	// there are none.
+	Citus        []CitusRow `json:"citus,omitempty"`
+	CitusInfo    *CitusInfo `json:"citus_cluster,omitempty"`
+	CitusSkipped string     `json:"citus_skipped,omitempty"`
+	Ghz          *GhzRow    `json:"ghz,omitempty"`
+	Scale        *Scale     `json:"scale,omitempty"`
+	Goals        []Goal     `json:"goals"`
 	// Coordinator is what the coordinator process used over the whole run.
 	Coordinator coordinatorTotals `json:"coordinator"`
 	// Cells are the raw measurements the rows come from.
@@ -91,7 +96,8 @@ type Row struct {
 
 // Goal is one figure the benchmark is judged by, in its area: "speed"
 // (against the lean table), "scale" (the reaper and the gauge at many
-// records) or "footprint" (memory, latency with many records, run time).
+// records), "scale-out" (Citus: each worker's CPU per pair) or
+// "footprint" (memory, latency with many records, run time).
 type Goal struct {
 	Area   string  `json:"area"`
 	Name   string  `json:"name"`
@@ -199,6 +205,7 @@ func (r *report) finish() {
 		}
 	}
 	r.Paths = r.pathRows(r.PathsSkipped)
+	r.Citus = r.citusRows()
 	r.Goals = r.goals()
 }
 
@@ -336,6 +343,11 @@ func (r *report) goals() []Goal {
 		name = fmt.Sprintf("Begin p50 with %s records vs an empty table", count(r.Scale.Records))
 	}
 	add("footprint", name, "<= 1.5x", "x", scale, measured && r.Scale.Records >= 10_000_000, scale <= 1.5)
+	// A report from before the Citus cells has neither rows nor a reason:
+	// it renders as it printed.
+	if len(r.Citus) > 0 || r.CitusSkipped != "" {
+		gs = append(gs, r.citusGoals()...)
+	}
 	add("footprint", "make bench run time (driver)", "<= 600 s", "s", r.TotalSeconds, !r.Settings.Quick, r.TotalSeconds <= 600)
 	return gs
 }
@@ -395,6 +407,9 @@ func (r *report) print(out io.Writer) error {
 			return err
 		}
 		fmt.Fprint(out, strings.Join(skipped, ""))
+	}
+	if err := r.printCitus(out); err != nil {
+		return err
 	}
 	if g := r.Ghz; g != nil {
 		fmt.Fprintf(out, "\nghz %s, %s at %d callers: %.0f/s, p50 %.2f ms, p99 %.2f ms, load generator %.3f CPU s/1k calls (%d OK, %d cut at the end)\n",

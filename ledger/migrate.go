@@ -30,9 +30,10 @@ func Migrate(ctx context.Context, databaseURL string) error {
 	}
 	u.Scheme = "pgx5"
 	q := u.Query()
-	// pgxpool's settings are not server parameters.
+	// pgxpool's settings and libpq's load_balance_hosts (Open's) are not
+	// server parameters; migrations go to the URL's first host.
 	for name := range q {
-		if strings.HasPrefix(name, "pool_") {
+		if strings.HasPrefix(name, "pool_") || name == loadBalanceParam {
 			q.Del(name)
 		}
 	}

@@ -77,7 +77,7 @@ func (ss *Sessions) Create(ctx context.Context, p *CreateSessionParams) (*Sessio
 	return detached(ctx, func(ctx context.Context) (*Session, error) {
 		sess := &Session{Tenant: p.Tenant, TokenSHA256: p.TokenSHA256, Credential: p.Credential}
 		q := s.sql.sessionCreate(p, s.now(), sweepSessionsBatch)
-		err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(&sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
+		err := s.first.QueryRow(ctx, q.sql, q.args...).Scan(&sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
 		if err != nil {
 			return nil, classify(err)
 		}
@@ -95,11 +95,11 @@ func (ss *Sessions) Touch(ctx context.Context, idSHA256 []byte) (*Session, error
 		now := s.now()
 		var sess Session
 		q := s.sql.sessionTouch(idSHA256, now)
-		err := s.pool.QueryRow(ctx, q.sql, q.args...).Scan(
+		err := s.first.QueryRow(ctx, q.sql, q.args...).Scan(
 			&sess.Tenant, &sess.TokenSHA256, &sess.Credential, &sess.CreatedAt, &sess.LastSeenAt, &sess.ExpiresAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			q := s.sql.sessionDeleteExpired(idSHA256, now)
-			if _, err := s.pool.Exec(ctx, q.sql, q.args...); err != nil {
+			if _, err := s.first.Exec(ctx, q.sql, q.args...); err != nil {
 				return nil, classify(err)
 			}
 			return nil, ErrSessionNotFound
@@ -117,7 +117,7 @@ func (ss *Sessions) Delete(ctx context.Context, idSHA256 []byte) error {
 	s := ss.store
 	_, err := detached(ctx, func(ctx context.Context) (struct{}, error) {
 		q := s.sql.sessionDelete(idSHA256)
-		_, err := s.pool.Exec(ctx, q.sql, q.args...)
+		_, err := s.first.Exec(ctx, q.sql, q.args...)
 		return struct{}{}, classify(err)
 	})
 	return err
@@ -133,7 +133,7 @@ func (ss *Sessions) Revoke(ctx context.Context, tokenSHA256s [][]byte) (int64, e
 	}
 	return detached(ctx, func(ctx context.Context) (int64, error) {
 		q := s.sql.sessionRevoke(tokenSHA256s)
-		tag, err := s.pool.Exec(ctx, q.sql, q.args...)
+		tag, err := s.first.Exec(ctx, q.sql, q.args...)
 		if err != nil {
 			return 0, classify(err)
 		}

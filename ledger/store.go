@@ -26,6 +26,11 @@ import (
 // use by many goroutines and by many replicas sharing one database.
 type Store struct {
 	pool *pgxpool.Pool
+	// first is pool, or with load_balance_hosts=random a small pool on
+	// the URL's first host (the Citus coordinator node): its local tables
+	// (the console's sessions) and the notifier's pings of the first
+	// host's listener go there.
+	first *pgxpool.Pool
 	// sql are the statements it runs, in its database's dialect.
 	sql      *statements
 	dialect  dialect
@@ -171,6 +176,13 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemcoord"
 	}
 	cfg.ConnConfig.OnPgError = closeOnReadOnly(cfg.ConnConfig.OnPgError)
+	// load_balance_hosts=random spreads the pool's connections over a
+	// multi-host URL's hosts (on Citus, nodes with metadata route any
+	// key's statements); the notifier's connection stays on the first.
+	balanced, err := balanceHosts(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("ledger: database URL: %w", err)
+	}
 	if o.notifyQueueLimit != "" {
 		cfg.ConnConfig.RuntimeParams["idemcoord.notify_queue_limit"] = o.notifyQueueLimit
 	}
@@ -212,7 +224,14 @@ func Open(ctx context.Context, databaseURL string, opts ...Option) (*Store, erro
 		ncfg.OnPgError = closeOnReadOnly(ncfg.OnPgError)
 		listenCfg = ncfg
 	}
-	ncfg := notifier.Config{Statements: s.sql.notifier, ConnConfig: listenCfg, Pings: pool, Logger: o.logger}
+	s.first = pool
+	if balanced {
+		if s.first, err = firstHostPool(ctx, cfg); err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("ledger: create pool: %w", err)
+		}
+	}
+	ncfg := notifier.Config{Statements: s.sql.notifier, ConnConfig: listenCfg, Pings: s.first, Logger: o.logger}
 	if d == citus {
 		ncfg.Nodes = func(ctx context.Context) ([]*pgx.ConnConfig, error) { return citusNodes(ctx, pool, listenCfg) }
 	}
@@ -255,6 +274,9 @@ func (s *Store) Close() {
 	}
 	s.waitReleases()
 	s.notifier.Close()
+	if s.first != s.pool {
+		s.first.Close()
+	}
 	s.pool.Close()
 }
 

@@ -36,3 +36,26 @@ func (c *Cluster) PostmasterPID() int {
 
 // LogTail returns the end of the server log, for error reports.
 func (c *Cluster) LogTail() string { return c.logTail() }
+
+// LaunchCitus starts a Citus cluster (a coordinator node and two workers,
+// opts applying to each) for a program that is not a test, as Launch
+// does a single cluster. The caller owns it and must Close it.
+func LaunchCitus(opts ClusterOptions) (*CitusCluster, error) {
+	cc, err := startCitusCluster(opts)
+	if err != nil {
+		return nil, fmt.Errorf("pgtest: %w", err)
+	}
+	return cc, nil
+}
+
+// Close stops every node of the cluster and deletes its files.
+func (cc *CitusCluster) Close() error {
+	if err := cc.destroy(); err != nil {
+		return fmt.Errorf("pgtest: %w", err)
+	}
+	return nil
+}
+
+// CitusMissing says why the Citus extension cannot be used with the
+// PostgreSQL that pgtest starts, or returns nil when it is installed.
+func CitusMissing() error { return citusInstalled() }
