@@ -3,6 +3,7 @@ package clients_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"sync"
 	"testing"
@@ -347,14 +348,22 @@ func TestConcurrentCheckpointsKeepTheLastWritten(t *testing.T) {
 	t.Parallel()
 	coord := coordtest.Start(t, coordtest.Options{})
 	conn := &heldAnswerConn{ClientConnInterface: coord.Dial(t), phase: "first", written: make(chan struct{}), release: make(chan struct{})}
-	c := clients.New(conn, fixtureOptions()...)
+	// Unbatched (no fixtureOptions), so that each Heartbeat is its own
+	// call the wrapper sees.
+	c := clients.New(conn)
 	t.Cleanup(func() { _ = c.Shutdown(context.Background()) })
 	ctx := testCtx(t)
 	var seen string
 	_, err := c.Once(ctx, "deploy", "concurrent-steps", nil, func(ctx context.Context) (*idempotencyv1.StoredResponse, error) {
 		first := make(chan error, 1)
 		go func() { first <- clients.Checkpoint(ctx, "first", []byte("1")) }()
-		<-conn.written
+		select {
+		case <-conn.written:
+		case err := <-first:
+			return nil, fmt.Errorf("the first Checkpoint ended (%v) before its answer was held", err)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 		if err := clients.Checkpoint(ctx, "second", []byte("2")); err != nil {
 			return nil, err
 		}
