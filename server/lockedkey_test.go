@@ -108,8 +108,11 @@ func TestLockedKeyDelaysOnlyItsOwnBegins(t *testing.T) {
 	p99 := latencies[int(math.Ceil(0.99*fresh))-1]
 	t.Logf("%d Begins of fresh keys while a RunTx holds another for %v: p50 %v, p99 %v, max %v",
 		fresh, hold, p50, p99, latencies[fresh-1])
-	if p99 >= time.Second {
-		t.Errorf("p99 of Begins of fresh keys = %v (p50 %v), want < 1 s: they waited on another key's row lock", p99, p50)
+	// A Begin that waited on the held row would take until the RunTx
+	// ends (hold); half of it tells the two apart on a loaded machine too
+	// (under make test-citus's parallel packages the p99 was once 1.02 s).
+	if p99 >= hold/2 {
+		t.Errorf("p99 of Begins of fresh keys = %v (p50 %v), want < %v: they waited on another key's row lock", p99, p50, hold/2)
 	}
 
 	// The short deadline ends the held key's Begin, long before the hold.
