@@ -95,6 +95,13 @@ func TestCheckpointRules(t *testing.T) {
 							wantCP = nil // a new generation
 						case e.ev.Checkpoint != nil && got.Err == nil && got.Write == WriteUpdate:
 							wantCP = &Checkpoint{Phase: "charged", Data: []byte("ch_2"), At: t0, Attempt: plain.Attempt}
+						case e.ev.Kind == EventFail && e.ev.FailureKind == FailureAbandoned && got.Err == nil &&
+							got.Record.Attempt < plain.Attempt && got.Record.Attempt == cp.Attempt:
+							// An abandoned takeover gave its number back to
+							// the recorder's: the checkpoint is nobody's now.
+							c := *cp
+							c.Attempt = 0
+							wantCP = &c
 						}
 						if !got.Record.Checkpoint.Equal(wantCP) {
 							t.Errorf("Checkpoint = %s, want %s", fmtCheckpoint(got.Record.Checkpoint), fmtCheckpoint(wantCP))
@@ -171,7 +178,10 @@ func TestCheckpointStory(t *testing.T) {
 		t.Fatalf("after RETRYABLE: checkpoint %s, want %s", fmtCheckpoint(d.Record.Checkpoint), fmtCheckpoint(want))
 	}
 	d = step(evFail("t3", FailureAbandoned, nil, "gave up"), nil)
-	if !d.Record.Checkpoint.Equal(want) {
+	// Attempt 3 gave its number back: the record reads attempt 2 again,
+	// and the checkpoint is marked as no live acquisition's.
+	want.Attempt = 0
+	if d.Record.Attempt != 2 || !d.Record.Checkpoint.Equal(want) {
 		t.Fatalf("after ABANDONED: checkpoint %s, want %s", fmtCheckpoint(d.Record.Checkpoint), fmtCheckpoint(want))
 	}
 	d = step(begin("a4", "t4"), nil)
@@ -201,5 +211,49 @@ func TestAbandonedRestartReadsExpiredWithoutCheckpoint(t *testing.T) {
 	d := Next(held, evFail(tokHeld, FailureAbandoned, nil, "gave up"), polDefault, t0)
 	if d.Err != nil || d.Record.State != StateExpired || d.Record.Checkpoint != nil {
 		t.Fatalf("abandoned restart: %v %v checkpoint %s", d.Err, d.Record.State, fmtCheckpoint(d.Record.Checkpoint))
+	}
+}
+
+// TestAbandonedTakeoverMayStillAbandon replays what the reference-model
+// chaos test found: attempt 1 records a checkpoint and fails UNKNOWN;
+// attempt 2 takes over and is abandoned, which gives its number back (the
+// record reads attempt 1 again) and leaves the record UNKNOWN with
+// attempt 2's token; that token fails UNKNOWN, then ABANDONED. Attempt 2
+// never recorded the checkpoint, so its ABANDONED is not refused, even
+// though the record's attempt is now the checkpoint's number.
+func TestAbandonedTakeoverMayStillAbandon(t *testing.T) {
+	now := t0
+	var rec *Record
+	step := func(ev Event) Decision {
+		t.Helper()
+		d := Next(rec, ev, polDefault, now)
+		if d.Err != nil {
+			t.Fatalf("%v %v: %v", ev.Kind, ev.FailureKind, d.Err)
+		}
+		if d.Write != WriteNone {
+			r := d.Record
+			rec = &r
+		}
+		now = now.Add(time.Second)
+		return d
+	}
+	begin := func(att, tok string) Event {
+		return evBegin(fpA, func(e *Event) { e.AttemptID, e.NewToken, e.Lease = att, tok, 10*time.Second })
+	}
+	step(begin("a1", "t1"))
+	step(evHeartbeatCheckpoint("t1", "charged", "ch_1"))
+	step(evFail("t1", FailureUnknown, nil, "timed out"))
+	step(begin("a2", "t2"))
+	d := step(evFail("t2", FailureAbandoned, nil, "gave up"))
+	if d.Record.State != StateUnknown || d.Record.Attempt != 1 || d.Record.LeaseToken != "t2" {
+		t.Fatalf("abandoned takeover: %v attempt %d token %s, want UNKNOWN, 1, t2", d.Record.State, d.Record.Attempt, d.Record.LeaseToken)
+	}
+	if c := d.Record.Checkpoint; c == nil || c.Phase != "charged" || c.Attempt == d.Record.Attempt {
+		t.Fatalf("abandoned takeover: checkpoint %s, want attempt 1's, marked as no longer the record's attempt", fmtCheckpoint(c))
+	}
+	step(evFail("t2", FailureUnknown, nil, "not sure"))
+	d = step(evFail("t2", FailureAbandoned, nil, "gave up again"))
+	if d.Record.State != StateUnknown || d.Record.Checkpoint == nil || d.Record.Checkpoint.Phase != "charged" {
+		t.Fatalf("second ABANDONED: %v checkpoint %s, want UNKNOWN keeping the checkpoint", d.Record.State, fmtCheckpoint(d.Record.Checkpoint))
 	}
 }

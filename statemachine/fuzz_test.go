@@ -211,6 +211,13 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 		case d.Record.State == StateExpired, d.FoundExpired:
 		case ev.Kind == EventHeartbeat && ev.Checkpoint != nil && d.Write == WriteUpdate:
 			want = &Checkpoint{Phase: "charged", Data: []byte("c"), At: now, Attempt: d.Record.Attempt}
+		case ev.Kind == EventFail && ev.FailureKind == FailureAbandoned && eff.Checkpoint != nil &&
+			d.Record.Checkpoint != nil && d.Record.Checkpoint.Attempt == 0:
+			// An abandoned takeover gave its number back: the checkpoint
+			// is kept, marked as no acquisition's that can still act.
+			c := *eff.Checkpoint
+			c.Attempt = 0
+			want = &c
 		default:
 			want = eff.Checkpoint
 		}
@@ -221,6 +228,12 @@ func checkInvariants(t *testing.T, cur *Record, ev Event, pol Policy, now time.T
 	if cur != nil && ev.Kind == EventFail && ev.FailureKind == FailureAbandoned && d.Err == nil && d.Write != WriteNone &&
 		eff.Checkpoint != nil && eff.Checkpoint.Attempt == eff.Attempt {
 		fail("an attempt that recorded a checkpoint was abandoned")
+	}
+	if cur != nil && ev.Kind == EventFail && ev.FailureKind == FailureAbandoned && d.Err == nil && d.Write == WriteUpdate &&
+		d.Record.Checkpoint != nil && d.Record.Checkpoint.Attempt == d.Record.Attempt && d.Record.LeaseToken == ev.Token {
+		// The abandoned acquisition's token may still end the record: it
+		// must not read as the checkpoint's recorder.
+		fail("after ABANDONED the checkpoint reads as recorded by attempt %d, the abandoned token's record", d.Record.Attempt)
 	}
 
 	// Which events may do what.

@@ -357,6 +357,17 @@ func abandon(rec, eff Record, ev Event, pol Policy, now time.Time, lapsed bool) 
 	acted := eff.EndedBy == EndingUnknown || rec.Uncertain && rec.AcquiredFrom != StateUnknown
 	if takeover && !acted && rec.Attempt > 1 {
 		rec.Attempt--
+		if rec.Checkpoint != nil && rec.Checkpoint.Attempt == rec.Attempt {
+			// The number now names the acquisition before this one, which
+			// recorded the checkpoint and can no longer act (it was taken
+			// over). This acquisition's token can still end the record
+			// once it is UNKNOWN again, and did not record the checkpoint:
+			// marked as nobody's, it does not refuse that token's Fail
+			// ABANDONED (found by the reference-model chaos test).
+			cp := *rec.Checkpoint
+			cp.Attempt = 0
+			rec.Checkpoint = &cp
+		}
 	}
 	if rec.Uncertain || rec.AcquiredFrom == StateUnknown {
 		end(&rec, StateUnknown, EndingAbandoned, nil, ev.Reason, time.Time{})

@@ -162,7 +162,9 @@ type Checkpoint struct {
 	// At is when it was recorded (ignored in an Event).
 	At time.Time
 	// Attempt is the number of the attempt that recorded it (ignored in
-	// an Event): that attempt may not end Fail ABANDONED.
+	// an Event): that attempt may not end Fail ABANDONED. It is 0 once
+	// that number names a later acquisition: a Fail ABANDONED of a
+	// takeover gives its number back to the record.
 	Attempt int32
 }
 
