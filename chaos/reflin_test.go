@@ -79,10 +79,11 @@ const refMinLostReplies = 10
 // it logs the coverage of each row, and of the checkpoint's rules
 // (refCheckpointRows) on a line of their own.
 func TestLinearizableReference(t *testing.T) {
+	v := newRefVerdict(t)
 	s := seed(t)
 	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
 	dbURL := cluster.URL("postgres")
-	runLinearizableReference(t, s, refDatabase{url: dbURL, name: "postgres",
+	runLinearizableReference(t, s, v, refDatabase{url: dbURL, name: "postgres",
 		kill: func(int) error {
 			if err := cluster.Kill(); err != nil {
 				return err
@@ -102,6 +103,7 @@ func TestLinearizableReference(t *testing.T) {
 // table's coverage: covering it took 450 rounds, ten minutes, in one run.
 func TestCitusLinearizableReference(t *testing.T) {
 	requireCitusRun(t)
+	v := newRefVerdict(t)
 	s := seed(t)
 	cc := pgtest.StartCitusCluster(t, pgtest.ClusterOptions{})
 	if err := cc.CreateDatabase(context.Background(), "idemcoord"); err != nil {
@@ -122,7 +124,7 @@ func TestCitusLinearizableReference(t *testing.T) {
 		t.Fatalf("the reference keys %v live on %d of the %d workers", refKeyNames(), workers, len(cc.Workers))
 	}
 	kills := 0
-	runLinearizableReference(t, s, refDatabase{url: dbURL, name: "citus",
+	runLinearizableReference(t, s, v, refDatabase{url: dbURL, name: "citus",
 		// A round takes about a second on Citus, three times as long as on
 		// PostgreSQL: the short run is 80 rounds, about two minutes.
 		rounds: byMode(80, 200),
@@ -165,14 +167,23 @@ type refDatabase struct {
 	rounds    int
 }
 
-func runLinearizableReference(t *testing.T, s uint64, db refDatabase) {
-	var (
-		verdict    []string // what failed, repeated at the very end
-		roundsDone int
-	)
+// refVerdict is what a reference run found wrong, and after how many
+// rounds; newRefVerdict registers it before the database starts, so that on
+// failure it is printed after the database's logs, as the run's last line.
+type refVerdict struct {
+	what   []string
+	rounds int
+}
+
+func newRefVerdict(t *testing.T) *refVerdict {
+	v := &refVerdict{}
 	lastWords(t, func() string {
-		return fmt.Sprintf("after %d rounds: %s", roundsDone, strings.Join(verdict, "; "))
+		return fmt.Sprintf("after %d rounds: %s", v.rounds, strings.Join(v.what, "; "))
 	})
+	return v
+}
+
+func runLinearizableReference(t *testing.T, s uint64, v *refVerdict, db refDatabase) {
 	dbURL := db.url
 	if err := ledger.Migrate(context.Background(), dbURL); err != nil {
 		t.Fatal(err)
@@ -210,7 +221,9 @@ func runLinearizableReference(t *testing.T, s uint64, db refDatabase) {
 	check := func() bool {
 		startCheck := time.Now()
 		ops, res, info = h.check()
-		checkTime += time.Since(startCheck)
+		took := time.Since(startCheck)
+		checkTime += took
+		t.Logf("chaos: reference: checked %d calls after %d rounds in %v: %s", len(ops), v.rounds, took.Round(time.Millisecond), res)
 		if res != porcupine.Ok {
 			return true
 		}
@@ -243,12 +256,12 @@ func runLinearizableReference(t *testing.T, s uint64, db refDatabase) {
 			db.settle()
 			waitCutBackendsGone(t, dbURL, proxy)
 		})
-		roundsDone = round + 1
-		if roundsDone >= minRounds && roundsDone%50 == 0 {
+		v.rounds = round + 1
+		if v.rounds >= minRounds && v.rounds%50 == 0 {
 			if check() {
 				break
 			}
-			t.Logf("chaos: reference: after %d rounds: %d rows not yet exercised (%s), %d lost replies shown", roundsDone, len(missing), strings.Join(missing, "; "), lost)
+			t.Logf("chaos: reference: after %d rounds: %d rows not yet exercised (%s), %d lost replies shown", v.rounds, len(missing), strings.Join(missing, "; "), lost)
 		}
 	}
 	proxy.SetCutChance(0)
@@ -258,16 +271,23 @@ func runLinearizableReference(t *testing.T, s uint64, db refDatabase) {
 
 	st := h.stats()
 	t.Logf("chaos: reference linearizability (%s): rounds=%d ops=%d faults=%d (connection cuts %d, postgres kills %d) reaper passes=%d unanswered=%d keys=%d result=%s check_time=%v",
-		db.name, roundsDone, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, run.reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
+		db.name, v.rounds, len(ops), proxy.Cuts()+int64(pgKills), proxy.Cuts(), pgKills, run.reaps, st.unknown, st.keys, res, checkTime.Round(time.Millisecond))
 	t.Logf("chaos: reference linearizability: by call %v", st.byOp)
-	for _, v := range st.violations {
-		verdict = append(verdict, "violation: "+v)
-		t.Errorf("violation: %s", v)
+	for _, bad := range st.violations {
+		v.what = append(v.what, "violation: "+bad)
+		t.Errorf("violation: %s", bad)
+	}
+	if res == porcupine.Unknown {
+		// Not a violation found: the checker ran out of time (refCheckTimeout)
+		// before it found a linearization or proved there is none.
+		v.what = append(v.what, fmt.Sprintf("the checker gave up after %v on a history of %d calls (result Unknown): not checked", refCheckTimeout, len(ops)))
+		t.Fatalf("porcupine gave up after %v on a history of %d calls (result Unknown, check time %v in all): the history was not checked",
+			refCheckTimeout, len(ops), checkTime.Round(time.Millisecond))
 	}
 	if res != porcupine.Ok {
 		path := writeRefVisualization(t, info)
 		logRefViolation(t, ops, info)
-		verdict = append(verdict, fmt.Sprintf("histories are not linearizable against the reference model (result %s; details above)", res))
+		v.what = append(v.what, fmt.Sprintf("histories are not linearizable against the reference model (result %s; details above)", res))
 		t.Fatalf("histories are not linearizable against the reference model (result %s); porcupine's visualization: %s", res, path)
 	}
 	var hit, extra []string
@@ -297,11 +317,11 @@ func runLinearizableReference(t *testing.T, s uint64, db refDatabase) {
 		return
 	}
 	if len(missing) > 0 {
-		verdict = append(verdict, "rows of the state table never exercised: "+strings.Join(missing, "; "))
-		t.Errorf("rows of the state table never exercised in %d rounds: %s", roundsDone, strings.Join(missing, "; "))
+		v.what = append(v.what, "rows of the state table never exercised: "+strings.Join(missing, "; "))
+		t.Errorf("rows of the state table never exercised in %d rounds: %s", v.rounds, strings.Join(missing, "; "))
 	}
 	if lost < refMinLostReplies {
-		verdict = append(verdict, fmt.Sprintf("only %d lost replies shown, want %d", lost, refMinLostReplies))
+		v.what = append(v.what, fmt.Sprintf("only %d lost replies shown, want %d", lost, refMinLostReplies))
 		t.Errorf("only %d unanswered calls were shown to have taken effect, want at least %d: the faults missed the commits", lost, refMinLostReplies)
 	}
 }
@@ -546,10 +566,14 @@ func (h *refHistory) waitRoundCalls(n int) {
 	}
 }
 
+// refCheckTimeout bounds one check of a history: porcupine answers Unknown
+// when it runs out. A check of 1500 rounds takes seconds (under -race).
+const refCheckTimeout = 5 * time.Minute
+
 // check checks the history recorded so far against refModel.
 func (h *refHistory) check() ([]porcupine.Operation, porcupine.CheckResult, porcupine.LinearizationInfo) {
 	ops := h.operations()
-	res, info := porcupine.CheckOperationsVerbose(refModel(), ops, 3*time.Minute)
+	res, info := porcupine.CheckOperationsVerbose(refModel(), ops, refCheckTimeout)
 	return ops, res, info
 }
 

@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"fmt"
+	"hash/maphash"
 	"sort"
 	"strings"
 	"time"
@@ -980,6 +981,7 @@ func schemaVersionOf(canonical string) string {
 
 // refModel is the reference model as a porcupine model, partitioned by key.
 func refModel() porcupine.Model {
+	seed := maphash.MakeSeed()
 	nm := porcupine.NondeterministicModel{
 		Partition: func(history []porcupine.Operation) [][]porcupine.Operation {
 			byKey := map[string][]porcupine.Operation{}
@@ -1007,7 +1009,11 @@ func refModel() porcupine.Model {
 			}
 			return out
 		},
-		Equal:             func(a, b any) bool { return a.(refKey) == b.(refKey) },
+		Equal: func(a, b any) bool { return a.(refKey) == b.(refKey) },
+		// Without a hash porcupine files every state reached with the same
+		// set of linearized calls in one bucket and compares a new state
+		// with each: slow exactly when the search branches most.
+		Hash:              func(s any) uint64 { return maphash.Comparable(seed, s.(refKey)) },
 		DescribeOperation: func(input, output any) string { return describeRefCall(input.(refCall), output.(refAnswer)) },
 		DescribeState:     func(state any) string { return state.(refKey).String() },
 	}
