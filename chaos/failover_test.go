@@ -114,10 +114,12 @@ func TestFailoverSynchronousStandby(t *testing.T) {
 	if r.deadline > 0 {
 		t.Errorf("%d calls ran into their deadline instead of failing UNAVAILABLE", r.deadline)
 	}
-	if r.unavailable == 0 {
-		t.Errorf("no call failed UNAVAILABLE: the failover missed the load")
+	lin, unanswered := f.checkReference(t)
+	if r.unavailable == 0 && unanswered == 0 {
+		// The gap can be shorter than 200 ms: the workload's calls may
+		// all fall outside it, the reference run's in-flight ones not all.
+		t.Errorf("no call failed UNAVAILABLE and no reference call went unanswered: the failover missed the load")
 	}
-	lin := f.checkReference(t)
 	t.Logf("chaos: failover: kill -9 of the primary, pg_ctl promote of the synchronous standby took %v; served again %v after the kill",
 		promotedAt.Sub(killedAt).Round(time.Millisecond), resumed.Round(time.Millisecond))
 	t.Logf("chaos: failover: workload ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d deadline_exceeded=%d internal=%d bad_rows=%d",
@@ -302,7 +304,7 @@ func (f *failoverPair) runReference(t *testing.T, rounds int, fault func(round i
 // checkReference checks the reference callers' history against the
 // reference model, fails the test when it is not linearizable, and
 // returns a line that sums it up.
-func (f *failoverPair) checkReference(t *testing.T) string {
+func (f *failoverPair) checkReference(t *testing.T) (summary string, unanswered int) {
 	t.Helper()
 	ops, res, info := f.run.h.check()
 	st := f.run.h.stats()
@@ -314,7 +316,7 @@ func (f *failoverPair) checkReference(t *testing.T) string {
 	for _, v := range st.violations {
 		t.Errorf("violation: %s", v)
 	}
-	return fmt.Sprintf("reference linearizability ops=%d unanswered=%d keys=%d reaper passes=%d result=%s", len(ops), st.unknown, st.keys, f.run.reaps, res)
+	return fmt.Sprintf("reference linearizability ops=%d unanswered=%d keys=%d reaper passes=%d result=%s", len(ops), st.unknown, st.keys, f.run.reaps, res), st.unknown
 }
 
 // hasRow reports whether the primary in charge stores record k.

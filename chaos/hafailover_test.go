@@ -82,7 +82,7 @@ func TestFailoverPgAutoFailover(t *testing.T) {
 	if r.deadline > 0 {
 		t.Errorf("%d calls ran into their deadline instead of failing UNAVAILABLE", r.deadline)
 	}
-	lin := f.checkReference(t)
+	lin, _ := f.checkReference(t)
 	t.Logf("chaos: pg_auto_failover: %d failovers (pg_autoctl perform failover took %v)", len(failovers), failovers)
 	t.Logf("chaos: pg_auto_failover: workload ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d deadline_exceeded=%d internal=%d bad_rows=%d",
 		r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.deadline, r.internal, r.badRows)
