@@ -46,7 +46,15 @@ func requireCitusRun(t *testing.T) {
 //
 // The nodes are durable (fsync, synchronous_commit, full_page_writes on):
 // an acknowledged Complete must survive the worker's crash.
-func TestCitusWorkerKill(t *testing.T) {
+func TestCitusWorkerKill(t *testing.T) { runCitusWorkerKill(t, false) }
+
+// TestCitusWorkerKillSpread is TestCitusWorkerKill with the coordinator's
+// connections spread over every node (a multi-host URL with
+// load_balance_hosts=random): the killed worker also held some of the
+// pool's connections, and the running worker's keys must still not fail.
+func TestCitusWorkerKillSpread(t *testing.T) { runCitusWorkerKill(t, true) }
+
+func runCitusWorkerKill(t *testing.T, spread bool) {
 	requireCitusRun(t)
 	var verdict string
 	lastWords(t, func() string { return verdict })
@@ -60,7 +68,11 @@ func TestCitusWorkerKill(t *testing.T) {
 	if err := ledger.Migrate(ctx, dbURL); err != nil {
 		t.Fatal(err)
 	}
-	c := coordtest.Start(t, coordtest.Options{DatabaseURL: dbURL,
+	coordURL, name := dbURL, "citus-worker-kill"
+	if spread {
+		coordURL, name = cc.SpreadURL("idemcoord"), "citus-worker-kill-spread"
+	}
+	c := coordtest.Start(t, coordtest.Options{DatabaseURL: coordURL,
 		ServerOptions: []server.Option{server.WithLogger(errorLogger(t))}})
 	client := idempotencyv1.NewCoordinatorClient(dial(t, c.Addr))
 
@@ -131,10 +143,10 @@ func TestCitusWorkerKill(t *testing.T) {
 	}
 	verdict = fmt.Sprintf("lost=%d internal=%d up_ok_while_down=%d up_failed_while_down=%d down_unavailable=%d",
 		r.lost, r.internal, len(upOK), len(upFailed), unavailable)
-	t.Logf("chaos: citus-worker-kill: ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d internal=%d bad_rows=%d down_for=%v up_ok_while_down=%d up_failed_while_down=%d down_unavailable=%d down_ok_after_restart=%d",
-		r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.internal, r.badRows,
+	t.Logf("chaos: %s: ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d internal=%d bad_rows=%d down_for=%v up_ok_while_down=%d up_failed_while_down=%d down_unavailable=%d down_ok_after_restart=%d",
+		name, r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.internal, r.badRows,
 		restartAt.Sub(killedAt).Round(100*time.Millisecond), len(upOK), len(upFailed), unavailable, len(afterOK))
-	t.Logf("chaos: citus-worker-kill: detail %v", r)
+	t.Logf("chaos: %s: detail %v", name, r)
 }
 
 // citusKeysByWorker returns, for each of cc's workers, n keys whose shard

@@ -79,17 +79,7 @@ func TestCitusLoadBalanceHosts(t *testing.T) {
 		t.Fatal(err)
 	}
 	nodes := append([]*pgtest.Cluster{cc.Coordinator}, cc.Workers...)
-	var hosts []string
-	for _, n := range nodes {
-		u, err := url.Parse(n.URL("idemcoord"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		hosts = append(hosts, u.Host)
-	}
-	u, _ := url.Parse(cc.URL("idemcoord"))
-	u.Host = strings.Join(hosts, ",")
-	spread := withQuery(t, u.String(), "load_balance_hosts", "random")
+	spread := cc.SpreadURL("idemcoord")
 	if err := Migrate(ctx, spread); err != nil {
 		t.Fatalf("migrate through the multi-host URL: %v", err)
 	}

@@ -154,6 +154,30 @@ func (cc *CitusCluster) nodeURLs(dbname string) []string {
 // that applications connect to.
 func (cc *CitusCluster) URL(dbname string) string { return cc.Coordinator.URL(dbname) }
 
+// SpreadURL returns the URL of database dbname that lists every node's
+// host and port, the coordinator node's first (where migrations go), with
+// load_balance_hosts=random: the coordinator's pool spreads its
+// connections over the nodes.
+func (cc *CitusCluster) SpreadURL(dbname string) string {
+	u, err := url.Parse(cc.URL(dbname))
+	if err != nil {
+		panic(fmt.Sprintf("pgtest: the coordinator node's URL does not parse: %v", err))
+	}
+	var hosts []string
+	for _, n := range cc.nodes() {
+		nu, err := url.Parse(n.URL(dbname))
+		if err != nil {
+			panic(fmt.Sprintf("pgtest: a node's URL does not parse: %v", err))
+		}
+		hosts = append(hosts, nu.Host)
+	}
+	u.Host = strings.Join(hosts, ",")
+	q := u.Query()
+	q.Set("load_balance_hosts", "random")
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
 // CreateDatabase creates database dbname on every node, creates the citus
 // extension in each, and registers the coordinator node and the workers
 // in the coordinator node's copy, so that tables there can be distributed.
