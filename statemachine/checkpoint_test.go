@@ -124,6 +124,31 @@ func TestCheckpointRules(t *testing.T) {
 	}
 }
 
+// storyStep returns what plays one event of a story through Next: on
+// *rec at *now, failing the test unless the error is want; the record
+// written becomes *rec, and *now moves on a second.
+func storyStep(t *testing.T, rec **Record, now *time.Time) func(ev Event, want error) Decision {
+	return func(ev Event, want error) Decision {
+		t.Helper()
+		d := Next(*rec, ev, polDefault, *now)
+		if !errors.Is(d.Err, want) || (want == nil) != (d.Err == nil) {
+			t.Fatalf("%v %v: err %v, want %v", ev.Kind, ev.FailureKind, d.Err, want)
+		}
+		if d.Err == nil && d.Write != WriteNone {
+			r := d.Record
+			*rec = &r
+		}
+		*now = now.Add(time.Second)
+		return d
+	}
+}
+
+// storyBegin is a Begin of fpA by attempt_id att, offering token tok and
+// asking for a 10 s lease.
+func storyBegin(att, tok string) Event {
+	return evBegin(fpA, func(e *Event) { e.AttemptID, e.NewToken, e.Lease = att, tok, 10*time.Second })
+}
+
 // TestCheckpointStory plays a three-step operation through Next: attempt
 // 1 records a checkpoint and its lease lapses; attempt 2 takes over and
 // finds it, records the next step and fails RETRYABLE; attempt 3 finds
@@ -133,22 +158,7 @@ func TestCheckpointRules(t *testing.T) {
 func TestCheckpointStory(t *testing.T) {
 	now := t0
 	var rec *Record
-	step := func(ev Event, want error) Decision {
-		t.Helper()
-		d := Next(rec, ev, polDefault, now)
-		if !errors.Is(d.Err, want) || (want == nil) != (d.Err == nil) {
-			t.Fatalf("%v: err %v, want %v", ev.Kind, d.Err, want)
-		}
-		if d.Err == nil && d.Write != WriteNone {
-			r := d.Record
-			rec = &r
-		}
-		now = now.Add(time.Second)
-		return d
-	}
-	begin := func(att, tok string) Event {
-		return evBegin(fpA, func(e *Event) { e.AttemptID, e.NewToken, e.Lease = att, tok, 10*time.Second })
-	}
+	step, begin := storyStep(t, &rec, &now), storyBegin
 
 	d := step(begin("a1", "t1"), nil)
 	if d.Record.Checkpoint != nil {
@@ -224,22 +234,8 @@ func TestAbandonedRestartReadsExpiredWithoutCheckpoint(t *testing.T) {
 func TestAbandonedTakeoverMayStillAbandon(t *testing.T) {
 	now := t0
 	var rec *Record
-	step := func(ev Event) Decision {
-		t.Helper()
-		d := Next(rec, ev, polDefault, now)
-		if d.Err != nil {
-			t.Fatalf("%v %v: %v", ev.Kind, ev.FailureKind, d.Err)
-		}
-		if d.Write != WriteNone {
-			r := d.Record
-			rec = &r
-		}
-		now = now.Add(time.Second)
-		return d
-	}
-	begin := func(att, tok string) Event {
-		return evBegin(fpA, func(e *Event) { e.AttemptID, e.NewToken, e.Lease = att, tok, 10*time.Second })
-	}
+	played, begin := storyStep(t, &rec, &now), storyBegin
+	step := func(ev Event) Decision { t.Helper(); return played(ev, nil) }
 	step(begin("a1", "t1"))
 	step(evHeartbeatCheckpoint("t1", "charged", "ch_1"))
 	step(evFail("t1", FailureUnknown, nil, "timed out"))
