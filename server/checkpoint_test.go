@@ -257,6 +257,42 @@ func TestCheckpointAbandon(t *testing.T) {
 	wantCheckpoint(t, "next Begin", third.GetRecord(), checkpointed, []byte("r_1"), at)
 }
 
+// TestCheckpointAbandonedTakeover: attempt 1 records a checkpoint and fails
+// UNKNOWN; attempt 2 takes over and is abandoned, which puts the record
+// back to UNKNOWN and attempt 1 (written to the database as such); its
+// token then fails UNKNOWN and ABANDONED again. Attempt 2 never recorded
+// the checkpoint, so neither ABANDONED is refused, and the checkpoint is
+// still the generation's for the next attempt.
+func TestCheckpointAbandonedTakeover(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	first := e.mustBegin("s", "k", acq)
+	at := e.clock.Now()
+	if _, err := e.heartbeat("s", "k", first.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
+		t.Fatal(err)
+	}
+	e.mustFail("s", "k", first.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, nil)
+	second := e.mustBegin("s", "k", acq)
+	if second.GetPreviousState() != prevUnknown {
+		t.Fatalf("previous_state %v, want UNKNOWN", second.GetPreviousState())
+	}
+	e.mustFail("s", "k", second.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, nil)
+	if got := e.mustLookup("s", "k"); got.GetState() != idempotencyv1.State_STATE_UNKNOWN || got.GetAttempt() != 1 {
+		t.Fatalf("after the takeover's ABANDONED: %v attempt %d, want UNKNOWN attempt 1", got.GetState(), got.GetAttempt())
+	}
+	e.mustFail("s", "k", second.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, nil)
+	if _, err := e.fail("s", "k", second.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED, nil); err != nil {
+		t.Fatalf("ABANDONED of the taken-over attempt, which recorded no checkpoint: %v", err)
+	}
+	got := e.mustLookup("s", "k")
+	if got.GetState() != idempotencyv1.State_STATE_UNKNOWN {
+		t.Fatalf("after the second ABANDONED: %v, want UNKNOWN", got.GetState())
+	}
+	wantCheckpoint(t, "after the second ABANDONED", got, checkpointed, []byte("r_1"), at)
+	third := e.mustBegin("s", "k", acq)
+	wantCheckpoint(t, "next Begin", third.GetRecord(), checkpointed, []byte("r_1"), at)
+}
+
 // TestCheckpointSurvivesRestart: the checkpoint is in the database, so a
 // new coordinator on it hands it to the next attempt.
 func TestCheckpointSurvivesRestart(t *testing.T) {
