@@ -285,6 +285,11 @@ func TestMayHaveCommitted(t *testing.T) {
 		// during a Begin's commit there (TestCitusWorkerKill met it).
 		{"a Citus worker failed during the commit", &pgconn.PgError{Severity: "ERROR", Code: "XX000",
 			Message: "could not commit transaction for shard 102010 on at least one active node", Routine: citusPostCommitFailure}, true},
+		// What a Citus worker answered, through a connection made to it
+		// directly, when its postmaster was killed while the statement
+		// waited on another node (TestCitusWorkerKillSpread met it).
+		{"a Citus node's postmaster died under the statement", &pgconn.PgError{Severity: "ERROR", Code: "XX000",
+			Message: citusPostmasterGone, Routine: "ProcessWaitEvents"}, true},
 		{"another internal error", &pgconn.PgError{Severity: "ERROR", Code: "XX000", Routine: "elog_finish"}, false},
 	} {
 		if got := mayHaveCommitted(c.err); got != c.may {

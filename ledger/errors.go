@@ -114,9 +114,19 @@ func mayHaveCommitted(err error) bool {
 // worker is unknown.
 const citusPostCommitFailure = "ErrorIfPostCommitFailedShardPlacements"
 
-// citusCommitFailed reports whether pgErr is that error.
+// citusPostmasterGone is the message of the error a Citus node raises
+// (SQLSTATE XX000, from several routines) when its own postmaster died
+// while one of its backends waited on another node: the node is going
+// down. With the connections spread over the nodes, a coordinator talks to
+// a worker directly, so killing that worker shows it (met by
+// TestCitusWorkerKillSpread). The wait may have been for a remote COMMIT,
+// so whether the statement committed there is unknown.
+const citusPostmasterGone = "postmaster was shut down, exiting"
+
+// citusCommitFailed reports whether pgErr is one of those errors: a
+// statement whose node failed under it, perhaps after its commit.
 func citusCommitFailed(pgErr *pgconn.PgError) bool {
-	return pgErr.Code == "XX000" && pgErr.Routine == citusPostCommitFailure
+	return pgErr.Code == "XX000" && (pgErr.Routine == citusPostCommitFailure || pgErr.Message == citusPostmasterGone)
 }
 
 // answerLostError is ErrUnavailable for a statement that may have committed
@@ -166,7 +176,7 @@ func classify(err error) error {
 			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
 			pgErr.Code == "40001", pgErr.Code == "40P01", // serialization failure, deadlock: retry
-			citusCommitFailed(pgErr): // a Citus worker failed during the commit
+			citusCommitFailed(pgErr): // a Citus node failed under the statement
 			unavailable = fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
 		default:
 			return err
