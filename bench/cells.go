@@ -29,11 +29,12 @@ const (
 	kindStubPairs   cellKind = pathStub + "-pairs"
 	kindStubReplays cellKind = pathStub + "-replays"
 	// Pairs and replays on Citus (see citus.go): through the coordinator
-	// node's URL, and pairs through the URL that spreads the coordinator's
+	// node's URL, and through the URL that spreads the coordinator's
 	// connections over every node.
-	kindCitusPairs       cellKind = "citus-pairs"
-	kindCitusReplays     cellKind = "citus-replays"
-	kindCitusSpreadPairs cellKind = "citus-spread-pairs"
+	kindCitusPairs         cellKind = "citus-pairs"
+	kindCitusReplays       cellKind = "citus-replays"
+	kindCitusSpreadPairs   cellKind = "citus-spread-pairs"
+	kindCitusSpreadReplays cellKind = "citus-spread-replays"
 )
 
 // direct reports that the kind talks to PostgreSQL without the coordinator.
@@ -49,9 +50,10 @@ var cellCalls = map[cellKind][]string{
 	kindStubPairs:   {"begin", "complete"},
 	kindStubReplays: {"begin"},
 
-	kindCitusPairs:       {"begin", "complete"},
-	kindCitusReplays:     {"begin"},
-	kindCitusSpreadPairs: {"begin", "complete"},
+	kindCitusPairs:         {"begin", "complete"},
+	kindCitusReplays:       {"begin"},
+	kindCitusSpreadPairs:   {"begin", "complete"},
+	kindCitusSpreadReplays: {"begin"},
 }
 
 // benchScope is the scope of every record the bench writes.
@@ -102,7 +104,7 @@ func (e *environment) op(kind cellKind) op {
 	switch kind {
 	case kindPairs, kindCitusPairs, kindCitusSpreadPairs:
 		return e.pairOp(e.client)
-	case kindReplays, kindCitusReplays:
+	case kindReplays, kindCitusReplays, kindCitusSpreadReplays:
 		return e.replayOp(e.client)
 	case kindStubPairs:
 		return e.pairOp(e.stub)

@@ -20,8 +20,9 @@ import (
 // migrates it, starts the coordinator binary with its default flags
 // against the coordinator node and runs pairs and replays at the
 // -paths-concurrency callers through the callers' client of the main
-// table, then pairs again with the coordinator's connections spread over
-// the three nodes (a multi-host URL with load_balance_hosts=random).
+// table, then pairs and replays again with the coordinator's connections
+// spread over the three nodes (a multi-host URL with
+// load_balance_hosts=random).
 
 // Variants of the Citus rows: the URL the coordinator was given.
 const (
@@ -136,13 +137,15 @@ func (e *environment) citusCells(ctx context.Context) (_ []Cell, _ *CitusInfo, e
 	if err != nil {
 		return nil, nil, err
 	}
-	// First through the coordinator node's URL, then the same pairs with
-	// the coordinator's pool spread over every node.
+	// First through the coordinator node's URL, then the same cells with
+	// the coordinator's pool spread over every node (the replay keys are
+	// written once: the second coordinator starts with an empty replay
+	// cache, as the first did).
 	var cells []Cell
 	for _, phase := range []struct {
 		coordURL string
 		kinds    []cellKind
-	}{{"", []cellKind{kindCitusPairs, kindCitusReplays}}, {spread, []cellKind{kindCitusSpreadPairs}}} {
+	}{{"", []cellKind{kindCitusPairs, kindCitusReplays}}, {spread, []cellKind{kindCitusSpreadPairs, kindCitusSpreadReplays}}} {
 		ce.stopCoordinator()
 		ce.closeClients()
 		ce.coordURL = phase.coordURL
@@ -206,9 +209,9 @@ func (e *environment) closeClients() {
 func (r *report) citusRows() []CitusRow {
 	var out []CitusRow
 	for _, v := range []struct {
-		name  string
-		pairs cellKind
-	}{{citusCoordinatorNode, kindCitusPairs}, {citusSpread, kindCitusSpreadPairs}} {
+		name           string
+		pairs, replays cellKind
+	}{{citusCoordinatorNode, kindCitusPairs, kindCitusReplays}, {citusSpread, kindCitusSpreadPairs, kindCitusSpreadReplays}} {
 		for _, c := range r.Settings.PathConcurrency {
 			pc := r.cells(v.pairs, c)
 			if len(pc) == 0 {
@@ -226,11 +229,9 @@ func (r *report) citusRows() []CitusRow {
 				}
 				row.WorkerCPUPer1000 = append(row.WorkerCPUPer1000, p.per1000(cpu))
 			}
-			if v.pairs == kindCitusPairs {
-				if rc := r.cells(kindCitusReplays, c); len(rc) > 0 {
-					rp := pool(rc)
-					row.ReplaysPerSec, row.Errors = rp.perSec(), row.Errors+rp.errs
-				}
+			if rc := r.cells(v.replays, c); len(rc) > 0 {
+				rp := pool(rc)
+				row.ReplaysPerSec, row.Errors = rp.perSec(), row.Errors+rp.errs
 			}
 			if main := r.row(c); main != nil {
 				row.PostgresCPUPer1000 = main.PGCPUPer1000

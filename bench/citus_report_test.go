@@ -25,6 +25,11 @@ func citusReport(workers map[int][2]float64) *report {
 			Cell{Kind: kindCitusPairs, Concurrency: c, Seconds: 2, Ops: 1000, CoordCPUSeconds: 0.3, PGCPUSeconds: 1.0, WorkerCPUSeconds: []float64{w[0], w[1]}},
 			Cell{Kind: kindCitusReplays, Concurrency: c, Seconds: 2, Ops: 8000, Errors: 1},
 			Cell{Kind: kindCitusSpreadPairs, Concurrency: c, Seconds: 2, Ops: 1200, PGCPUSeconds: 0.6, WorkerCPUSeconds: []float64{0.5, 0.5}})
+		if c == 64 {
+			// The spread URL's replays, at 64 callers only: the row at
+			// 256 shows none.
+			r.Cells = append(r.Cells, Cell{Kind: kindCitusSpreadReplays, Concurrency: c, Seconds: 2, Ops: 10000, Errors: 2})
+		}
 	}
 	r.finish()
 	return r
@@ -53,6 +58,9 @@ func TestCitusGoals(t *testing.T) {
 	if sp := r.citusRow(citusSpread, 256); sp == nil || !near(sp.PairsPerSec, 600) || !near(sp.CoordNodeCPUPer1000, 0.5) || sp.ReplaysPerSec != 0 {
 		t.Errorf("spread row at 256 = %+v", sp)
 	}
+	if sp := r.citusRow(citusSpread, 64); sp == nil || !near(sp.ReplaysPerSec, 5000) || sp.Errors != 2 {
+		t.Errorf("spread row at 64 = %+v, want its replays (5000/s) and their errors", sp)
+	}
 
 	var out bytes.Buffer
 	if err := r.print(&out); err != nil {
@@ -61,7 +69,7 @@ func TestCitusGoals(t *testing.T) {
 	// Compared with the columns' padding squeezed to one space.
 	printed := strings.Join(strings.Fields(out.String()), " ")
 	for _, text := range []string{"coordinator node 64 500 4000 0.300 1.000 0.060 / 0.070 0.100 0.70 1",
-		"spread 256 600 - 0.000 0.500", "[not met] " + g64, "[met] " + g256,
+		"spread 256 600 - 0.000 0.500", "spread 64 600 5000 0.000 0.500", "[not met] " + g64, "[met] " + g256,
 		"reported, not a goal: 500 pairs/s, coordinator node 1.000 CPU-s/1000 pairs; spread URL 600 pairs/s, coordinator node 0.500"} {
 		if !strings.Contains(printed, text) {
 			t.Errorf("printed report without %q:\n%s", text, out.String())
