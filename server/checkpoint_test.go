@@ -34,6 +34,18 @@ func (e *testEnv) heartbeat(scope, key, token, phase string, data []byte) (*idem
 		Checkpoint: &idempotencyv1.Checkpoint{Phase: phase, Data: data}})
 }
 
+// beginCheckpointed acquires s/k and records the checkpoint checkpointed,
+// "r_1"; it returns the acquisition and the checkpoint's time.
+func (e *testEnv) beginCheckpointed() (*idempotencyv1.BeginResponse, time.Time) {
+	e.t.Helper()
+	b := e.mustBegin("s", "k", acq)
+	at := e.clock.Now()
+	if _, err := e.heartbeat("s", "k", b.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
+		e.t.Fatal(err)
+	}
+	return b, at
+}
+
 // wantCheckpoint fails unless rec carries exactly phase and data, recorded
 // at `at`.
 func wantCheckpoint(t *testing.T, what string, rec *idempotencyv1.Record, phase string, data []byte, at time.Time) {
@@ -91,11 +103,7 @@ func TestCheckpointRecordedAndRead(t *testing.T) {
 func TestCheckpointFenced(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	first := e.mustBegin("s", "k", acq)
-	at := e.clock.Now()
-	if _, err := e.heartbeat("s", "k", first.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
-		t.Fatal(err)
-	}
+	first, at := e.beginCheckpointed()
 	e.clock.Advance(policyLease + time.Second)
 	if got := e.mustLookup("s", "k"); got.GetState() != idempotencyv1.State_STATE_UNKNOWN {
 		t.Fatalf("lapsed lease after a checkpoint reads %v, want UNKNOWN", got.GetState())
@@ -226,11 +234,7 @@ func TestCheckpointAbandon(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	abandoned := idempotencyv1.FailureKind_FAILURE_KIND_ABANDONED
-	b := e.mustBegin("s", "k", acq)
-	at := e.clock.Now()
-	if _, err := e.heartbeat("s", "k", b.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
-		t.Fatal(err)
-	}
+	b, at := e.beginCheckpointed()
 	before := e.mustLookup("s", "k")
 	_, err := e.fail("s", "k", b.GetLeaseToken(), abandoned, nil)
 	wantCode(t, err, codes.FailedPrecondition, reasonCkpt)
@@ -266,11 +270,7 @@ func TestCheckpointAbandon(t *testing.T) {
 func TestCheckpointAbandonedTakeover(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	first := e.mustBegin("s", "k", acq)
-	at := e.clock.Now()
-	if _, err := e.heartbeat("s", "k", first.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
-		t.Fatal(err)
-	}
+	first, at := e.beginCheckpointed()
 	e.mustFail("s", "k", first.GetLeaseToken(), idempotencyv1.FailureKind_FAILURE_KIND_UNKNOWN, nil)
 	second := e.mustBegin("s", "k", acq)
 	if second.GetPreviousState() != prevUnknown {
@@ -298,11 +298,7 @@ func TestCheckpointAbandonedTakeover(t *testing.T) {
 func TestCheckpointSurvivesRestart(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	b := e.mustBegin("s", "k", acq)
-	at := e.clock.Now()
-	if _, err := e.heartbeat("s", "k", b.GetLeaseToken(), checkpointed, []byte("r_1")); err != nil {
-		t.Fatal(err)
-	}
+	_, at := e.beginCheckpointed()
 	e.coord.Restart()
 	e.client = idempotencyv1.NewCoordinatorClient(e.coord.Dial(t))
 	e.clock.Advance(policyLease + time.Second)
