@@ -290,6 +290,11 @@ func TestMayHaveCommitted(t *testing.T) {
 		// waited on another node (TestCitusWorkerKillSpread met it).
 		{"a Citus node's postmaster died under the statement", &pgconn.PgError{Severity: "ERROR", Code: "XX000",
 			Message: citusPostmasterGone, Routine: "ProcessWaitEvents"}, true},
+		// What a Citus coordinator node answered when its cached connection
+		// to a worker had been terminated (TestCitusNotifyOverflowOnWorker
+		// met it in a CI rehearsal).
+		{"a Citus node's connection to a worker failed", &pgconn.PgError{Severity: "ERROR", Code: "XX000",
+			Message: citusEssentialConnFailed + ": 127.0.0.1:42683", Routine: "MarkRemoteTransactionFailed"}, true},
 		{"another internal error", &pgconn.PgError{Severity: "ERROR", Code: "XX000", Routine: "elog_finish"}, false},
 	} {
 		if got := mayHaveCommitted(c.err); got != c.may {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -123,10 +124,19 @@ const citusPostCommitFailure = "ErrorIfPostCommitFailedShardPlacements"
 // so whether the statement committed there is unknown.
 const citusPostmasterGone = "postmaster was shut down, exiting"
 
+// citusEssentialConnFailed begins the message of the error (SQLSTATE
+// XX000) a Citus node raises when its connection to another node, which
+// the transaction needs, failed: the worker went down, or the connection
+// was terminated (TestCitusNotifyOverflowOnWorker met it). It can come
+// while the transaction commits there, so whether it committed is unknown.
+const citusEssentialConnFailed = "failure on connection marked as essential"
+
 // citusCommitFailed reports whether pgErr is one of those errors: a
-// statement whose node failed under it, perhaps after its commit.
+// statement whose node, or whose connection to another node, failed under
+// it, perhaps after its commit.
 func citusCommitFailed(pgErr *pgconn.PgError) bool {
-	return pgErr.Code == "XX000" && (pgErr.Routine == citusPostCommitFailure || pgErr.Message == citusPostmasterGone)
+	return pgErr.Code == "XX000" && (pgErr.Routine == citusPostCommitFailure || pgErr.Message == citusPostmasterGone ||
+		strings.HasPrefix(pgErr.Message, citusEssentialConnFailed))
 }
 
 // answerLostError is ErrUnavailable for a statement that may have committed
