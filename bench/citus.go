@@ -2,10 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
-	"net/url"
 	"os"
 	"slices"
 	"strings"
@@ -133,10 +131,7 @@ func (e *environment) citusCells(ctx context.Context) (_ []Cell, _ *CitusInfo, e
 	}
 	logf("Citus %s, nodes: %s", info.Version, strings.Join(info.Nodes, ", "))
 
-	spread, err := spreadURL(ce.dbURL, append([]*pgtest.Cluster{cc.Coordinator}, cc.Workers...))
-	if err != nil {
-		return nil, nil, err
-	}
+	spread := cc.SpreadURL(benchDatabase)
 	// First through the coordinator node's URL, then the same cells with
 	// the coordinator's pool spread over every node (the replay keys are
 	// written once: the second coordinator starts with an empty replay
@@ -168,32 +163,6 @@ func (e *environment) citusCells(ctx context.Context) (_ []Cell, _ *CitusInfo, e
 		}
 	}
 	return cells, info, nil
-}
-
-// spreadURL returns dbURL with every node's host and port, the first
-// node's (the coordinator node, where migrations go) first, and
-// load_balance_hosts=random.
-func spreadURL(dbURL string, nodes []*pgtest.Cluster) (string, error) {
-	u, err := url.Parse(dbURL)
-	if err != nil {
-		return "", err
-	}
-	var hosts []string
-	for _, n := range nodes {
-		nu, err := url.Parse(n.URL(benchDatabase))
-		if err != nil {
-			return "", err
-		}
-		hosts = append(hosts, nu.Host)
-	}
-	if len(hosts) == 0 {
-		return "", errors.New("no nodes")
-	}
-	u.Host = strings.Join(hosts, ",")
-	q := u.Query()
-	q.Set("load_balance_hosts", "random")
-	u.RawQuery = q.Encode()
-	return u.String(), nil
 }
 
 // closeClients closes the gRPC connections to the coordinator.
