@@ -98,7 +98,7 @@ func isLockTimeout(err error) bool {
 // TestWaitingRunTxLostCommitThenForgotten met it so.
 func mayHaveCommitted(err error) bool {
 	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
-		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" || citusCommitFailed(pgErr)
+		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" || citusNodeFailed(pgErr)
 	}
 	if errors.Is(err, pgconn.ErrConnClosed) {
 		return true
@@ -131,10 +131,10 @@ const citusPostmasterGone = "postmaster was shut down, exiting"
 // while the transaction commits there, so whether it committed is unknown.
 const citusEssentialConnFailed = "failure on connection marked as essential"
 
-// citusCommitFailed reports whether pgErr is one of those errors: a
+// citusNodeFailed reports whether pgErr is one of those errors: a
 // statement whose node, or whose connection to another node, failed under
 // it, perhaps after its commit.
-func citusCommitFailed(pgErr *pgconn.PgError) bool {
+func citusNodeFailed(pgErr *pgconn.PgError) bool {
 	return pgErr.Code == "XX000" && (pgErr.Routine == citusPostCommitFailure || pgErr.Message == citusPostmasterGone ||
 		strings.HasPrefix(pgErr.Message, citusEssentialConnFailed))
 }
@@ -186,7 +186,7 @@ func classify(err error) error {
 			pgErr.Code == readOnlySQLState,               // a standby or a fenced primary
 			pgErr.Code == "53300",                        // too many connections
 			pgErr.Code == "40001", pgErr.Code == "40P01", // serialization failure, deadlock: retry
-			citusCommitFailed(pgErr): // a Citus node failed under the statement
+			citusNodeFailed(pgErr): // a Citus node failed under the statement
 			unavailable = fmt.Errorf("%w: %s (SQLSTATE %s)", ErrUnavailable, pgErr.Message, pgErr.Code)
 		default:
 			return err
