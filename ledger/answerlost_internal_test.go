@@ -572,18 +572,36 @@ func TestWaitingRunTxLostAnswerBeforeCommit(t *testing.T) {
 	waitWatched(t, conn, id)
 	// A change that leaves the key held wakes the RunTx, whose next try
 	// reads it in a transaction.
+	const nudgeSQL = `UPDATE idempotency_records
+		SET expires_at = (coalesce(expires_at, $2) AT TIME ZONE 'UTC' + interval '1 day') AT TIME ZONE 'UTC'
+		WHERE key = $1`
 	nudge := func() {
 		t.Helper()
-		if _, err := conn.Exec(ctx, `UPDATE idempotency_records
-			SET expires_at = (coalesce(expires_at, $2) AT TIME ZONE 'UTC' + interval '1 day') AT TIME ZONE 'UTC'
-			WHERE key = $1`, id.Key, time.Now()); err != nil {
+		if _, err := conn.Exec(ctx, nudgeSQL, id.Key, time.Now()); err != nil {
 			t.Fatal(err)
 		}
 	}
 	sent := p.arm(id.Key) // the try's first statement naming the key, inside its transaction
-	nudge()
+	// The nudge runs beside the test: a try that a poll started before the
+	// arm sends the key first in its SELECT ... FOR UPDATE, whose answer is
+	// then the one lost, and the nudge waits for that row lock until the
+	// cut ends the try's session (the test hung so in CI when it waited
+	// for the nudge before cutting).
+	nudged := make(chan error, 1)
+	go func() {
+		_, err := conn.Exec(ctx, nudgeSQL, id.Key, time.Now())
+		nudged <- err
+	}()
 	waitSent(t, sent, ran, "the waiting RunTx")
 	p.cut()
+	select {
+	case err := <-nudged:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the nudge still waits a minute after the try's connection was cut")
+	}
 	// The next try finds the key still held: the RunTx waits on.
 	nudge()
 	select {
