@@ -259,7 +259,7 @@ func (s *Store) scanBeginRows(rows pgx.Rows) (map[Identity]beginRow, error) {
 	for rows.Next() {
 		var id Identity
 		var rw beginRow
-		dest, fin := s.scanTargets(&rw.rec, &id)
+		dest, fin := s.scanFullTargets(&rw.rec, &id)
 		if err = rows.Scan(append(append([]any{&rw.inserted, &id.Tenant, &id.Scope, &id.Key}, dest...), &rw.now)...); err != nil {
 			break
 		}
@@ -383,7 +383,7 @@ func (s *Store) scanCompleteRows(rows pgx.Rows) (map[Identity]completeRes, error
 		var id Identity
 		var rec statemachine.Record
 		var now time.Time
-		dest, fin := s.scanTargets(&rec, &id)
+		dest, fin := s.scanFullTargets(&rec, &id)
 		if err = rows.Scan(append(append([]any{&id.Tenant, &id.Scope, &id.Key}, dest...), &now)...); err != nil {
 			break
 		}

@@ -78,7 +78,7 @@ func (s *Store) scanBegin(rows pgx.Rows, id Identity) (rec statemachine.Record, 
 	if !rows.Next() {
 		return rec, false, now, false, rows.Err()
 	}
-	dest, fin := s.scanTargets(&rec, &id)
+	dest, fin := s.scanFullTargets(&rec, &id)
 	if err := rows.Scan(append(append([]any{&inserted}, dest...), &now)...); err != nil {
 		return rec, false, now, false, err
 	}
@@ -89,22 +89,12 @@ func (s *Store) scanBegin(rows pgx.Rows, id Identity) (rec statemachine.Record, 
 	return rec, inserted, now.UTC(), true, rows.Err()
 }
 
-// scanRecordNow scans recordColumns of record id followed by the clock
-// column.
-func (s *Store) scanRecordNow(row pgx.Row, id Identity) (statemachine.Record, time.Time, error) {
-	return s.scanRecordNowMode(row, id, false)
-}
-
 // scanFullRecordNow scans fullColumns of record id followed by the clock
 // column.
 func (s *Store) scanFullRecordNow(row pgx.Row, id Identity) (statemachine.Record, time.Time, error) {
-	return s.scanRecordNowMode(row, id, true)
-}
-
-func (s *Store) scanRecordNowMode(row pgx.Row, id Identity, full bool) (statemachine.Record, time.Time, error) {
 	var rec statemachine.Record
 	var now time.Time
-	dest, fin := s.scanTargetsMode(&rec, &id, scanStrict, full)
+	dest, fin := s.scanFullTargets(&rec, &id)
 	if err := row.Scan(append(dest, &now)...); err != nil {
 		return rec, now, err
 	}
@@ -128,16 +118,10 @@ const (
 	scanList
 )
 
-// scanTargets returns scan destinations for recordColumns and a function
-// that moves the scanned values into rec, opening the sealed columns of
-// the record *id (which the same Scan may fill in). A row that does not
-// open fails ErrUnreadable.
-func (s *Store) scanTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
-	return s.scanTargetsMode(rec, id, scanStrict, false)
-}
-
-// scanFullTargets is scanTargets for fullColumns: the record with its
-// checkpoint.
+// scanFullTargets returns scan destinations for fullColumns (the record
+// with its checkpoint) and a function that moves the scanned values into
+// rec, opening the sealed columns of the record *id (which the same Scan
+// may fill in). A row that does not open fails ErrUnreadable.
 func (s *Store) scanFullTargets(rec *statemachine.Record, id *Identity) ([]any, func() error) {
 	return s.scanTargetsMode(rec, id, scanStrict, true)
 }

@@ -116,13 +116,14 @@ type statements struct {
 	// begin creates n's key IN_PROGRESS, or reads the existing record,
 	// in one statement; a lock wait longer than lockWait fails it
 	// (isLockTimeout) having written nothing. Its row: created (bool),
-	// recordColumns, the clock; no row when a concurrent creation
+	// fullColumns, the clock; no row when a concurrent creation
 	// committed after the statement's snapshot.
 	begin func(n newRecord, keyID string, now *time.Time, lockWait time.Duration) query
 	// completeHeld ends the record id as COMPLETED when token holds it
 	// (IN_PROGRESS or UNKNOWN with that lease token), as statemachine.Next
 	// does for a Complete with the latest token; a COMPLETED generation is
-	// no longer uncertain. Its row: recordColumns, the clock; none when
+	// no longer uncertain. Its row: fullColumns (a completed record keeps
+	// its checkpoint, which its answer carries), the clock; none when
 	// token does not hold the record.
 	completeHeld func(id Identity, token string, r storedResponse, now *time.Time) query
 	// read reads the record id: fullColumns, the clock.
@@ -151,13 +152,13 @@ type statements struct {
 	// Many records named by their identities, in one statement.
 
 	// beginBatch is begin for many distinct keys. Its rows: created,
-	// tenant, scope, key, recordColumns, the clock; one per key created
+	// tenant, scope, key, fullColumns, the clock; one per key created
 	// or found. It takes its row locks in the global lock order (see
 	// compareIdentity), whatever order recs come in.
 	beginBatch func(recs []newRecord, keyID string, now *time.Time, lockWait time.Duration) query
 	// completeBatch is completeHeld for many distinct records, locking
 	// them first in the global lock order. Its rows: tenant, scope, key,
-	// recordColumns, the clock; one per record completed.
+	// fullColumns, the clock; one per record completed.
 	completeBatch func(cs []heldCompletion, now *time.Time) query
 
 	// Transactions.
@@ -260,10 +261,10 @@ var recordColumnNames = []string{"state", "fingerprint", "attempt", "generation"
 
 // checkpointColumnNames are the columns of a record's checkpoint (all NULL
 // when it has none), which follow recordColumnNames where a statement reads
-// or writes them: only the statements that read a record to decide on it
-// under its lock, to answer it (Lookup, listing) or to rewrite it whole
-// (fullColumns), never the one-statement Begin of a new key or the
-// holder's Complete.
+// or writes them (fullColumns): every statement whose row answers a call,
+// so that the record in an answer carries its generation's checkpoint (a
+// Begin's replay and the holder's Complete included), and those that
+// rewrite a record whole; not Forget's, whose record is gone.
 var checkpointColumnNames = []string{"checkpoint_phase", "checkpoint_data", "checkpoint_at", "checkpoint_attempt"}
 
 var (
@@ -361,11 +362,11 @@ ins AS (
 		clock.now + $9 * interval '1 microsecond', $11, $12
 	FROM clock, lock_wait
 	ON CONFLICT DO NOTHING
-	RETURNING ` + recordColumns + `
+	RETURNING ` + fullColumns + `
 )
 SELECT true, ins.*, clock.now FROM ins, clock
 UNION ALL
-SELECT false, ` + recordColumns + `, clock.now FROM idempotency_records, clock
+SELECT false, ` + fullColumns + `, clock.now FROM idempotency_records, clock
 	WHERE tenant = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)`
 
 	// pgBeginBatchSQL: $1 now or NULL; $2.. arrays, one element per
@@ -387,10 +388,10 @@ ins AS (
 	FROM input i, clock, lock_wait
 	ORDER BY i.tenant COLLATE "C", i.scope COLLATE "C", i.key COLLATE "C"
 	ON CONFLICT DO NOTHING
-	RETURNING tenant, scope, key, ` + recordColumns + `)
+	RETURNING tenant, scope, key, ` + fullColumns + `)
 SELECT true, ins.*, clock.now FROM ins, clock
 UNION ALL
-SELECT false, r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now
+SELECT false, r.tenant, r.scope, r.key, ` + fullColumnsR + `, clock.now
 FROM idempotency_records r JOIN input i ON r.tenant = i.tenant AND r.scope = i.scope AND r.key = i.key, clock
 WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = i.tenant AND ins.scope = i.scope AND ins.key = i.key)`
 
@@ -403,7 +404,7 @@ UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPL
 	expires_at = clock.now + r.ttl_us * interval '1 microsecond'
 FROM clock
 WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $5 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-RETURNING ` + recordColumns + `, clock.now`)
+RETURNING ` + fullColumns + `, clock.now`)
 
 	// pgCompleteBatchSQL: $1 now or NULL; $2.. arrays, one element per
 	// record: tenant, scope, key, token, then the stored response's
@@ -428,7 +429,7 @@ UPDATE idempotency_records r SET state = {COMPLETED}, ended_by = {ENDED_BY_COMPL
 FROM locked l, clock
 WHERE r.tenant = l.tenant AND r.scope = l.scope AND r.key = l.key AND r.lease_token = l.token
 	AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-RETURNING r.tenant, r.scope, r.key, ` + recordColumnsR + `, clock.now`)
+RETURNING r.tenant, r.scope, r.key, ` + fullColumnsR + `, clock.now`)
 
 	// pgReadSQL, pgLockSQL, pgLockNowSQL: $1-$3 identity, $4 now or NULL.
 	pgReadSQL = `SELECT ` + fullColumns + `, coalesce($4::timestamptz, now())
@@ -804,7 +805,7 @@ INSERT INTO idemcoord_notify_drops DEFAULT VALUES ON CONFLICT DO NOTHING`
 	VALUES ($1, $2, $3, 1, $4, 1, 1, $5, $6, $7, $8, ` + clock + `, ` + clock + `,
 		` + clock + ` + $9 * interval '1 microsecond', $10, $11)
 	ON CONFLICT DO NOTHING
-	RETURNING true, ` + recordColumns + `, created_at`,
+	RETURNING true, ` + fullColumns + `, created_at`,
 			args: args, local: `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '` + lockTimeoutArg(lockWait) + `'`}
 	}
 	// RunTx's bound on its lock waits must reach the workers too (and so
@@ -823,7 +824,7 @@ INSERT INTO idemcoord_notify_drops DEFAULT VALUES ON CONFLICT DO NOTHING`
 	enc_key_id = $11, failure_reason = '', lease_expires_at = NULL, updated_at = ` + clock + `, uncertain = false,
 	expires_at = ((` + clock + `) AT TIME ZONE 'UTC' + r.ttl_us * interval '1 microsecond') AT TIME ZONE 'UTC'
 WHERE r.tenant = $1 AND r.scope = $2 AND r.key = $3 AND r.lease_token = $4 AND r.state IN ({IN_PROGRESS}, {UNKNOWN})
-RETURNING ` + recordColumns + `, updated_at`), args: args}
+RETURNING ` + fullColumns + `, updated_at`), args: args}
 	}
 	// The records gauge: sizes and exact counts of IN_PROGRESS and
 	// UNKNOWN records summed over the shards; the planner's statistics of

@@ -432,20 +432,6 @@ func (s *Store) begin(ctx context.Context, p *BeginParams, evp *statemachine.Eve
 		d.Record = rec
 		return &Result{Decision: d, Now: now}, nil
 	}
-	if found && rec.LeaseToken == ev.NewToken && rec.AcquiredFrom != statemachine.StateNone {
-		// Its own takeover, whose answer was lost: the statement above
-		// does not read the checkpoint, which a takeover's record may
-		// carry and its answer must.
-		full, fullNow, err := s.Lookup(ctx, p.ID)
-		switch {
-		case errors.Is(err, statemachine.ErrNotFound):
-			found = false
-		case err != nil:
-			return nil, err
-		default:
-			rec, now = full, fullNow
-		}
-	}
 	if found {
 		res, decided, err := s.answerRead(p, ev, rec, now)
 		if err != nil {
@@ -712,7 +698,7 @@ func (s *Store) completeHeld(ctx context.Context, id Identity, ev statemachine.E
 func (s *Store) completeHeldOne(ctx context.Context, id Identity, token string, stored storedResponse) (*Result, error) {
 	q := s.sql.completeHeld(id, token, stored, s.now())
 	return detached(ctx, func(cctx context.Context) (*Result, error) {
-		rec, now, err := s.scanRecordNow(s.pool.QueryRow(cctx, q.sql, q.args...), id)
+		rec, now, err := s.scanFullRecordNow(s.pool.QueryRow(cctx, q.sql, q.args...), id)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil, nil
 		}

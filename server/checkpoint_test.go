@@ -157,11 +157,17 @@ func TestCheckpointKeptUntilExpiry(t *testing.T) {
 	if _, err := e.heartbeat("s", "k", b.GetLeaseToken(), "charged", []byte("ch_1")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: b.GetLeaseToken(),
-		Response: &idempotencyv1.StoredResponse{Body: []byte("ok")}}); err != nil {
+	done, err := e.client.Complete(ctx(t), &idempotencyv1.CompleteRequest{Scope: "s", Key: "k", LeaseToken: b.GetLeaseToken(),
+		Response: &idempotencyv1.StoredResponse{Body: []byte("ok")}})
+	if err != nil {
 		t.Fatal(err)
 	}
+	wantCheckpoint(t, "Complete answer", done.GetRecord(), "charged", []byte("ch_1"), at)
 	wantCheckpoint(t, "completed", e.mustLookup("s", "k"), "charged", []byte("ch_1"), at)
+	replay := e.mustBegin("s", "k", idempotencyv1.Outcome_OUTCOME_REPLAY)
+	wantCheckpoint(t, "replay", replay.GetRecord(), "charged", []byte("ch_1"), at)
+	replay = e.mustBegin("s", "k", idempotencyv1.Outcome_OUTCOME_REPLAY) // from the replay cache
+	wantCheckpoint(t, "second replay", replay.GetRecord(), "charged", []byte("ch_1"), at)
 
 	e.clock.Advance(policyTTL + time.Second)
 	if got := e.mustLookup("s", "k"); got.GetState() != idempotencyv1.State_STATE_EXPIRED || got.GetCheckpoint() != nil {

@@ -126,6 +126,9 @@ func (c *Cache) Put(h string, rec statemachine.Record, seq uint64) {
 	for k, v := range rec.Response.Metadata {
 		size += int64(len(k) + len(v))
 	}
+	if c := rec.Checkpoint; c != nil {
+		size += int64(len(c.Phase) + len(c.Data))
+	}
 	if size > c.maxBytes/16 {
 		return // one huge response must not flush the cache
 	}
