@@ -861,7 +861,9 @@ func refApply(k, e refKey, c refCall, now int64) (out []refDecision) {
 		back := refDecision{write: true, next: unknown, answered: unknown, label: from + "/Fail ABANDONED uncertain takeover"}
 		switch {
 		case k.origin == originUncertain:
-			if k.ended != endFail+rfUnknown && unknown.attempt > 1 {
+			// (Not when this acquisition's ABANDONED gave its number
+			// back already.)
+			if k.ended != endFail+rfUnknown && k.ended != endFail+rfAbandoned && unknown.attempt > 1 {
 				unknown.attempt--
 				back.next, back.answered = unknown, unknown
 			}

@@ -232,6 +232,26 @@ func TestAbandonedRestartReadsExpiredWithoutCheckpoint(t *testing.T) {
 // never recorded the checkpoint, so its ABANDONED is not refused, even
 // though the record's attempt is now the checkpoint's number.
 func TestAbandonedTakeoverMayStillAbandon(t *testing.T) {
+	t.Run("twice", func(t *testing.T) {
+		// Attempts 1 and 2 end UNKNOWN; attempt 3 takes over and is
+		// abandoned twice, with two reasons: it gives its number back
+		// once (before, the second ABANDONED took attempt 2's too).
+		now := t0
+		var rec *Record
+		played, begin := storyStep(t, &rec, &now), storyBegin
+		step := func(ev Event) Decision { t.Helper(); return played(ev, nil) }
+		step(begin("a1", "t1"))
+		step(evFail("t1", FailureUnknown, nil, "timed out"))
+		step(begin("a2", "t2"))
+		step(evFail("t2", FailureUnknown, nil, "timed out"))
+		step(begin("a3", "t3"))
+		for _, reason := range []string{"gave up", "gave up again"} {
+			if d := step(evFail("t3", FailureAbandoned, nil, reason)); d.Record.State != StateUnknown || d.Record.Attempt != 2 {
+				t.Fatalf("ABANDONED (%s) of attempt 3: %v attempt %d, want UNKNOWN, attempt 2", reason, d.Record.State, d.Record.Attempt)
+			}
+		}
+	})
+
 	now := t0
 	var rec *Record
 	played, begin := storyStep(t, &rec, &now), storyBegin
