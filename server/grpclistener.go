@@ -1,6 +1,7 @@
 package server
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -41,6 +42,11 @@ const (
 	// request message at once, all clients together; a call holds its
 	// slot from its headers until its message is read, not while a Watch
 	// stream stays open. One client holds at most healthReadsPerClient.
+	// When all are held, a new call takes the slot of the call that has
+	// waited longest for its message, which is cancelled (see
+	// readSlots): clients that send headers and no message cannot keep
+	// a probe out, such as kubelet's (the Helm chart's readiness probe
+	// without TLS), which sends its message with its headers.
 	healthReadsAtOnce    = 12
 	healthReadsPerClient = 4
 	// watchesPerClient is how many Health/Watch streams one client may
@@ -184,6 +190,10 @@ type bufferedClientKey struct{}
 // code: the caller sees CANCELLED, see WithGRPCReadTimeout).
 var errReadTimeout = status.Error(codes.DeadlineExceeded, "the request message did not arrive in time")
 
+// errEvicted is the cause of a health call cancelled because a newer call
+// took its slot while it still had not sent its message (see readSlots).
+var errEvicted = status.Error(codes.ResourceExhausted, "the request message did not arrive before a newer call needed the slot")
+
 // admitCall runs on a new call's headers, before gRPC reads its request
 // message (a tap.ServerInHandle). While auth is on, it refuses a call of a
 // service that needs credentials without valid ones, UNAUTHENTICATED, with
@@ -203,6 +213,7 @@ func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context
 	}
 	client := "address " + address
 	untilRead := func() {}
+	open := false // a call that needs no credentials while auth is on
 	if s.policies.Load().AuthEnabled() {
 		if unauthenticatedService(ctx, interceptors.NewServerCallMeta(info.FullMethodName, nil, nil)) {
 			tctx, err := s.authenticateUnread(ctx, info.FullMethodName)
@@ -211,16 +222,22 @@ func (s *Server) admitCall(ctx context.Context, info *tap.Info) (context.Context
 			}
 			client = "tenant " + tenantFrom(tctx)
 		} else {
-			read, end, err := s.openCalls.admit(info.FullMethodName, address)
-			if err != nil {
-				return nil, err
-			}
-			untilRead = sync.OnceFunc(read)
-			context.AfterFunc(ctx, untilRead)
-			context.AfterFunc(ctx, end)
+			open = true
 		}
 	}
 	ctx, cancel := context.WithCancelCause(ctx)
+	if open {
+		read, end, err := s.openCalls.admit(info.FullMethodName, address, func() { cancel(errEvicted) })
+		if err != nil {
+			cancel(nil)
+			return nil, err
+		}
+		// A call cancelled (its read timed out, or a newer call took its
+		// slot) gives its slots back at once.
+		untilRead = sync.OnceFunc(read)
+		context.AfterFunc(ctx, untilRead)
+		context.AfterFunc(ctx, end)
+	}
 	timer := time.AfterFunc(s.opts.grpcReadTimeout, func() { cancel(errReadTimeout) })
 	context.AfterFunc(ctx, func() { timer.Stop() })
 	read := func() {
@@ -362,13 +379,14 @@ func overBudget(err error) error {
 // openCalls are the slots of the calls that need no credentials while
 // auth is on.
 type openCalls struct {
-	healthReads, watches, reflection *clientSlots
+	healthReads         *readSlots
+	watches, reflection *clientSlots
 }
 
 // newOpenCalls is the slots of the calls that need no credentials.
 func newOpenCalls() *openCalls {
 	return &openCalls{
-		healthReads: newClientSlots(healthReadsAtOnce, healthReadsPerClient),
+		healthReads: newReadSlots(healthReadsAtOnce, healthReadsPerClient),
 		watches:     newClientSlots(0, watchesPerClient),
 		reflection:  newClientSlots(reflectionCallsAtOnce, reflectionCallsPerClient),
 	}
@@ -377,11 +395,12 @@ func newOpenCalls() *openCalls {
 // admit takes the slots a call of method (health or reflection) from
 // client needs, or refuses it RESOURCE_EXHAUSTED: a health call, a slot
 // to read its message, which it gives back with untilRead once its
-// message is read; a Watch besides, one of its client's open watches;
-// a reflection stream, a slot of its own. The call gives back the rest
-// with untilEnd once it ends; both may be called more than once, and
-// untilEnd gives back what untilRead has not.
-func (o *openCalls) admit(method, client string) (untilRead, untilEnd func(), err error) {
+// message is read (evict cancels it when a newer call takes that slot
+// first); a Watch besides, one of its client's open watches; a reflection
+// stream, a slot of its own. The call gives back the rest with untilEnd
+// once it ends; both may be called more than once, and untilEnd gives
+// back what untilRead has not.
+func (o *openCalls) admit(method, client string, evict func()) (untilRead, untilEnd func(), err error) {
 	untilRead, untilEnd = func() {}, func() {}
 	if !strings.HasPrefix(method, "/"+healthpb.Health_ServiceDesc.ServiceName+"/") {
 		if err := o.reflection.take(client); err != nil {
@@ -395,11 +414,81 @@ func (o *openCalls) admit(method, client string) (untilRead, untilEnd func(), er
 		}
 		untilEnd = sync.OnceFunc(func() { o.watches.give(client) })
 	}
-	if err := o.healthReads.take(client); err != nil {
+	read, err := o.healthReads.take(client, evict)
+	if err != nil {
 		untilEnd()
 		return nil, nil, status.Error(codes.ResourceExhausted, "too many health calls being read at once: "+err.Error())
 	}
-	return sync.OnceFunc(func() { o.healthReads.give(client) }), untilEnd, nil
+	return read, untilEnd, nil
+}
+
+// readSlots are the slots of calls reading their request message: all
+// clients together hold at most n, one client at most perClient. When all
+// n are held, a call from a client under its share still gets one: the
+// call that has held its slot longest without its message arriving is
+// evicted (cancelled) and its slot is the new call's. So slow or silent
+// senders bound what is read at once, as the slots are for, but cannot
+// keep out a caller that sends its message with its headers: to refuse
+// it they would have to take its slot in the moment between its headers
+// and its message, not hold slots for the read timeout.
+type readSlots struct {
+	n, perClient int
+	mu           sync.Mutex
+	byClient     map[string]int
+	held         *list.List // of *readSlot, oldest first
+}
+
+// readSlot is one call's slot in readSlots.
+type readSlot struct {
+	client string
+	evict  func()
+	elem   *list.Element // nil once given back or evicted
+}
+
+func newReadSlots(n, perClient int) *readSlots {
+	return &readSlots{n: n, perClient: perClient, byClient: map[string]int{}, held: list.New()}
+}
+
+// take takes a slot for client, without waiting, evicting the oldest
+// holder when all are held (evict is what evicts this one in turn); it
+// fails only when client holds its share. The call gives the slot back
+// with release, which may be called more than once.
+func (r *readSlots) take(client string, evict func()) (release func(), err error) {
+	r.mu.Lock()
+	if r.byClient[client] >= r.perClient {
+		r.mu.Unlock()
+		return nil, errors.New("this client holds its share, retry later")
+	}
+	var evicted *readSlot
+	if r.held.Len() >= r.n {
+		evicted = r.held.Front().Value.(*readSlot)
+		r.dropLocked(evicted)
+	}
+	s := &readSlot{client: client, evict: evict}
+	s.elem = r.held.PushBack(s)
+	r.byClient[client]++
+	r.mu.Unlock()
+	if evicted != nil {
+		evicted.evict()
+	}
+	return func() {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.dropLocked(s)
+	}, nil
+}
+
+// dropLocked gives back s's slot, unless it was given back already; r.mu
+// is held.
+func (r *readSlots) dropLocked(s *readSlot) {
+	if s.elem == nil {
+		return
+	}
+	r.held.Remove(s.elem)
+	s.elem = nil
+	if r.byClient[s.client]--; r.byClient[s.client] <= 0 {
+		delete(r.byClient, s.client)
+	}
 }
 
 // clientSlots are slots of which all clients together hold at most n (0:

@@ -57,7 +57,19 @@ type rawGRPCConn struct {
 // dialRawGRPC opens a raw HTTP/2 connection to the gRPC listener at addr.
 func dialRawGRPC(t *testing.T, addr string) *rawGRPCConn {
 	t.Helper()
-	conn, err := net.Dial("tcp", addr)
+	return dialRawGRPCFrom(t, addr, "")
+}
+
+// dialRawGRPCFrom is dialRawGRPC from the local IP address from (a
+// loopback one other than 127.0.0.1 is another client to the listener);
+// "" lets the system choose.
+func dialRawGRPCFrom(t *testing.T, addr, from string) *rawGRPCConn {
+	t.Helper()
+	var d net.Dialer
+	if from != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(from)}
+	}
+	conn, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -484,6 +496,66 @@ func TestGRPCHealthNotStarvedByWatchers(t *testing.T) {
 		t.Fatalf("a health check while one unauthenticated connection holds 16 Watch calls: %v %v", r, err)
 	}
 	p.stop()
+}
+
+// TestGRPCHealthNotStarvedBySilentCallers: three clients without a token
+// (three addresses, each at its share of four) open twelve Health/Check
+// calls that send headers and never their message, holding every slot of
+// the health calls being read. A Health/Check from a fourth address, as
+// kubelet's gRPC probe sends it (message with the headers), is answered
+// SERVING: it takes the slot of the oldest silent call, which is ended,
+// and gives it back once its message is read, so the next check finds it
+// free. Before, the probe was refused RESOURCE_EXHAUSTED until
+// the silent calls' read timeout (30 s), and they could open new ones.
+func TestGRPCHealthNotStarvedBySilentCallers(t *testing.T) {
+	p, _ := startWithTenants(t)
+	type silent struct {
+		c  *rawGRPCConn
+		id uint32
+	}
+	var calls []silent
+	for _, from := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		c := dialRawGRPCFrom(t, p.grpcAddr, from)
+		for range 4 {
+			id, err := c.open("/grpc.health.v1.Health/Check")
+			if err != nil {
+				t.Fatal(err)
+			}
+			calls = append(calls, silent{c, id})
+		}
+		// A fifth from the same address is over its share.
+		id, err := c.open("/grpc.health.v1.Health/Check")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ended := c.waitEnded(id, time.Now().Add(10*time.Second)); ended != strconv.Itoa(int(codes.ResourceExhausted)) {
+			t.Fatalf("a fifth silent health call from %s ended %q, want RESOURCE_EXHAUSTED", from, ended)
+		}
+	}
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for i := range 2 {
+		if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Fatalf("health check %d while 12 silent calls from 3 addresses hold the read slots: %v %v", i+1, r, err)
+		}
+	}
+	ended := 0
+	for _, s := range calls {
+		if s.c.waitEnded(s.id, time.Now().Add(100*time.Millisecond)) != "" {
+			ended++
+		}
+	}
+	// The first check took the oldest silent call's slot and gave it back
+	// once its message was read: the second found that slot free.
+	if ended != 1 {
+		t.Errorf("%d of the 12 silent calls ended after two checks, want 1 (the oldest)", ended)
+	}
+	if s := calls[0]; s.c.waitEnded(s.id, time.Now()) == "" {
+		t.Error("the oldest silent call was not the one ended")
+	}
 }
 
 // TestGRPCReadTimeoutEndsAStalledCall: a call that sends its headers and
