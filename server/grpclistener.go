@@ -1,7 +1,6 @@
 package server
 
 import (
-	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -435,18 +434,17 @@ type readSlots struct {
 	n, perClient int
 	mu           sync.Mutex
 	byClient     map[string]int
-	held         *list.List // of *readSlot, oldest first
+	held         []*readSlot // oldest first; at most n
 }
 
 // readSlot is one call's slot in readSlots.
 type readSlot struct {
 	client string
 	evict  func()
-	elem   *list.Element // nil once given back or evicted
 }
 
 func newReadSlots(n, perClient int) *readSlots {
-	return &readSlots{n: n, perClient: perClient, byClient: map[string]int{}, held: list.New()}
+	return &readSlots{n: n, perClient: perClient, byClient: map[string]int{}}
 }
 
 // take takes a slot for client, without waiting, evicting the oldest
@@ -460,12 +458,12 @@ func (r *readSlots) take(client string, evict func()) (release func(), err error
 		return nil, errors.New("this client holds its share, retry later")
 	}
 	var evicted *readSlot
-	if r.held.Len() >= r.n {
-		evicted = r.held.Front().Value.(*readSlot)
+	if len(r.held) >= r.n {
+		evicted = r.held[0]
 		r.dropLocked(evicted)
 	}
 	s := &readSlot{client: client, evict: evict}
-	s.elem = r.held.PushBack(s)
+	r.held = append(r.held, s)
 	r.byClient[client]++
 	r.mu.Unlock()
 	if evicted != nil {
@@ -481,11 +479,11 @@ func (r *readSlots) take(client string, evict func()) (release func(), err error
 // dropLocked gives back s's slot, unless it was given back already; r.mu
 // is held.
 func (r *readSlots) dropLocked(s *readSlot) {
-	if s.elem == nil {
+	i := slices.Index(r.held, s)
+	if i < 0 {
 		return
 	}
-	r.held.Remove(s.elem)
-	s.elem = nil
+	r.held = slices.Delete(r.held, i, i+1)
 	if r.byClient[s.client]--; r.byClient[s.client] <= 0 {
 		delete(r.byClient, s.client)
 	}
