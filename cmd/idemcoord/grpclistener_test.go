@@ -558,6 +558,59 @@ func TestGRPCHealthNotStarvedBySilentCallers(t *testing.T) {
 	}
 }
 
+// TestGRPCHealthFloodBoundsMemory: rounds of twelve Health/Check calls
+// without a token, from three new addresses each round, that each send all
+// but the last byte of a 4 MiB request: each round's calls take the slots
+// of the round before, whose calls are cancelled. The coordinator reads at
+// most twelve such messages at once, so its memory stays bounded (the 96
+// held would be 384 MiB), and a probe is answered afterwards.
+func TestGRPCHealthFloodBoundsMemory(t *testing.T) {
+	p, _ := startWithTenants(t)
+	msg := grpcMessage(t, &healthpb.HealthCheckRequest{Service: strings.Repeat("s", 4<<20-1024)})
+	before := processMemory(t, p.cmd.Process.Pid)
+	const rounds = 8
+	var all []floodCall
+	for r := range rounds {
+		var wg sync.WaitGroup
+		for a := range 3 {
+			c := dialRawGRPCFrom(t, p.grpcAddr, fmt.Sprintf("127.0.1.%d", 3*r+a+1))
+			for range 4 {
+				id, err := c.open("/grpc.health.v1.Health/Check")
+				if err != nil {
+					t.Fatal(err)
+				}
+				all = append(all, floodCall{c, id})
+				wg.Go(func() { c.send(id, msg[:len(msg)-1], time.Now().Add(30*time.Second)) })
+			}
+		}
+		wg.Wait()
+	}
+	// At most 12 messages of up to 4 MiB being read (each charged twice
+	// that), plus garbage the collector has not yet reclaimed.
+	wantMemoryBounded(t, p, fmt.Sprintf("%d rounds of 12 unauthenticated 4 MiB health calls, all but their last byte", rounds), before, 12*8<<20+rssBoundBytes)
+	ended := 0
+	for _, c := range all[:len(all)-12] {
+		if c.c.waitEnded(c.id, time.Now().Add(5*time.Second)) != "" {
+			ended++
+		}
+	}
+	if ended != len(all)-12 {
+		t.Errorf("%d of the %d calls whose slots later rounds took have ended, want all", ended, len(all)-12)
+	}
+	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("a health check after the flood: %v %v", r, err)
+	}
+	for _, c := range all[len(all)-12:] {
+		_ = c.c.conn.Close() // the calls still reading (a graceful stop waits for them)
+	}
+	p.stop()
+}
+
 // TestGRPCReadTimeoutEndsAStalledCall: a call that sends its headers and
 // part of its request message, then stalls, is ended after
 // --grpc-read-timeout, CANCELLED (what gRPC answers for a call whose
