@@ -487,14 +487,7 @@ func TestGRPCHealthNotStarvedByWatchers(t *testing.T) {
 		c.mu.Unlock()
 	}
 	time.Sleep(time.Second)
-	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-		t.Fatalf("a health check while one unauthenticated connection holds 16 Watch calls: %v %v", r, err)
-	}
+	wantServing(t, p.grpcAddr, 1, "a health check while one unauthenticated connection holds 16 Watch calls")
 	p.stop()
 }
 
@@ -532,16 +525,7 @@ func TestGRPCHealthNotStarvedBySilentCallers(t *testing.T) {
 			t.Fatalf("a fifth silent health call from %s ended %q, want RESOURCE_EXHAUSTED", from, ended)
 		}
 	}
-	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	for i := range 2 {
-		if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-			t.Fatalf("health check %d while 12 silent calls from 3 addresses hold the read slots: %v %v", i+1, r, err)
-		}
-	}
+	wantServing(t, p.grpcAddr, 2, "health checks while 12 silent calls from 3 addresses hold the read slots")
 	ended := 0
 	for _, s := range calls {
 		if s.c.waitEnded(s.id, time.Now().Add(100*time.Millisecond)) != "" {
@@ -597,18 +581,28 @@ func TestGRPCHealthFloodBoundsMemory(t *testing.T) {
 	if ended != len(all)-12 {
 		t.Errorf("%d of the %d calls whose slots later rounds took have ended, want all", ended, len(all)-12)
 	}
-	conn, err := grpc.NewClient(p.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-		t.Fatalf("a health check after the flood: %v %v", r, err)
-	}
+	wantServing(t, p.grpcAddr, 1, "a health check after the flood")
 	for _, c := range all[len(all)-12:] {
 		_ = c.c.conn.Close() // the calls still reading (a graceful stop waits for them)
 	}
 	p.stop()
+}
+
+// wantServing fails t unless n Health/Check calls without a token, one
+// after another on one connection to the gRPC listener at addr (as
+// kubelet's probe sends them), are answered SERVING.
+func wantServing(t *testing.T, addr string, n int, what string) {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for i := range n {
+		if r, err := healthpb.NewHealthClient(conn).Check(callCtx(t), &healthpb.HealthCheckRequest{}); err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Fatalf("%s (check %d of %d): %v %v", what, i+1, n, r, err)
+		}
+	}
 }
 
 // TestGRPCReadTimeoutEndsAStalledCall: a call that sends its headers and
