@@ -353,11 +353,11 @@ func abandon(rec, eff Record, ev Event, pol Policy, now time.Time, lapsed bool) 
 	// An acquisition that may itself have acted (it said Fail UNKNOWN, or
 	// its own lease lapsed) counts; the uncertainty of a takeover from
 	// UNKNOWN came before it.
+	takeover := rec.AcquiredFrom == StateFailedRetryable || rec.AcquiredFrom == StateUnknown
+	acted := eff.EndedBy == EndingUnknown || rec.Uncertain && rec.AcquiredFrom != StateUnknown
 	// An acquisition that said ABANDONED before (its record stayed
 	// UNKNOWN, so its token may end it again) gave its number back then:
 	// a second ABANDONED, with another reason, takes none.
-	takeover := rec.AcquiredFrom == StateFailedRetryable || rec.AcquiredFrom == StateUnknown
-	acted := eff.EndedBy == EndingUnknown || rec.Uncertain && rec.AcquiredFrom != StateUnknown
 	givenBack := eff.EndedBy == EndingAbandoned
 	if takeover && !acted && !givenBack && rec.Attempt > 1 {
 		rec.Attempt--
