@@ -41,11 +41,12 @@ const (
 	// request message at once, all clients together; a call holds its
 	// slot from its headers until its message is read, not while a Watch
 	// stream stays open. One client holds at most healthReadsPerClient.
-	// When all are held, a new call takes the slot of the call that has
-	// waited longest for its message, which is cancelled (see
-	// readSlots): clients that send headers and no message cannot keep
-	// a probe out, such as kubelet's (the Helm chart's readiness probe
-	// without TLS), which sends its message with its headers.
+	// A new call always gets one: it takes the slot of the call that has
+	// waited longest for its message, its own client's when that holds
+	// its share, which is cancelled (see readSlots): clients that send
+	// headers and no message cannot keep a probe out, such as kubelet's
+	// (the Helm chart's readiness probe without TLS), which sends its
+	// message with its headers.
 	healthReadsAtOnce    = 12
 	healthReadsPerClient = 4
 	// watchesPerClient is how many Health/Watch streams one client may
@@ -413,23 +414,19 @@ func (o *openCalls) admit(method, client string, evict func()) (untilRead, until
 		}
 		untilEnd = sync.OnceFunc(func() { o.watches.give(client) })
 	}
-	read, err := o.healthReads.take(client, evict)
-	if err != nil {
-		untilEnd()
-		return nil, nil, status.Error(codes.ResourceExhausted, "too many health calls being read at once: "+err.Error())
-	}
-	return read, untilEnd, nil
+	return o.healthReads.take(client, evict), untilEnd, nil
 }
 
 // readSlots are the slots of calls reading their request message: all
-// clients together hold at most n, one client at most perClient. When all
-// n are held, a call from a client under its share still gets one: the
+// clients together hold at most n, one client at most perClient. A new
+// call always gets one: when its client holds its share, the client's own
 // call that has held its slot longest without its message arriving is
-// evicted (cancelled) and its slot is the new call's. So slow or silent
-// senders bound what is read at once, as the slots are for, but cannot
-// keep out a caller that sends its message with its headers: to refuse
-// it they would have to take its slot in the moment between its headers
-// and its message, not hold slots for the read timeout.
+// evicted (cancelled) and its slot is the new call's; when all n are
+// held, the oldest of all is. So slow or silent senders bound what is
+// read at once, as the slots are for, but cannot keep out a caller that
+// sends its message with its headers, not even from its own address: to
+// refuse it they would have to take its slot in the moment between its
+// headers and its message, not hold slots for the read timeout.
 type readSlots struct {
 	n, perClient int
 	mu           sync.Mutex
@@ -447,19 +444,22 @@ func newReadSlots(n, perClient int) *readSlots {
 	return &readSlots{n: n, perClient: perClient, byClient: map[string]int{}}
 }
 
-// take takes a slot for client, without waiting, evicting the oldest
-// holder when all are held (evict is what evicts this one in turn); it
-// fails only when client holds its share. The call gives the slot back
-// with release, which may be called more than once.
-func (r *readSlots) take(client string, evict func()) (release func(), err error) {
+// take takes a slot for client, without waiting, evicting client's own
+// oldest holder when client holds its share, else the oldest holder when
+// all are held (evict is what evicts this one in turn). The call gives
+// the slot back with release, which may be called more than once.
+func (r *readSlots) take(client string, evict func()) (release func()) {
 	r.mu.Lock()
-	if r.byClient[client] >= r.perClient {
-		r.mu.Unlock()
-		return nil, errors.New("this client holds its share, retry later")
-	}
 	var evicted *readSlot
-	if len(r.held) >= r.n {
+	switch {
+	case r.byClient[client] >= r.perClient:
+		// The client's own oldest: others at its address (behind one
+		// NAT, or the node kubelet probes from) cannot keep it out.
+		evicted = r.held[slices.IndexFunc(r.held, func(h *readSlot) bool { return h.client == client })]
+	case len(r.held) >= r.n:
 		evicted = r.held[0]
+	}
+	if evicted != nil {
 		r.dropLocked(evicted)
 	}
 	s := &readSlot{client: client, evict: evict}
@@ -473,7 +473,7 @@ func (r *readSlots) take(client string, evict func()) (release func(), err error
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.dropLocked(s)
-	}, nil
+	}
 }
 
 // dropLocked gives back s's slot, unless it was given back already; r.mu

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -491,55 +492,77 @@ func TestGRPCHealthNotStarvedByWatchers(t *testing.T) {
 	p.stop()
 }
 
-// TestGRPCHealthNotStarvedBySilentCallers: three clients without a token
-// (three addresses, each at its share of four) open twelve Health/Check
-// calls that send headers and never their message, holding every slot of
-// the health calls being read. A Health/Check from a fourth address, as
-// kubelet's gRPC probe sends it (message with the headers), is answered
-// SERVING: it takes the slot of the oldest silent call, which is ended,
-// and gives it back once its message is read, so the next check finds it
-// free. Before, the probe was refused RESOURCE_EXHAUSTED until
-// the silent calls' read timeout (30 s), and they could open new ones.
-func TestGRPCHealthNotStarvedBySilentCallers(t *testing.T) {
-	p, _ := startWithTenants(t)
-	type silent struct {
-		c  *rawGRPCConn
-		id uint32
-	}
-	var calls []silent
-	for _, from := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
-		c := dialRawGRPCFrom(t, p.grpcAddr, from)
-		for range 4 {
-			id, err := c.open("/grpc.health.v1.Health/Check")
-			if err != nil {
-				t.Fatal(err)
-			}
-			calls = append(calls, silent{c, id})
-		}
-		// A fifth from the same address is over its share.
+// silentCheck is a Health/Check call that sent its headers and never its
+// message.
+type silentCheck struct {
+	c  *rawGRPCConn
+	id uint32
+}
+
+// openSilentChecks opens n silent Health/Check calls on c.
+func openSilentChecks(t *testing.T, c *rawGRPCConn, n int) []silentCheck {
+	t.Helper()
+	var calls []silentCheck
+	for range n {
 		id, err := c.open("/grpc.health.v1.Health/Check")
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ended := c.waitEnded(id, time.Now().Add(10*time.Second)); ended != strconv.Itoa(int(codes.ResourceExhausted)) {
-			t.Fatalf("a fifth silent health call from %s ended %q, want RESOURCE_EXHAUSTED", from, ended)
-		}
+		calls = append(calls, silentCheck{c, id})
 	}
-	wantServing(t, p.grpcAddr, 2, "health checks while 12 silent calls from 3 addresses hold the read slots")
-	ended := 0
-	for _, s := range calls {
+	return calls
+}
+
+// wantEnded fails t unless exactly the calls of calls at the indexes want
+// have ended (within a moment: they were cancelled already).
+func wantEnded(t *testing.T, what string, calls []silentCheck, want ...int) {
+	t.Helper()
+	var ended []int
+	for i, s := range calls {
 		if s.c.waitEnded(s.id, time.Now().Add(100*time.Millisecond)) != "" {
-			ended++
+			ended = append(ended, i)
 		}
 	}
+	if !slices.Equal(ended, want) {
+		t.Errorf("%s: the silent calls %v have ended, want %v", what, ended, want)
+	}
+}
+
+// TestGRPCHealthNotStarvedBySilentCallers: three clients without a token
+// (three addresses, each at its share of four) open twelve Health/Check
+// calls that send headers and never their message, holding every slot of
+// the health calls being read; a fifth from one of them takes the slot
+// of that address's oldest. A Health/Check from a fourth address, as
+// kubelet's gRPC probe sends it (message with the headers), is answered
+// SERVING: it takes the slot of the oldest silent call, which is ended,
+// and gives it back once its message is read, so the next check finds it
+// free. Before, the probe was refused RESOURCE_EXHAUSTED until the silent
+// calls' read timeout (30 s), and they could open new ones.
+func TestGRPCHealthNotStarvedBySilentCallers(t *testing.T) {
+	p, _ := startWithTenants(t)
+	var calls []silentCheck
+	for _, from := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"} {
+		calls = append(calls, openSilentChecks(t, dialRawGRPCFrom(t, p.grpcAddr, from), 4)...)
+	}
+	calls = append(calls, openSilentChecks(t, calls[11].c, 1)...) // a fifth from 127.0.0.4
+	wantEnded(t, "a fifth silent call from one address", calls, 8)
+	wantServing(t, p.grpcAddr, 2, "health checks while 12 silent calls from 3 addresses hold the read slots")
 	// The first check took the oldest silent call's slot and gave it back
 	// once its message was read: the second found that slot free.
-	if ended != 1 {
-		t.Errorf("%d of the 12 silent calls ended after two checks, want 1 (the oldest)", ended)
-	}
-	if s := calls[0]; s.c.waitEnded(s.id, time.Now()) == "" {
-		t.Error("the oldest silent call was not the one ended")
-	}
+	wantEnded(t, "two checks", calls, 0, 8)
+}
+
+// TestGRPCHealthNotStarvedFromItsOwnAddress: four silent Health/Check
+// calls from the probe's own address (another process on kubelet's node,
+// or behind the same NAT) hold that address's whole share of the read
+// slots. The probe is answered SERVING all the same: it takes the slot
+// of its address's oldest silent call. Before, every probe was refused
+// RESOURCE_EXHAUSTED (an outside attack met it: 689 of 689 probes).
+func TestGRPCHealthNotStarvedFromItsOwnAddress(t *testing.T) {
+	p, _ := startWithTenants(t)
+	calls := openSilentChecks(t, dialRawGRPC(t, p.grpcAddr), 4)
+	wantServing(t, p.grpcAddr, 2, "health checks while 4 silent calls from their own address hold its share")
+	wantEnded(t, "two checks", calls, 0)
 }
 
 // TestGRPCHealthFloodBoundsMemory: rounds of twelve Health/Check calls
