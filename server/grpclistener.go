@@ -393,11 +393,12 @@ func newOpenCalls() *openCalls {
 }
 
 // admit takes the slots a call of method (health or reflection) from
-// client needs, or refuses it RESOURCE_EXHAUSTED: a health call, a slot
-// to read its message, which it gives back with untilRead once its
-// message is read (evict cancels it when a newer call takes that slot
-// first); a Watch besides, one of its client's open watches; a reflection
-// stream, a slot of its own. The call gives back the rest with untilEnd
+// client needs, or refuses it RESOURCE_EXHAUSTED when its client holds
+// all its open watches or reflection streams: a health call, a slot to
+// read its message, which it gives back with untilRead once its message
+// is read (evict cancels it when a newer call takes that slot first; see
+// readSlots); a Watch besides, one of its client's open watches; a
+// reflection stream, a slot of its own. The call gives back the rest with untilEnd
 // once it ends; both may be called more than once, and untilEnd gives
 // back what untilRead has not.
 func (o *openCalls) admit(method, client string, evict func()) (untilRead, untilEnd func(), err error) {
