@@ -128,108 +128,140 @@ func (s *Store) scanFullTargets(rec *statemachine.Record, id *Identity) ([]any, 
 
 // scanTargetsMode is scanTargets with the given treatment of rows that do
 // not open, for fullColumns (listColumns with scanList) when full is set.
+// The destinations live in one rowTargets, so a scanned row costs a few
+// allocations instead of one per column.
 func (s *Store) scanTargetsMode(rec *statemachine.Record, id *Identity, mode scanMode, full bool) ([]any, func() error) {
-	var (
-		state, acquiredFrom, endedBy int16
-		hasResponse                  bool
-		schemaVersion, contentType   string
-		statusCode                   int32
-		body, metadata               []byte
-		ttl, failureTTL              int64
-		leaseExpires, expires        *time.Time
-		keyID                        string
-		version                      int16
-		cpPhase                      *string
-		cpData                       []byte
-		cpAt                         *time.Time
-		cpAttempt                    *int32
-	)
-	dest := []any{&state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
-		&rec.AttemptID, &acquiredFrom, &endedBy, &hasResponse, &schemaVersion, &contentType,
-		&statusCode, &body, &metadata, &rec.FailureReason, &ttl, &failureTTL, &rec.CreatedAt,
-		&rec.UpdatedAt, &leaseExpires, &expires, &keyID, &rec.Uncertain, &version}
+	t := &rowTargets{s: s, rec: rec, id: id, mode: mode}
+	t.dest = [len(t.dest)]any{&t.state, &rec.Fingerprint, &rec.Attempt, &rec.Generation, &rec.LeaseToken,
+		&rec.AttemptID, &t.acquiredFrom, &t.endedBy, &t.hasResponse, &t.schemaVersion, &t.contentType,
+		&t.statusCode, &t.body, &t.metadata, &rec.FailureReason, &t.ttl, &t.failureTTL, &rec.CreatedAt,
+		&rec.UpdatedAt, &t.leaseExpires, &t.expires, &t.keyID, &rec.Uncertain, &t.version,
+		&t.cpPhase, &t.cpData, &t.cpAt, &t.cpAttempt}
+	n := recordTargets
 	if full {
-		dest = append(dest, &cpPhase, &cpData, &cpAt, &cpAttempt)
+		n += checkpointTargets
 	}
-	decode := func() error {
-		rec.State = statemachine.State(state)
-		rec.AcquiredFrom = statemachine.State(acquiredFrom)
-		rec.EndedBy = statemachine.Ending(endedBy)
-		rec.TTL = time.Duration(ttl) * time.Microsecond
-		rec.FailureTTL = time.Duration(failureTTL) * time.Microsecond
-		rec.CreatedAt = rec.CreatedAt.UTC()
-		rec.UpdatedAt = rec.UpdatedAt.UTC()
-		if leaseExpires != nil {
-			rec.LeaseExpiresAt = leaseExpires.UTC()
-		}
-		if expires != nil {
-			rec.ExpiresAt = expires.UTC()
-		}
-		o := opener{k: s.keyring, keyID: keyID, version: version, id: *id,
-			b: keyring.Binding{Generation: rec.Generation, Attempt: rec.Attempt, EndedBy: endedBy}}
-		if err := o.check(); err != nil {
+	// The spare capacity takes a caller's appended column (the clock)
+	// without copying.
+	return t.dest[:n], t.finish
+}
+
+// recordTargets and checkpointTargets are how many of rowTargets' destinations
+// the record's columns and the checkpoint's take.
+const (
+	recordTargets     = 24
+	checkpointTargets = 4
+)
+
+// rowTargets holds the scan destinations of one row (see scanTargetsMode)
+// until finish moves them into the record.
+type rowTargets struct {
+	s    *Store
+	rec  *statemachine.Record
+	id   *Identity
+	mode scanMode
+
+	state, acquiredFrom, endedBy int16
+	hasResponse                  bool
+	schemaVersion, contentType   string
+	statusCode                   int32
+	body, metadata               []byte
+	ttl, failureTTL              int64
+	leaseExpires, expires        *time.Time
+	keyID                        string
+	version                      int16
+	cpPhase                      *string
+	cpData                       []byte
+	cpAt                         *time.Time
+	cpAttempt                    *int32
+
+	dest [recordTargets + checkpointTargets + 1]any
+}
+
+// finish moves the scanned values into the record, opening its sealed
+// columns; a row that does not open fails ErrUnreadable in scanStrict
+// mode, and otherwise is returned without its sealed columns.
+func (t *rowTargets) finish() error {
+	err := t.decode()
+	if err == nil {
+		return nil
+	}
+	if t.mode == scanStrict {
+		return fmt.Errorf("%w: %w", ErrUnreadable, err)
+	}
+	t.s.logger.Warn("record unreadable; returned without its sealed columns", "tenant", t.id.Tenant, "scope", t.id.Scope, "err", err)
+	t.rec.Response, t.rec.FailureReason, t.rec.Fingerprint, t.rec.Checkpoint = nil, "", nil, nil
+	return nil
+}
+
+// decode moves the scanned values into the record and opens its sealed
+// columns.
+func (t *rowTargets) decode() error {
+	t.rec.State = statemachine.State(t.state)
+	t.rec.AcquiredFrom = statemachine.State(t.acquiredFrom)
+	t.rec.EndedBy = statemachine.Ending(t.endedBy)
+	t.rec.TTL = time.Duration(t.ttl) * time.Microsecond
+	t.rec.FailureTTL = time.Duration(t.failureTTL) * time.Microsecond
+	t.rec.CreatedAt = t.rec.CreatedAt.UTC()
+	t.rec.UpdatedAt = t.rec.UpdatedAt.UTC()
+	if t.leaseExpires != nil {
+		t.rec.LeaseExpiresAt = t.leaseExpires.UTC()
+	}
+	if t.expires != nil {
+		t.rec.ExpiresAt = t.expires.UTC()
+	}
+	o := opener{k: t.s.keyring, keyID: t.keyID, version: t.version, id: *t.id,
+		b: keyring.Binding{Generation: t.rec.Generation, Attempt: t.rec.Attempt, EndedBy: t.endedBy}}
+	if err := o.check(); err != nil {
+		return err
+	}
+	if t.mode != scanList && o.sealed() && !t.hasResponse &&
+		(t.rec.State == statemachine.StateCompleted || t.rec.State == statemachine.StateFailedReplayable) {
+		return fmt.Errorf("ledger: %s record %q has no stored response", t.rec.State, t.id.Key)
+	}
+	var err error
+	if t.rec.FailureReason, err = o.openReason(t.rec.FailureReason); err != nil {
+		return err
+	}
+	t.rec.Fingerprint = o.fingerprint(t.rec.Fingerprint)
+	if t.hasResponse {
+		rb := o.b
+		rb.Response, rb.State, rb.StatusCode, rb.SchemaVersion, rb.ContentType = true, t.state, t.statusCode, t.schemaVersion, t.contentType
+		rb.HasMetadata = t.metadata != nil
+		if t.body, err = o.open("body", rb, t.body); err != nil {
 			return err
 		}
-		if mode != scanList && o.sealed() && !hasResponse &&
-			(rec.State == statemachine.StateCompleted || rec.State == statemachine.StateFailedReplayable) {
-			return fmt.Errorf("ledger: %s record %q has no stored response", rec.State, id.Key)
-		}
-		var err error
-		if rec.FailureReason, err = o.openReason(rec.FailureReason); err != nil {
-			return err
-		}
-		rec.Fingerprint = o.fingerprint(rec.Fingerprint)
-		if hasResponse {
-			rb := o.b
-			rb.Response, rb.State, rb.StatusCode, rb.SchemaVersion, rb.ContentType = true, state, statusCode, schemaVersion, contentType
-			rb.HasMetadata = metadata != nil
-			if body, err = o.open("body", rb, body); err != nil {
+		if t.metadata != nil {
+			if t.metadata, err = o.open("metadata", rb, t.metadata); err != nil {
 				return err
 			}
-			if metadata != nil {
-				if metadata, err = o.open("metadata", rb, metadata); err != nil {
-					return err
-				}
-			}
-			r := &statemachine.Response{SchemaVersion: schemaVersion, ContentType: contentType,
-				StatusCode: statusCode, Body: body}
-			if len(metadata) > 0 {
-				var err error
-				if r.Metadata, err = decodeMetadata(metadata); err != nil {
-					return err
-				}
-			}
-			rec.Response = r
 		}
-		if cpPhase != nil {
-			c := &statemachine.Checkpoint{Phase: *cpPhase}
-			if cpAt != nil {
-				c.At = cpAt.UTC()
+		r := &statemachine.Response{SchemaVersion: t.schemaVersion, ContentType: t.contentType,
+			StatusCode: t.statusCode, Body: t.body}
+		if len(t.metadata) > 0 {
+			var err error
+			if r.Metadata, err = decodeMetadata(t.metadata); err != nil {
+				return err
 			}
-			if cpAttempt != nil {
-				c.Attempt = *cpAttempt
-			}
-			if cpData != nil {
-				if c.Data, err = o.openCheckpoint(rec.Generation, c.Attempt, cpData); err != nil {
-					return err
-				}
-			}
-			rec.Checkpoint = c
 		}
-		return nil
+		t.rec.Response = r
 	}
-	return dest, func() error {
-		err := decode()
-		if err == nil {
-			return nil
+	if t.cpPhase != nil {
+		c := &statemachine.Checkpoint{Phase: *t.cpPhase}
+		if t.cpAt != nil {
+			c.At = t.cpAt.UTC()
 		}
-		if mode == scanStrict {
-			return fmt.Errorf("%w: %w", ErrUnreadable, err)
+		if t.cpAttempt != nil {
+			c.Attempt = *t.cpAttempt
 		}
-		s.logger.Warn("record unreadable; returned without its sealed columns", "tenant", id.Tenant, "scope", id.Scope, "err", err)
-		rec.Response, rec.FailureReason, rec.Fingerprint, rec.Checkpoint = nil, "", nil, nil
-		return nil
+		if t.cpData != nil {
+			if c.Data, err = o.openCheckpoint(t.rec.Generation, c.Attempt, t.cpData); err != nil {
+				return err
+			}
+		}
+		t.rec.Checkpoint = c
 	}
+	return nil
 }
 
 // opener opens the sealed columns of one scanned row.
