@@ -1,0 +1,220 @@
+// Command grpcfloor measures the floor under the coordinator's unary path:
+// what grpc-go itself costs for a pair of the coordinator's calls (Begin
+// and Complete, from the generated stub) when the server answers each with
+// a canned answer of the coordinator's size, with no interceptors, no
+// validation and no database. It starts itself as the server (a separate
+// process, as the coordinator is), drives it from callers in this process
+// over one connection, and prints pairs/s and the CPU per pair of each
+// side:
+//
+//	go run ./bench/grpcfloor -concurrency 64 -duration 6s -runs 3
+//
+// docs/performance.md compares these figures with the coordinator's.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
+)
+
+func main() {
+	if len(os.Args) == 3 && os.Args[1] == "serve" {
+		if err := serve(os.Args[2]); err != nil {
+			fmt.Fprintln(os.Stderr, "grpcfloor:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	concurrency := flag.Int("concurrency", 64, "concurrent callers, each doing Begin then Complete on a new key")
+	duration := flag.Duration("duration", 6*time.Second, "measured time of each run (after a 1 s warm-up)")
+	runs := flag.Int("runs", 3, "runs, each against a fresh server process")
+	flag.Parse()
+	for range *runs {
+		if err := run(*concurrency, *duration); err != nil {
+			fmt.Fprintln(os.Stderr, "grpcfloor:", err)
+			os.Exit(1)
+		}
+	}
+}
+
+// floorServer answers every Begin and Complete with the same answer.
+type floorServer struct {
+	idempotencyv1.UnimplementedCoordinatorServer
+	begin    *idempotencyv1.BeginResponse
+	complete *idempotencyv1.CompleteResponse
+}
+
+// Begin answers ACQUIRED.
+func (s *floorServer) Begin(context.Context, *idempotencyv1.BeginRequest) (*idempotencyv1.BeginResponse, error) {
+	return s.begin, nil
+}
+
+// Complete answers with a COMPLETED record holding a 150-byte response.
+func (s *floorServer) Complete(context.Context, *idempotencyv1.CompleteRequest) (*idempotencyv1.CompleteResponse, error) {
+	return s.complete, nil
+}
+
+// record is a record of the size the coordinator answers with.
+func record(state idempotencyv1.State, body []byte) *idempotencyv1.Record {
+	now := timestamppb.Now()
+	rec := &idempotencyv1.Record{Scope: "bench", Key: "k-0123456789abcdef", State: state, Attempt: 1, Generation: 1,
+		Fingerprint: make([]byte, 32), CreatedAt: now, UpdatedAt: now, LeaseExpiresAt: now, ExpiresAt: now}
+	if body != nil {
+		rec.Response = &idempotencyv1.StoredResponse{Body: body}
+	}
+	return rec
+}
+
+// serve serves the canned answers on addr, with as many stream workers as
+// the coordinator runs, until killed.
+func serve(addr string) error {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	s := grpc.NewServer(grpc.NumStreamWorkers(256))
+	idempotencyv1.RegisterCoordinatorServer(s, &floorServer{
+		begin: &idempotencyv1.BeginResponse{Outcome: idempotencyv1.Outcome_OUTCOME_ACQUIRED,
+			LeaseToken: "0123456789abcdef0123456789abcdef", Record: record(idempotencyv1.State_STATE_IN_PROGRESS, nil)},
+		complete: &idempotencyv1.CompleteResponse{Record: record(idempotencyv1.State_STATE_COMPLETED, make([]byte, 150))},
+	})
+	return s.Serve(lis)
+}
+
+// run starts a server process, drives it and prints one line of figures.
+func run(concurrency int, duration time.Duration) error {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	addr := lis.Addr().String()
+	if err := lis.Close(); err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	srv := exec.Command(self, "serve", addr)
+	srv.Stderr = os.Stderr
+	if err := srv.Start(); err != nil {
+		return err
+	}
+	defer func() {
+		_ = srv.Process.Kill()
+		_ = srv.Wait()
+	}()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer func() { _ = conn.Close() }()
+	c := idempotencyv1.NewCoordinatorClient(conn)
+	ctx := context.Background()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if _, err := c.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "bench", Key: "ready"}); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			return fmt.Errorf("server not answering: %w", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var pairs atomic.Int64
+	var measuring, stopping atomic.Bool
+	errs := make(chan error, concurrency)
+	var wg sync.WaitGroup
+	for g := range concurrency {
+		wg.Go(func() {
+			for i := 0; !stopping.Load(); i++ {
+				key := fmt.Sprintf("k%d-%d", g, i)
+				r, err := c.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "bench", Key: key, Fingerprint: make([]byte, 32)})
+				if err == nil {
+					_, err = c.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "bench", Key: key, LeaseToken: r.GetLeaseToken(),
+						Response: &idempotencyv1.StoredResponse{Body: make([]byte, 150)}})
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+				if measuring.Load() {
+					pairs.Add(1)
+				}
+			}
+		})
+	}
+	time.Sleep(time.Second)
+	s0, err := processCPU(srv.Process.Pid)
+	if err != nil {
+		return err
+	}
+	c0 := ownCPU()
+	measuring.Store(true)
+	t0 := time.Now()
+	time.Sleep(duration)
+	measuring.Store(false)
+	elapsed := time.Since(t0).Seconds()
+	s1, err := processCPU(srv.Process.Pid)
+	if err != nil {
+		return err
+	}
+	c1 := ownCPU()
+	stopping.Store(true)
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return err
+	}
+	n := float64(pairs.Load())
+	if n == 0 {
+		return errors.New("no pairs in the measured window")
+	}
+	fmt.Printf("%d callers: %.0f pairs/s; CPU ms per pair: server %.4f, callers %.4f; CPUs busy %.2f\n",
+		concurrency, n/elapsed, (s1-s0)*1000/n, (c1-c0)*1000/n, (s1-s0+c1-c0)/elapsed)
+	return nil
+}
+
+// processCPU is the user and system CPU seconds of process pid so far.
+func processCPU(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	utime, err := strconv.ParseFloat(f[11], 64)
+	if err != nil {
+		return 0, err
+	}
+	stime, err := strconv.ParseFloat(f[12], 64)
+	if err != nil {
+		return 0, err
+	}
+	return (utime + stime) / 100, nil // clock ticks of 1/100 s (USER_HZ)
+}
+
+// ownCPU is this process's user and system CPU seconds so far.
+func ownCPU() float64 {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
+}
