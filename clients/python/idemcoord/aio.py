@@ -16,6 +16,7 @@ and idemcoord.current_lease() work inside it.
 
 import asyncio
 import logging
+import math
 import random
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -85,6 +86,11 @@ class Client(_Settings):
         _configure(self, self._channel, token, max_attempts, backoff, max_backoff, timeout, lease, logger,
                    call_batching)
         self._background: Set["asyncio.Future[None]"] = set()
+        # Call batching's timeouts: the batched calls waiting for their answer, and one timer, at the earliest of
+        # their deadlines (a monotonic time; inf: none set), which ends those whose deadline passed.
+        self._waiting: Dict[_core.BatchItem, None] = {}
+        self._expiry: Optional[asyncio.TimerHandle] = None
+        self._expiry_at = math.inf
 
     @classmethod
     def like(cls, client: "idemcoord.client.Client") -> "Client":
@@ -124,20 +130,47 @@ class Client(_Settings):
     async def _batched(self, method: str, request: Any, size: int, timeout: float) -> Any:
         """One try of a call, in a Batch RPC: its answer, or what its unary call raises."""
         assert self._rounds is not None
-        it = _core.BatchItem(method, request, size, time.monotonic() + timeout,
-                             asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        it = _core.BatchItem(method, request, size, time.monotonic() + timeout, loop.create_future())
+        self._waiting[it] = None
+        if it.deadline < self._expiry_at:
+            self._expire_at(loop, it.deadline)
         round_ = self._rounds.add(it)
         if round_ is not None:
             self._run_in_background(self._send_rounds(round_))
         try:
-            done, _ = await asyncio.wait({it.waiter}, timeout=timeout)
+            # Set by the sender when the call is answered, or by _expire when its deadline passed first (a timer
+            # per client, not one per call: asyncio.wait's timer and callbacks were a fifth of a call's CPU).
+            await it.waiter
         except asyncio.CancelledError:
+            del self._waiting[it]
             await asyncio.shield(self._batched_gone(it))
             raise
-        if not done:
+        del self._waiting[it]
+        if not it.answered:
             await asyncio.shield(self._batched_gone(it))
             raise _core.rpc_error(_C.DEADLINE_EXCEEDED, "Deadline Exceeded")
         return it.answer()
+
+    def _expire_at(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """(Re)sets the timer of the batched calls' timeouts to deadline (a time.monotonic() value)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = deadline
+        self._expiry = loop.call_at(loop.time() + (deadline - time.monotonic()), self._expire, loop)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer: wakes the batched calls whose deadline passed unanswered, and sets itself for the next one."""
+        self._expiry, self._expiry_at = None, math.inf
+        now, soonest = time.monotonic(), math.inf
+        for it in self._waiting:
+            if it.deadline <= now:
+                if not it.waiter.done():
+                    it.waiter.set_result(None)  # not answered: the caller raises DEADLINE_EXCEEDED
+            elif it.deadline < soonest:
+                soonest = it.deadline
+        if soonest < math.inf:
+            self._expire_at(loop, soonest)
 
     async def _batched_gone(self, it: _core.BatchItem) -> None:
         """Its caller gave up on it: out of the queue if it is still there, else a Begin's acquisition is released.
@@ -151,7 +184,9 @@ class Client(_Settings):
             return
 
         async def release() -> None:
-            await it.waiter
+            if not it.answered:  # its first waiter is done (timed out) or cancelled: the sender sets this one
+                it.waiter = asyncio.get_running_loop().create_future()
+                await it.waiter
             token = it.acquired_token()
             if token:
                 await self._release(dict(scope=it.request.scope, key=it.request.key), token)

@@ -450,6 +450,22 @@ class AioBatchingTest(unittest.IsolatedAsyncioTestCase):
         with self.assertRaises(grpc.aio.AioRpcError):
             await first
 
+    async def test_a_timed_out_begin_releases_what_it_acquired(self):
+        c = self.client(call_batching=2, interceptors=[AioRpcs(delay=0.3)])
+        k = key("timed-out")
+        waiting = asyncio.ensure_future(c.lookup(scope="pay", key=key("absent")))  # a later deadline, in flight
+        with self.assertRaises(grpc.aio.AioRpcError) as cm:
+            await c.begin(scope="pay", key=k, timeout=0.1)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        with self.assertRaises(grpc.aio.AioRpcError) as cm:
+            await self.plain.lookup(scope="pay", key=k)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+        again = await self.plain.begin(scope="pay", key=k)
+        self.assertEqual((again.outcome, again.record.attempt), (ACQUIRED, 1))
+        with self.assertRaises(grpc.aio.AioRpcError) as cm:
+            await waiting
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+
     async def test_a_coordinator_without_batch_gets_unary_calls(self):
         i = AioRpcs(refuse=grpc.StatusCode.UNIMPLEMENTED)
         c = self.client(call_batching=2, interceptors=[i])
