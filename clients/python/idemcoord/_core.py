@@ -659,11 +659,23 @@ class BatchRounds:
 
     def add(self, item: BatchItem) -> Optional[List[BatchItem]]:
         """Queues item; returns the round to send now when an RPC slot is free, else None (a sender takes it)."""
+        if not self.reserve(item):
+            return None
+        return self._take()
+
+    def reserve(self, item: BatchItem) -> bool:
+        """Queues item; whether it took a free RPC slot, for a sender to start that takes its first round with next_round.
+
+        The asyncio client's sender is a task: by its first turn, the calls
+        that the loop's other tasks made in the same turn of the loop (the
+        callers a Batch's answer woke, say) are queued too, and go in that
+        round rather than waiting behind a round of one.
+        """
         self.queue.append(item)
         if self.in_flight >= self.max:
-            return None
+            return False
         self.in_flight += 1
-        return self._take()
+        return True
 
     def next_round(self) -> Optional[List[BatchItem]]:
         """The round a sender whose RPC was answered sends next, or None: the queue is empty, the slot is free."""

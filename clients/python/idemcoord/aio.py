@@ -135,9 +135,8 @@ class Client(_Settings):
         self._waiting[it] = None
         if it.deadline < self._expiry_at:
             self._expire_at(loop, it.deadline)
-        round_ = self._rounds.add(it)
-        if round_ is not None:
-            self._run_in_background(self._send_rounds(round_))
+        if self._rounds.reserve(it):
+            self._run_in_background(self._send_rounds())
         try:
             # Set by the sender when the call is answered, or by _expire when its deadline passed first (a timer
             # per client, not one per call: asyncio.wait's timer and callbacks were a fifth of a call's CPU).
@@ -195,9 +194,15 @@ class Client(_Settings):
         settle.add_done_callback(self._background.discard)
         await asyncio.wait({settle}, timeout=RELEASE_TIMEOUT)
 
-    async def _send_rounds(self, round_: Optional[List[_core.BatchItem]]) -> None:
-        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again)."""
+    async def _send_rounds(self) -> None:
+        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again).
+
+        Its first round is what is queued at its first turn: the call that
+        started it and those made in the same turn of the loop (a round of
+        one, taken at once, left them waiting for the next RPC).
+        """
         assert self._rounds is not None
+        round_ = self._rounds.next_round()
         while round_ is not None:
             await self._send_round(round_)
             round_ = self._rounds.next_round()

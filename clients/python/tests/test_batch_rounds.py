@@ -28,6 +28,22 @@ class BatchRoundsTest(unittest.TestCase):
         c = item()
         self.assertEqual(r.add(c), [c])
 
+    def test_a_reserved_slot_sends_what_is_queued_when_its_sender_starts(self):
+        r = _core.BatchRounds(2)
+        a, b, c = item(), item(), item()
+        self.assertTrue(r.reserve(a))
+        self.assertTrue(r.reserve(b), "a second slot is free")
+        self.assertFalse(r.reserve(c), "both slots are taken")
+        self.assertEqual(r.next_round(), [a, b, c])  # the first sender to start takes what is queued
+        self.assertIsNone(r.next_round())  # the other finds nothing and frees its slot
+        self.assertEqual(r.in_flight, 1)
+        d = item()
+        self.assertTrue(r.reserve(d))
+        self.assertTrue(r.withdraw(d))
+        self.assertIsNone(r.next_round(), "a sender whose call was withdrawn before it started")
+        self.assertIsNone(r.next_round())
+        self.assertEqual(r.in_flight, 0)
+
     def test_a_round_holds_at_most_128_calls_and_2_mib(self):
         r = _core.BatchRounds(1)
         r.add(item())
