@@ -101,6 +101,20 @@ function errorReason(err) {
 }
 
 /**
+ * {...obj, ...fields}, with its keys in the same order, but made with
+ * Object.assign: V8 adds each key a spread copy lacks on a slow path (about
+ * half a microsecond a key), which every begin and complete paid. An object
+ * with an own "__proto__" key (JSON.parse makes those), which
+ * Object.assign would hand to Object.prototype's setter, is spread.
+ */
+function copyWith(obj, fields) {
+  if (obj != null && Object.hasOwn(obj, '__proto__')) {
+    return { ...obj, ...fields };
+  }
+  return Object.assign({}, obj, fields);
+}
+
+/**
  * A StoredResponse as callers see it, whatever shape it was given in: every
  * field set, body a Buffer (a string is taken as UTF-8, never base64),
  * metadata a plain object.
@@ -113,14 +127,13 @@ function storedResponse(resp) {
   if (Array.isArray(metadata)) {
     metadata = Object.fromEntries(metadata.map((e) => [e.key, e.value]));
   }
-  return {
-    ...r,
+  return copyWith(r, {
     schema_version: r.schema_version ?? '',
     content_type: r.content_type ?? '',
     body,
     status_code: r.status_code ?? 0,
     metadata: Object.fromEntries(Object.entries(metadata).map(([k, v]) => [k, String(v)])),
-  };
+  });
 }
 
 // The only map field of the Coordinator API, StoredResponse.metadata, is an
@@ -131,7 +144,7 @@ function metadataToWire(resp) {
     return resp;
   }
   const r = storedResponse(resp);
-  return { ...r, metadata: Object.entries(r.metadata).map(([key, value]) => ({ key, value })) };
+  return copyWith(r, { metadata: Object.entries(r.metadata).map(([key, value]) => ({ key, value })) });
 }
 
 function metadataFromWire(resp) {
@@ -143,7 +156,7 @@ function metadataFromWire(resp) {
 
 /** Makes the StoredResponse in a request wire-shaped. */
 function requestToWire(req) {
-  return req && req.response ? { ...req, response: metadataToWire(req.response) } : req;
+  return req && req.response ? copyWith(req, { response: metadataToWire(req.response) }) : req;
 }
 
 /** Gives the StoredResponse of an answer's record its plain-object metadata. */
@@ -178,6 +191,7 @@ function millis(d) {
 module.exports = {
   CoordinatorClient,
   REASONS,
+  copyWith,
   reasonName,
   descriptorPath,
   encodeStatus,

@@ -317,14 +317,13 @@ class Client {
    * milliseconds or Duration objects.
    */
   begin(request, opts = {}) {
-    const req = {
-      ...request,
+    const req = api.copyWith(request, {
       fingerprint: toBytes(request.fingerprint),
       ttl: api.duration(request.ttl),
       lease: api.duration(request.lease),
       wait: api.duration(request.wait),
       attempt_id: request.attempt_id || newAttemptId(),
-    };
+    });
     return this._call('Begin', req, opts, api.millis(req.wait));
   }
 
@@ -356,7 +355,7 @@ class Client {
 
   /** Extends the current attempt's lease (lease: milliseconds or a Duration). */
   heartbeat(request, opts = {}) {
-    return this._call('Heartbeat', { ...request, lease: api.duration(request.lease) }, opts);
+    return this._call('Heartbeat', api.copyWith(request, { lease: api.duration(request.lease) }), opts);
   }
 
   /**
@@ -455,7 +454,7 @@ class Client {
       const asked = Math.min(MAX_BEGIN_WAIT_MS, left);
       const start = Date.now();
       sent = start;
-      res = await this.begin({ ...req, wait: asked }, { signal });
+      res = await this.begin(api.copyWith(req, { wait: asked }), { signal });
       if (res.outcome === 'OUTCOME_IN_PROGRESS' && Date.now() - start < asked / 2) {
         await sleep(Math.min(api.millis(res.retry_after) || 100, asked), signal).catch(() => {});
       }
@@ -477,7 +476,7 @@ class Client {
     const opts = { signal: AbortSignal.timeout(RELEASE_TIMEOUT_MS), timeoutMs: RELEASE_TIMEOUT_MS };
     try {
       if (!token) {
-        const res = await this.begin({ ...req, wait: null }, opts);
+        const res = await this.begin(api.copyWith(req, { wait: null }), opts);
         if (res.outcome !== 'OUTCOME_ACQUIRED') {
           return; // another attempt holds the key, or it has an outcome
         }
@@ -745,9 +744,9 @@ class Lease {
   _send(ending, opts) {
     const base = { scope: this.scope, key: this.key, lease_token: this.token };
     if (ending.complete) {
-      return this.client.complete({ ...base, response: ending.complete }, opts);
+      return this.client.complete(api.copyWith(base, { response: ending.complete }), opts);
     }
-    return this.client.fail({ ...base, kind: ending.kind, response: ending.response ?? null, reason: ending.reason ?? '' }, opts);
+    return this.client.fail(api.copyWith(base, { kind: ending.kind, response: ending.response ?? null, reason: ending.reason ?? '' }), opts);
   }
 
   /**
