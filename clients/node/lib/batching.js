@@ -11,6 +11,7 @@ const { RELEASE_TIMEOUT_MS } = require('./tables');
 
 const S = grpc.status;
 const service = api.CoordinatorClient.service;
+const deserializeBatch = api.responseDeserializer('idempotency.v1.BatchResponse');
 
 /** The field of idempotency.v1.BatchCall (and BatchResult) that carries each method's request (answer). */
 const CALL_FIELDS = { Begin: 1, Complete: 2, Fail: 3, Lookup: 4, Heartbeat: 5 };
@@ -274,7 +275,7 @@ class Batcher {
     let resp;
     try {
       resp = await new Promise((resolve, reject) => {
-        this.client._rpc.makeUnaryRequest('/idempotency.v1.Coordinator/Batch', (b) => b, service.Batch.responseDeserialize,
+        this.client._rpc.makeUnaryRequest('/idempotency.v1.Coordinator/Batch', (b) => b, deserializeBatch,
           encodeBatch(batch, now), this.client._metadata(), Number.isFinite(deadline) ? { deadline } : {},
           (err, res) => (err ? reject(err) : resolve(res)));
       });
