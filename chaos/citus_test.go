@@ -51,8 +51,19 @@ func TestCitusWorkerKill(t *testing.T) { runCitusWorkerKill(t, false) }
 // TestCitusWorkerKillSpread is TestCitusWorkerKill with the coordinator's
 // connections spread over every node (a multi-host URL with
 // load_balance_hosts=random): the killed worker also held some of the
-// pool's connections, and the running worker's keys must still not fail.
+// pool's connections, and the running worker's keys must still not fail,
+// except with UNAVAILABLE on those connections in the moment after the
+// kill (see spreadKillGrace).
 func TestCitusWorkerKillSpread(t *testing.T) { runCitusWorkerKill(t, true) }
+
+// spreadKillGrace is how long after a worker's kill a call of the running
+// worker's keys may still answer UNAVAILABLE with the spread URL: a call
+// on one of the pool's connections to the killed node itself fails once
+// its statement is sent there (whether the other worker committed it is
+// unknown). pgxpool pings a connection idle for over a second before
+// handing it out, so after a second every connection to the dead node has
+// been used and dropped, or pinged and dropped.
+const spreadKillGrace = time.Second
 
 func runCitusWorkerKill(t *testing.T, spread bool) {
 	requireCitusRun(t)
@@ -107,7 +118,12 @@ func runCitusWorkerKill(t *testing.T, spread bool) {
 	// The running worker's keys: every probe that started after the kill
 	// and ended before the restart succeeded.
 	upOK, upFailed := up.during(killedAt, restartAt)
+	throughDeadNode := 0
 	for _, f := range upFailed {
+		if spread && f.code == codes.Unavailable && f.start.Before(killedAt.Add(spreadKillGrace)) {
+			throughDeadNode++
+			continue
+		}
 		t.Errorf("a key of the running worker failed while the other was down: %s", f)
 	}
 	if len(upOK) == 0 {
@@ -141,8 +157,8 @@ func runCitusWorkerKill(t *testing.T, spread bool) {
 	if r.unavailable == 0 {
 		t.Errorf("no workload call failed UNAVAILABLE: the kill missed the load")
 	}
-	verdict = fmt.Sprintf("lost=%d internal=%d up_ok_while_down=%d up_failed_while_down=%d down_unavailable=%d",
-		r.lost, r.internal, len(upOK), len(upFailed), unavailable)
+	verdict = fmt.Sprintf("lost=%d internal=%d up_ok_while_down=%d up_failed_while_down=%d (through the killed node: %d) down_unavailable=%d",
+		r.lost, r.internal, len(upOK), len(upFailed), throughDeadNode, unavailable)
 	t.Logf("chaos: %s: ops=%d acked=%d checked=%d lost=%d double_lease=%d unavailable=%d internal=%d bad_rows=%d down_for=%v up_ok_while_down=%d up_failed_while_down=%d down_unavailable=%d down_ok_after_restart=%d",
 		name, r.ops, r.acked, r.checked, r.lost, r.doubleLease, r.unavailable, r.internal, r.badRows,
 		restartAt.Sub(killedAt).Round(100*time.Millisecond), len(upOK), len(upFailed), unavailable, len(afterOK))
