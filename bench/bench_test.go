@@ -6,20 +6,22 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/idemcoord/idemcoord/bench/internal/procstat"
 )
 
 func TestParseStat(t *testing.T) {
 	// The command name may hold spaces and parentheses.
 	line := "4242 (idem (co) ord) S 17 4242 4242 0 -1 4194560 1000 0 0 0 250 75 0 0 20 0 9 0 100 0 0\n"
-	st, err := parseStat([]byte(line))
+	st, err := procstat.Parse([]byte(line))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.ppid != 17 || st.cpu != 3.25 {
-		t.Fatalf("parseStat = %+v, want ppid 17 and 3.25 CPU seconds", st)
+	if st.PPID != 17 || st.CPU != 3.25 {
+		t.Fatalf("procstat.Parse = %+v, want ppid 17 and 3.25 CPU seconds", st)
 	}
-	if _, err := parseStat([]byte("4242 (x) S 1")); err == nil {
-		t.Fatal("parseStat accepted a short line")
+	if _, err := procstat.Parse([]byte("4242 (x) S 1")); err == nil {
+		t.Fatal("procstat.Parse accepted a short line")
 	}
 }
 

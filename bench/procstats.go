@@ -2,20 +2,16 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"io"
 	"os"
 	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
-)
 
-// clockTicks is USER_HZ, the unit of the CPU times in /proc/<pid>/stat:
-// 100 on every Linux architecture Go supports.
-const clockTicks = 100
+	"github.com/idemcoord/idemcoord/bench/internal/procstat"
+)
 
 // snapshot is the CPU used so far by the coordinator, PostgreSQL and this
 // process, and the coordinator's peak RSS.
@@ -35,8 +31,8 @@ type snapshot struct {
 func (e *environment) snapshot(coordPID int) snapshot {
 	s := snapshot{at: time.Now()}
 	if coordPID != 0 {
-		if st, err := readStat(coordPID); err == nil {
-			s.coordCPU = st.cpu
+		if st, err := procstat.Read(coordPID); err == nil {
+			s.coordCPU = st.CPU
 		}
 		s.coordHWM, _ = peakRSS(coordPID)
 	}
@@ -47,51 +43,8 @@ func (e *environment) snapshot(coordPID int) snapshot {
 		s.workerCPU = append(s.workerCPU, treeCPU(w.PostmasterPID()))
 	}
 	s.busyCPU, s.stealCPU, _ = machineCPU()
-	var ru syscall.Rusage
-	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
-		s.selfCPU = tvSeconds(ru.Utime) + tvSeconds(ru.Stime)
-	}
+	s.selfCPU, _ = procstat.SelfCPU()
 	return s
-}
-
-func tvSeconds(tv syscall.Timeval) float64 {
-	return float64(tv.Sec) + float64(tv.Usec)/1e6
-}
-
-// procStat is the part of /proc/<pid>/stat the bench reads.
-type procStat struct {
-	ppid int
-	cpu  float64 // utime + stime, seconds
-}
-
-// readStat parses /proc/<pid>/stat.
-func readStat(pid int) (procStat, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return procStat{}, err
-	}
-	return parseStat(b)
-}
-
-// parseStat parses the content of /proc/<pid>/stat. The command name, in
-// parentheses, may hold spaces: fields are counted from its closing one.
-func parseStat(b []byte) (procStat, error) {
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return procStat{}, fmt.Errorf("bad /proc stat %q", b)
-	}
-	f := strings.Fields(string(b[i+1:]))
-	// f[0] is field 3 (state): ppid is field 4, utime 14, stime 15.
-	if len(f) < 13 {
-		return procStat{}, fmt.Errorf("short /proc stat %q", b)
-	}
-	ppid, err1 := strconv.Atoi(f[1])
-	utime, err2 := strconv.ParseUint(f[11], 10, 64)
-	stime, err3 := strconv.ParseUint(f[12], 10, 64)
-	if err1 != nil || err2 != nil || err3 != nil {
-		return procStat{}, fmt.Errorf("bad /proc stat %q", b)
-	}
-	return procStat{ppid: ppid, cpu: float64(utime+stime) / clockTicks}, nil
 }
 
 // treeCPU returns the CPU seconds of root and of its children alive now;
@@ -109,9 +62,9 @@ func treeCPU(root int) float64 {
 		if err != nil {
 			continue
 		}
-		st, err := readStat(pid)
-		if err == nil && (pid == root || st.ppid == root) {
-			total += st.cpu
+		st, err := procstat.Read(pid)
+		if err == nil && (pid == root || st.PPID == root) {
+			total += st.CPU
 		}
 	}
 	return total
@@ -141,7 +94,7 @@ func parseMachineCPU(b []byte) (busy, steal float64, err error) {
 		if err != nil {
 			return 0, 0, fmt.Errorf("bad /proc/stat line %q", line)
 		}
-		v[i] = float64(n) / clockTicks
+		v[i] = float64(n) / procstat.ClockTicks
 	}
 	// Interrupt time is left out: with IRQ time accounting, the softirq
 	// work of loopback traffic is in no process's stime.

@@ -20,17 +20,15 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/idemcoord/idemcoord/bench/internal/procstat"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
 
@@ -160,21 +158,27 @@ func run(concurrency int, duration time.Duration) error {
 		})
 	}
 	time.Sleep(time.Second)
-	s0, err := processCPU(srv.Process.Pid)
+	s0, err := procstat.Read(srv.Process.Pid)
 	if err != nil {
 		return err
 	}
-	c0 := ownCPU()
+	c0, err := procstat.SelfCPU()
+	if err != nil {
+		return err
+	}
 	measuring.Store(true)
 	t0 := time.Now()
 	time.Sleep(duration)
 	measuring.Store(false)
 	elapsed := time.Since(t0).Seconds()
-	s1, err := processCPU(srv.Process.Pid)
+	s1, err := procstat.Read(srv.Process.Pid)
 	if err != nil {
 		return err
 	}
-	c1 := ownCPU()
+	c1, err := procstat.SelfCPU()
+	if err != nil {
+		return err
+	}
 	stopping.Store(true)
 	wg.Wait()
 	close(errs)
@@ -186,35 +190,6 @@ func run(concurrency int, duration time.Duration) error {
 		return errors.New("no pairs in the measured window")
 	}
 	fmt.Printf("%d callers: %.0f pairs/s; CPU ms per pair: server %.4f, callers %.4f; CPUs busy %.2f\n",
-		concurrency, n/elapsed, (s1-s0)*1000/n, (c1-c0)*1000/n, (s1-s0+c1-c0)/elapsed)
+		concurrency, n/elapsed, (s1.CPU-s0.CPU)*1000/n, (c1-c0)*1000/n, (s1.CPU-s0.CPU+c1-c0)/elapsed)
 	return nil
-}
-
-// processCPU is the user and system CPU seconds of process pid so far.
-func processCPU(pid int) (float64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
-	if len(f) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	utime, err := strconv.ParseFloat(f[11], 64)
-	if err != nil {
-		return 0, err
-	}
-	stime, err := strconv.ParseFloat(f[12], 64)
-	if err != nil {
-		return 0, err
-	}
-	return (utime + stime) / 100, nil // clock ticks of 1/100 s (USER_HZ)
-}
-
-// ownCPU is this process's user and system CPU seconds so far.
-func ownCPU() float64 {
-	var ru syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
 }
