@@ -65,8 +65,10 @@ var layout = map[string]rule{
 	"examples": {own: []string{"examples", "clients", "ledger", "statemachine", "gen"}},
 	// The benchmark driver (go run ./bench) starts its own PostgreSQL.
 	// extra: clients, the Go client library the callers can drive the cells with (-client go).
-	"bench": {own: []string{"gen", "ledger", "internal/pgtest", "clients"}},
-	"chaos": {own: []string{}}, // tests only
+	// extra: bench/internal/procstat, the bench's and bench/grpcfloor's one reader of /proc.
+	"bench":                   {own: []string{"gen", "ledger", "internal/pgtest", "clients", "bench/internal/procstat"}},
+	"bench/internal/procstat": {stdOnly: true},
+	"chaos":                   {own: []string{}}, // tests only
 	// The deployment files' checks (chart, alerts, dashboard, image, unit).
 	"deploy": {stdOnly: true}, // tests only
 	// Test helpers.
