@@ -1,5 +1,3 @@
-// Package procstat reads the CPU a process has used from /proc, for the
-// bench and bench/grpcfloor.
 package procstat
 
 import (
