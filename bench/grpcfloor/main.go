@@ -158,11 +158,7 @@ func run(concurrency int, duration time.Duration) error {
 		})
 	}
 	time.Sleep(time.Second)
-	s0, err := procstat.Read(srv.Process.Pid)
-	if err != nil {
-		return err
-	}
-	c0, err := procstat.SelfCPU()
+	s0, c0, err := cpuOf(srv.Process.Pid)
 	if err != nil {
 		return err
 	}
@@ -171,11 +167,7 @@ func run(concurrency int, duration time.Duration) error {
 	time.Sleep(duration)
 	measuring.Store(false)
 	elapsed := time.Since(t0).Seconds()
-	s1, err := procstat.Read(srv.Process.Pid)
-	if err != nil {
-		return err
-	}
-	c1, err := procstat.SelfCPU()
+	s1, c1, err := cpuOf(srv.Process.Pid)
 	if err != nil {
 		return err
 	}
@@ -190,6 +182,17 @@ func run(concurrency int, duration time.Duration) error {
 		return errors.New("no pairs in the measured window")
 	}
 	fmt.Printf("%d callers: %.0f pairs/s; CPU ms per pair: server %.4f, callers %.4f; CPUs busy %.2f\n",
-		concurrency, n/elapsed, (s1.CPU-s0.CPU)*1000/n, (c1-c0)*1000/n, (s1.CPU-s0.CPU+c1-c0)/elapsed)
+		concurrency, n/elapsed, (s1-s0)*1000/n, (c1-c0)*1000/n, (s1-s0+c1-c0)/elapsed)
 	return nil
+}
+
+// cpuOf is the CPU seconds used so far by the server process pid and by
+// this process (the callers).
+func cpuOf(pid int) (server, callers float64, err error) {
+	st, err := procstat.Read(pid)
+	if err != nil {
+		return 0, 0, err
+	}
+	callers, err = procstat.SelfCPU()
+	return st.CPU, callers, err
 }
