@@ -28,21 +28,28 @@ const DEFAULT_FAILURE_KINDS = FAILURE_KINDS;
 
 // Attempt ids are cut from a pool of random bytes, refilled 256 ids at a
 // time: one crypto.randomBytes call per id costs more than the rest of
-// begin's own work (as crypto.randomUUID keeps a pool too).
+// begin's own work (as crypto.randomUUID keeps a pool too). Each Client
+// keeps its own pool; the module keeps no mutable state.
 const ATTEMPT_ID_BYTES = 16;
 const ATTEMPT_ID_POOL_BYTES = 256 * ATTEMPT_ID_BYTES;
-let attemptIdPool = Buffer.alloc(0);
-let attemptIdOffset = 0;
 
-/** A new attempt_id: 16 random bytes (crypto.randomBytes) as 32 hex digits. */
-function newAttemptId() {
-  if (attemptIdOffset + ATTEMPT_ID_BYTES > attemptIdPool.length) {
-    attemptIdPool = crypto.randomBytes(ATTEMPT_ID_POOL_BYTES);
-    attemptIdOffset = 0;
+/** A source of new attempt_ids: 16 random bytes (crypto.randomBytes) as 32 hex digits each. */
+class AttemptIds {
+  constructor() {
+    this._pool = Buffer.alloc(0);
+    this._offset = 0;
   }
-  const id = attemptIdPool.toString('hex', attemptIdOffset, attemptIdOffset + ATTEMPT_ID_BYTES);
-  attemptIdOffset += ATTEMPT_ID_BYTES;
-  return id;
+
+  /** The next attempt_id; never repeats one this source gave. */
+  next() {
+    if (this._offset + ATTEMPT_ID_BYTES > this._pool.length) {
+      this._pool = crypto.randomBytes(ATTEMPT_ID_POOL_BYTES);
+      this._offset = 0;
+    }
+    const id = this._pool.toString('hex', this._offset, this._offset + ATTEMPT_ID_BYTES);
+    this._offset += ATTEMPT_ID_BYTES;
+    return id;
+  }
 }
 
 function channelCredentials(tls) {
@@ -208,6 +215,7 @@ class Client {
     this._token = token;
     this._opts = { maxAttempts: Math.max(1, maxAttempts), backoffMs, maxBackoffMs, timeoutMs, leaseMs };
     this._logger = logger;
+    this._attemptIds = new AttemptIds();
     const chan = { ...channelOptions };
     if (interceptors) {
       chan.interceptors = interceptors;
@@ -234,6 +242,11 @@ class Client {
   _warnUndecidedPrincipal(guard, withOpt, withoutOpt) {
     this._warn(`idemcoord: ${guard} built without ${withOpt} or ${withoutOpt}: two end users who send the same idempotency key and request share one record; fold the end user in with ${withOpt}, or say ${withoutOpt}: true`,
       'IDEMCOORD_UNDECIDED_PRINCIPAL');
+  }
+
+  /** A new attempt_id from this client's pool (see AttemptIds). */
+  _newAttemptId() {
+    return this._attemptIds.next();
   }
 
   /** Warns through logger, or else process.emitWarning with code. */
@@ -322,7 +335,7 @@ class Client {
       ttl: api.duration(request.ttl),
       lease: api.duration(request.lease),
       wait: api.duration(request.wait),
-      attempt_id: request.attempt_id || newAttemptId(),
+      attempt_id: request.attempt_id || this._newAttemptId(),
     });
     return this._call('Begin', req, opts, api.millis(req.wait));
   }
@@ -368,7 +381,7 @@ class Client {
       throw signal.reason; // nothing sent
     }
     const breq = {
-      scope, key, fingerprint: toBytes(fingerprint), attempt_id: newAttemptId(),
+      scope, key, fingerprint: toBytes(fingerprint), attempt_id: this._newAttemptId(),
       lease: this._opts.leaseMs > 0 ? api.duration(this._opts.leaseMs) : null,
     };
     let res;
@@ -877,7 +890,7 @@ function copyCheckpoint(c) {
 module.exports = {
   Client, markSideEffect, currentLease, checkpoint, checkpointFrom, DEFAULT_FAILURE_KINDS,
   // For the middlewares and the interceptor (lib/http.js, lib/grpc.js).
-  Lease, currentAttempt, newAttemptId, failReason, answerLost, RELEASE_REASON,
+  Lease, currentAttempt, AttemptIds, failReason, answerLost, RELEASE_REASON,
   // For the tests.
   laterCheckpoint,
 };

@@ -8,7 +8,7 @@ const crypto = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const api = require('./api');
 const {
-  Lease, newAttemptId, failReason, answerLost, DEFAULT_FAILURE_KINDS,
+  Lease, failReason, answerLost, DEFAULT_FAILURE_KINDS,
 } = require('./client');
 const { SCHEMA_VERSION_STATUS, CONTENT_TYPE_PROTO, REASON_UNKNOWN_HELD } = require('./errors');
 
@@ -256,7 +256,7 @@ function serverInterceptor(client, options = {}) {
       const fp = options.fingerprint ? await options.fingerprint(metadata, message)
         : crypto.createHash('sha256').update(`${descriptor.path}\n`).update(def ? def.requestSerialize(message) : tap.requests[0]).digest();
       const breq = {
-        scope: scopeOf(descriptor.path), key, fingerprint: Buffer.from(fp ?? []), attempt_id: newAttemptId(),
+        scope: scopeOf(descriptor.path), key, fingerprint: Buffer.from(fp ?? []), attempt_id: client._newAttemptId(),
         lease: client._opts.leaseMs > 0 ? api.duration(client._opts.leaseMs) : null,
         accept_schema_versions: [...accepted, SCHEMA_VERSION_STATUS],
       };

@@ -9,7 +9,7 @@ const crypto = require('node:crypto');
 const { Readable } = require('node:stream');
 const grpc = require('@grpc/grpc-js');
 const api = require('./api');
-const { Lease, newAttemptId, answerLost } = require('./client');
+const { Lease, answerLost } = require('./client');
 const { LeaseLostError, LeaseUnconfirmedError, ClientGoneError } = require('./errors');
 const { PROBLEM_TYPES, HTTP_HEADERS } = require('./tables');
 
@@ -472,7 +472,7 @@ class Guard {
     }
     const c = this.client;
     const breq = {
-      scope: o.scope ?? httpOperationScope(o.service, req.method, requestPath(req)), key, fingerprint: fp ? Buffer.from(fp) : Buffer.alloc(0), attempt_id: newAttemptId(),
+      scope: o.scope ?? httpOperationScope(o.service, req.method, requestPath(req)), key, fingerprint: fp ? Buffer.from(fp) : Buffer.alloc(0), attempt_id: c._newAttemptId(),
       lease: c._opts.leaseMs > 0 ? api.duration(c._opts.leaseMs) : null,
       accept_schema_versions: [HTTP_SCHEMA_VERSION],
     };
