@@ -204,7 +204,16 @@ func TestNotificationQueueOverLimit(t *testing.T) {
 			break
 		}
 	}
-	if st := replica.NotificationStats(); st.QueueUsage <= 0 {
-		t.Errorf("queue usage %v, want it above 0 while a listener is stalled", st.QueueUsage)
+	// QueueUsage is read at each of the replica's own pings (every
+	// 200 ms), which the writer's ping above may have come before: wait
+	// for one. The listener stays stalled, so the usage stays above 0.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		st := replica.NotificationStats()
+		if st.QueueUsage > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("queue usage %v after 10 s, want it above 0 while a listener is stalled", st.QueueUsage)
+		}
 	}
 }
