@@ -2,6 +2,7 @@ package ledger_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -207,13 +208,8 @@ func TestNotificationQueueOverLimit(t *testing.T) {
 	// QueueUsage is read at each of the replica's own pings (every
 	// 200 ms), which the writer's ping above may have come before: wait
 	// for one. The listener stays stalled, so the usage stays above 0.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+	waitFor(t, "the replica's queue usage above 0 while a listener is stalled", func() (bool, error) {
 		st := replica.NotificationStats()
-		if st.QueueUsage > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("queue usage %v after 10 s, want it above 0 while a listener is stalled", st.QueueUsage)
-		}
-	}
+		return st.QueueUsage > 0, fmt.Errorf("queue usage %v", st.QueueUsage)
+	})
 }
