@@ -890,7 +890,7 @@ function copyCheckpoint(c) {
 module.exports = {
   Client, markSideEffect, currentLease, checkpoint, checkpointFrom, DEFAULT_FAILURE_KINDS,
   // For the middlewares and the interceptor (lib/http.js, lib/grpc.js).
-  Lease, currentAttempt, AttemptIds, failReason, answerLost, RELEASE_REASON,
+  Lease, currentAttempt, failReason, answerLost, RELEASE_REASON,
   // For the tests.
-  laterCheckpoint,
+  laterCheckpoint, AttemptIds,
 };
