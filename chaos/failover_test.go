@@ -217,10 +217,7 @@ type failoverPair struct {
 // clock, on the multi-host URL of both; the callers draw from seed.
 func startFailoverPair(t *testing.T, synchronous bool, seed uint64) *failoverPair {
 	t.Helper()
-	// synchronous_commit on: off, a commit waits neither for its own
-	// flush nor for the synchronous standby, and a promotion could miss
-	// answered commits (see refKillSafeSettings).
-	f := &failoverPair{primary: pgtest.StartCluster(t, pgtest.ClusterOptions{Settings: refKillSafeSettings})}
+	f := &failoverPair{primary: pgtest.StartCluster(t, pgtest.ClusterOptions{})}
 	f.current = f.primary.URL("postgres")
 	if err := ledger.Migrate(context.Background(), f.current); err != nil {
 		t.Fatal(err)

@@ -81,7 +81,7 @@ const refMinLostReplies = 10
 func TestLinearizableReference(t *testing.T) {
 	v := newRefVerdict(t)
 	s := seed(t)
-	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{Settings: refKillSafeSettings})
+	cluster := pgtest.StartCluster(t, pgtest.ClusterOptions{})
 	dbURL := cluster.URL("postgres")
 	runLinearizableReference(t, s, v, refDatabase{url: dbURL, name: "postgres",
 		kill: func(int) error {
@@ -105,7 +105,7 @@ func TestCitusLinearizableReference(t *testing.T) {
 	requireCitusRun(t)
 	v := newRefVerdict(t)
 	s := seed(t)
-	cc := pgtest.StartCitusCluster(t, pgtest.ClusterOptions{Settings: refKillSafeSettings})
+	cc := pgtest.StartCitusCluster(t, pgtest.ClusterOptions{})
 	if err := cc.CreateDatabase(context.Background(), "idemcoord"); err != nil {
 		t.Fatal(err)
 	}
@@ -143,17 +143,6 @@ func TestCitusLinearizableReference(t *testing.T) {
 			}
 		}})
 }
-
-// refKillSafeSettings keep every commit that PostgreSQL acknowledged
-// through a kill round's SIGKILL. A test cluster runs with
-// synchronous_commit off, which acknowledges a commit before its WAL is
-// written out of PostgreSQL's shared memory: a SIGKILL then loses the last
-// commits of the round before it, answers the coordinator gave included,
-// and the checker rightly finds the history not linearizable (a Begin
-// acquired just before a worker's kill was gone after its restart, and a
-// second Begin acquired the same attempt). fsync may stay off: a killed
-// process leaves the kernel's page cache, which holds what was written.
-var refKillSafeSettings = []string{"synchronous_commit=on"}
 
 // refKeyNames returns the distinct keys of refKeys.
 func refKeyNames() []string {

@@ -89,7 +89,8 @@ func TestRunTxWaitingLostCommitRunsOnce(t *testing.T) {
 	exec(`CREATE TABLE probe (n int)`)
 	exec(`ALTER SYSTEM SET synchronous_standby_names = 'nobody'`)
 	exec(`SELECT pg_reload_conf()`)
-	// (The test cluster's default is synchronous_commit off.)
+	// (synchronous_commit is the test cluster's default too; said here
+	// because the probe needs it.)
 	probe, err := pgx.Connect(ctx, url+"&synchronous_commit=on")
 	if err != nil {
 		t.Fatal(err)

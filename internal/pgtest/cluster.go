@@ -21,10 +21,15 @@ import (
 
 // ClusterOptions configures a cluster started by StartCluster.
 type ClusterOptions struct {
-	// Durable keeps fsync, synchronous_commit and full_page_writes on, so
-	// that committed data survives Kill the way it would on a real server.
-	// The default turns them off, which is faster and is safe for data
-	// that a test throws away.
+	// Durable keeps fsync and full_page_writes on, so that committed data
+	// survives Kill the way it would on a real server. The default turns
+	// them off, which is faster and is safe for data that a test throws
+	// away. synchronous_commit stays on either way: with fsync off it
+	// costs a commit one write into the kernel's page cache, and it keeps
+	// every commit PostgreSQL acknowledged through a kill of PostgreSQL's
+	// processes (not of the machine), for every session: the coordinator's
+	// own sessions ask for it, but a Citus worker's sessions, which the
+	// coordinator node opens, run with the worker's default.
 	Durable bool
 	// DataDir, when set, is where the data directory is created (it must
 	// not exist yet, and its parent must be writable by the server's
@@ -298,7 +303,7 @@ func (c *Cluster) startLocked() error {
 		"max_connections=300",
 	}
 	if !c.opts.Durable {
-		settings = append(settings, "fsync=off", "synchronous_commit=off", "full_page_writes=off")
+		settings = append(settings, "fsync=off", "full_page_writes=off")
 	}
 	settings = append(settings, c.opts.Settings...)
 	args := []string{"-D", c.data, "-p", strconv.Itoa(c.port)}

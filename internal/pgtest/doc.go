@@ -14,10 +14,13 @@
 // StartCluster starts a separate cluster that a test owns and may stop,
 // kill and start again, for fault tests.
 //
-// Test clusters trade durability for speed (fsync=off, and /dev/shm for
-// their files when TMPDIR is unset and it has 1 GiB free) unless
-// ClusterOptions.Durable is set, listen on 127.0.0.1 only and trust every
-// local connection: they are for tests, never for data that matters.
+// Test clusters trade durability for speed (fsync=off and
+// full_page_writes=off, and /dev/shm for their files when TMPDIR is unset
+// and it has 1 GiB free) unless ClusterOptions.Durable is set, listen on
+// 127.0.0.1 only and trust every local connection: they are for tests,
+// never for data that matters. synchronous_commit stays on, so a test that
+// kills PostgreSQL's processes (not the machine) keeps every commit
+// PostgreSQL acknowledged.
 //
 // The processes pgtest starts (PostgreSQL's postmaster, PgBouncer) end with
 // the test binary however it ends, a SIGKILL included: on Linux each is its

@@ -180,3 +180,40 @@ func BenchmarkStartCluster(b *testing.B) {
 		}
 	}
 }
+
+// TestClusterKeepsAcknowledgedCommitsAcrossKill checks that a cluster
+// that is not durable (fsync off) still keeps every commit it answered
+// through a kill of PostgreSQL's processes, for a session that asked for
+// nothing: the kernel's page cache holds what a commit wrote, as long as
+// the commit wrote its WAL before answering (synchronous_commit on). With
+// synchronous_commit off the last commits before the kill were lost,
+// answered ones included, on a Citus worker too, whose sessions the
+// coordinator node opens with the worker's defaults.
+func TestClusterKeepsAcknowledgedCommitsAcrossKill(t *testing.T) {
+	t.Parallel()
+	c := StartCluster(t, ClusterOptions{})
+	dbURL := c.URL("postgres")
+	conn := connect(t, dbURL)
+	if _, err := conn.Exec(t.Context(), "CREATE TABLE kept (n int)"); err != nil {
+		t.Fatal(err)
+	}
+	const rows = 200
+	for n := range rows {
+		if _, err := conn.Exec(t.Context(), "INSERT INTO kept VALUES ($1)", n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.Kill(); err != nil {
+		t.Fatalf("Kill: %v", err)
+	}
+	if err := c.Start(); err != nil {
+		t.Fatalf("Start after Kill: %v", err)
+	}
+	var n int
+	if err := connect(t, dbURL).QueryRow(t.Context(), "SELECT count(*) FROM kept").Scan(&n); err != nil {
+		t.Fatalf("count rows after restart: %v", err)
+	}
+	if n != rows {
+		t.Errorf("rows after Kill and Start = %d, want the %d whose commits were answered", n, rows)
+	}
+}
