@@ -2,6 +2,7 @@ package clients
 
 import (
 	"context"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -37,8 +38,10 @@ const (
 // (without a wait), Complete, Fail, Lookup and Heartbeat calls go to the
 // coordinator's Batch method, at most maxInFlight Batch RPCs at a time.
 // Nothing waits for a batch to fill: while fewer than maxInFlight RPCs are in
-// flight a call is sent at once (alone, if it is alone); the calls that
-// arrive while all are in flight go together in the next RPC. Under load
+// flight a call is sent as soon as the goroutines ready at that moment have
+// had their turn (runtime.Gosched), with the calls they made meanwhile, or
+// alone; the calls that arrive while all are in flight go together in the
+// next RPC. Under load
 // this divides the fixed costs of a call (HTTP/2 frames, gRPC's paths on
 // both sides, logging) by the calls per RPC and hands the coordinator larger
 // batches to write in one transaction. 2 is a good value; 0 (the default)
@@ -73,6 +76,7 @@ type batcher struct {
 	mu       sync.Mutex
 	queue    []*batchItem
 	inFlight int
+	taking   bool // a sender is about to take the queue (see run)
 
 	// unary is set once the coordinator answered UNIMPLEMENTED for Batch.
 	unary atomic.Bool
@@ -168,19 +172,19 @@ func (b *batcher) releaseAnswered(ctx context.Context, it *batchItem) {
 	}
 }
 
-// enqueue queues it and, while fewer than max Batch RPCs are in flight,
-// starts one that takes the queue.
+// enqueue queues it and, while fewer than max Batch RPCs are in flight and
+// no sender is about to take the queue, starts a sender.
 func (b *batcher) enqueue(it *batchItem) {
 	b.mu.Lock()
 	b.queue = append(b.queue, it)
-	if b.inFlight >= b.max {
+	if b.inFlight >= b.max || b.taking {
 		b.mu.Unlock()
 		return
 	}
 	b.inFlight++
-	batch := b.take()
+	b.taking = true
 	b.mu.Unlock()
-	go b.run(batch)
+	go b.run()
 }
 
 // take removes from the queue the calls of the next Batch RPC: as many as
@@ -199,30 +203,53 @@ func (b *batcher) take() []*batchItem {
 	return batch
 }
 
-// run sends batches until the queue is empty.
-func (b *batcher) run(batch []*batchItem) {
+// run sends batches until the queue is empty. It takes the queue only
+// after letting the goroutines that are ready run first (runtime.Gosched):
+// the callers that one answer woke call again at nearly the same time, and
+// their calls then go in one RPC, where sending the first of them at once
+// put it alone in an RPC of its own, with the rest in another behind it
+// (and the coordinator wrote the lone call in a round of its own, which
+// the others then waited for). b.taking, set while a sender is about to
+// take the queue, keeps those callers from starting a second sender for
+// the same calls; it is set before the callers of an answer are woken.
+func (b *batcher) run() {
 	for {
-		b.send(batch)
+		runtime.Gosched()
 		b.mu.Lock()
+		b.taking = false
 		if len(b.queue) == 0 {
 			b.inFlight--
 			b.mu.Unlock()
 			return
 		}
-		batch = b.take()
+		batch := b.take()
 		b.mu.Unlock()
+		b.send(batch)
+		b.mu.Lock()
+		if b.taking {
+			// Another sender will take the queue: this one is done.
+			b.inFlight--
+			b.mu.Unlock()
+			answer(batch)
+			return
+		}
+		b.taking = true
+		b.mu.Unlock()
+		answer(batch)
 	}
 }
 
-// send makes one Batch RPC for batch and hands every call its result. The
+// answer hands every call of batch its result (or error).
+func answer(batch []*batchItem) {
+	for _, it := range batch {
+		close(it.done)
+	}
+}
+
+// send makes one Batch RPC for batch and sets every call's result. The
 // RPC's deadline is the latest of its calls' (none if a call has none);
 // each call's own goes as its timeout.
 func (b *batcher) send(batch []*batchItem) {
-	defer func() {
-		for _, it := range batch {
-			close(it.done)
-		}
-	}()
 	if b.unary.Load() {
 		b.eachUnary(batch)
 		return
