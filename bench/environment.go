@@ -44,9 +44,12 @@ type environment struct {
 	coord     *exec.Cmd
 	coordLog  string
 	coordDone chan struct{} // closed when the coordinator has exited
-	conns     []*grpc.ClientConn
-	clients   []coordinatorCalls // one per connection, of the -client kind
-	stubs     []coordinatorCalls // one per connection, the generated stub (the stub path)
+	// coordTie, closed once the coordinator has exited, ends the thread
+	// that started it (see startCoordinator).
+	coordTie chan struct{}
+	conns    []*grpc.ClientConn
+	clients  []coordinatorCalls // one per connection, of the -client kind
+	stubs    []coordinatorCalls // one per connection, the generated stub (the stub path)
 	// admin runs the bench's own statements (CHECKPOINT, the scale
 	// check's loads and counts); baseline and lean are the baselines'
 	// pools, open only during their cells.
@@ -171,12 +174,17 @@ func (e *environment) startCoordinator(ctx context.Context) error {
 		strings.Fields(e.s.CoordFlags)...)
 	cmd := exec.Command(e.s.coordinator, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
-	// Dies with this process, whatever ends it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	// Dies with this process, whatever ends it: the parent-death signal is
+	// tied to a thread kept for it. Set on the thread a goroutine happens
+	// to run on, it fired whenever that thread ended, as one does when a
+	// goroutine locked to it returns (the Citus nodes' ties do, when the
+	// Citus cells stop their cluster): a make bench run lost its
+	// coordinator that way before the scale check.
+	tie := make(chan struct{})
+	if err := pgtest.StartTied(cmd, syscall.SIGKILL, tie); err != nil {
 		return fmt.Errorf("start coordinator: %w", err)
 	}
-	e.coord, e.coordDone, e.addr = cmd, make(chan struct{}), grpcAddr
+	e.coord, e.coordDone, e.coordTie, e.addr = cmd, make(chan struct{}), tie, grpcAddr
 	go func() {
 		_ = cmd.Wait()
 		close(e.coordDone)
@@ -291,6 +299,7 @@ func (e *environment) stopCoordinator() coordinatorTotals {
 		_ = e.coord.Process.Kill()
 		<-e.coordDone
 	}
+	close(e.coordTie)
 	if ps := e.coord.ProcessState; ps != nil {
 		t.ExitCode = ps.ExitCode()
 		t.CPUSeconds = (ps.UserTime() + ps.SystemTime()).Seconds()

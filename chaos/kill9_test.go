@@ -128,9 +128,9 @@ func (p *coordProc) start() {
 	cmd := exec.Command(p.bin, "--listen", p.addr, "--http-listen", p.httpAddr, "--config", p.config, "--log-level", "warn")
 	cmd.Env = append(os.Environ(), "DATABASE_URL="+p.dbURL)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	// Should the test binary die without its cleanup, so does the child.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	// Should the test binary die without its cleanup, so does the child
+	// (and only then: the signal is tied to a thread kept for it).
+	if err := coordtest.StartTied(t, cmd); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan struct{})

@@ -207,3 +207,68 @@ func command(pid int) string {
 	b, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
 	return strings.TrimSpace(string(b))
 }
+
+// TestTiedChildOutlivesEndingThreads: a StartTied process keeps running
+// while other threads of this process end, as a thread does when a
+// goroutine locked to it returns (every tie does when its process ends).
+// The control shows why that matters: a parent-death signal set on
+// whatever thread a goroutine runs on fires when that thread ends, with
+// the process alive. make bench started its coordinator that way, and
+// lost it when the Citus cells stopped their cluster.
+func TestTiedChildOutlivesEndingThreads(t *testing.T) {
+	t.Parallel()
+	alive := func(cmd *exec.Cmd, done <-chan struct{}) bool {
+		select {
+		case <-done:
+			return false
+		case <-time.After(500 * time.Millisecond):
+			return cmd.Process.Signal(syscall.Signal(0)) == nil
+		}
+	}
+	waited := func(cmd *exec.Cmd) <-chan struct{} {
+		done := make(chan struct{})
+		go func() {
+			_ = cmd.Wait()
+			close(done)
+		}()
+		return done
+	}
+
+	// The control: started from a goroutine whose thread then ends.
+	control := exec.Command("sleep", "60")
+	control.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		started <- control.Start()
+	}()
+	if err := <-started; err != nil {
+		t.Fatal(err)
+	}
+	if alive(control, waited(control)) {
+		_ = control.Process.Kill()
+		t.Fatal("the control outlived the thread that started it: this kernel does not tie the parent-death signal to the thread, and the test shows nothing")
+	}
+
+	release := make(chan struct{})
+	tied := exec.Command("sleep", "60")
+	if err := StartTied(tied, syscall.SIGKILL, release); err != nil {
+		t.Fatal(err)
+	}
+	done := waited(tied)
+	t.Cleanup(func() {
+		close(release)
+		<-done
+	})
+	for range 16 {
+		ended := make(chan struct{})
+		go func() {
+			defer close(ended)
+			runtime.LockOSThread() // this thread ends when the goroutine returns
+		}()
+		<-ended
+	}
+	if !alive(tied, done) {
+		t.Fatal("a StartTied process was killed when other threads of the test binary ended")
+	}
+}
