@@ -41,10 +41,9 @@ const (
 // flight a call is sent as soon as the goroutines ready at that moment have
 // had their turn (runtime.Gosched), with the calls they made meanwhile, or
 // alone; the calls that arrive while all are in flight go together in the
-// next RPC. Under load
-// this divides the fixed costs of a call (HTTP/2 frames, gRPC's paths on
-// both sides, logging) by the calls per RPC and hands the coordinator larger
-// batches to write in one transaction. 2 is a good value; 0 (the default)
+// next RPC. Under load this divides the fixed costs of a call (HTTP/2
+// frames, gRPC's paths on both sides, logging) by the calls per RPC and
+// hands the coordinator larger batches to write in one transaction. 2 is a good value; 0 (the default)
 // sends every call as its own unary RPC.
 //
 // Each call keeps what a unary call has: its own answer or its own error
