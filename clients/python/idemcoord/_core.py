@@ -646,6 +646,8 @@ class BatchRounds:
         self.max = max(int(max_in_flight), 0)
         self.queue: List[BatchItem] = []
         self.in_flight = 0
+        # A sender is about to take the queue: reserve starts no other (the sync client sets it; see Client._send_rounds).
+        self.taking = False
         self.unary = False  # the coordinator answered UNIMPLEMENTED for Batch: every call goes unary
 
     def size_if_batchable(self, method: str, request: Any) -> Optional[int]:
@@ -672,7 +674,7 @@ class BatchRounds:
         round rather than waiting behind a round of one.
         """
         self.queue.append(item)
-        if self.in_flight >= self.max:
+        if self.in_flight >= self.max or self.taking:
             return False
         self.in_flight += 1
         return True

@@ -545,9 +545,11 @@ class Client(_Settings):
         assert self._rounds is not None
         it = _core.BatchItem(method, request, size, time.monotonic() + timeout, threading.Event())
         with self._rounds_lock:
-            round_ = self._rounds.add(it)
-        if round_ is not None:
-            self._start_sender(round_)
+            start = self._rounds.reserve(it)
+            if start:
+                self._rounds.taking = True
+        if start:
+            self._start_sender()
         while True:
             left = max(it.deadline - time.monotonic(), 0.0)
             if it.waiter.wait(left if cancel_event is None else min(left, CANCEL_POLL)):
@@ -589,24 +591,54 @@ class Client(_Settings):
         if token:
             self._release(dict(scope=it.request.scope, key=it.request.key), token)
 
-    def _start_sender(self, round_: List[_core.BatchItem]) -> None:
-        t = threading.Thread(target=self._send_rounds, args=(round_,), name="idemcoord-batch", daemon=True)
+    def _start_sender(self) -> None:
+        t = threading.Thread(target=self._send_rounds, name="idemcoord-batch", daemon=True)
         with self._rounds_lock:
             self._senders.add(t)
         t.start()
 
-    def _send_rounds(self, round_: Optional[List[_core.BatchItem]]) -> None:
-        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again)."""
+    def _send_rounds(self) -> None:
+        """A sender: sends rounds while calls are queued, then ends (its RPC slot is free again).
+
+        It takes the queue only after the other threads that are ready have
+        had the interpreter (time.sleep(0)): the callers that one answer woke
+        call again at nearly the same time, and their calls then go in one
+        RPC, where sending the first of them at once put it alone in an RPC
+        of its own, with the rest in another behind it. While a sender is
+        about to take the queue (BatchRounds.taking, set before the callers
+        of an answer are woken), those callers start no second sender.
+        """
         assert self._rounds is not None
-        while round_ is not None:
-            self._send_round(round_)
+        while True:
+            time.sleep(0)
             with self._rounds_lock:
+                self._rounds.taking = False
                 round_ = self._rounds.next_round()
                 if round_ is None:
                     self._senders.discard(threading.current_thread())
+                    return
+            sent = False
+            try:
+                self._send_round(round_)
+                sent = True
+            finally:
+                with self._rounds_lock:
+                    # Done when another sender will take the queue, or
+                    # when an exception ends this one.
+                    done = self._rounds.taking or not sent
+                    if done:
+                        self._rounds.in_flight -= 1
+                        self._senders.discard(threading.current_thread())
+                    else:
+                        self._rounds.taking = True
+                for it in round_:
+                    it.answered = True
+                    it.waiter.set()
+            if done:
+                return
 
     def _send_round(self, items: List[_core.BatchItem]) -> None:
-        """Sends one round as a Batch RPC (or its calls unary) and answers each of its calls."""
+        """Sends one round as a Batch RPC (or its calls unary) and sets each of its calls' answer (the sender wakes them)."""
         assert self._rounds is not None
         try:
             if self._rounds.unary:
@@ -628,10 +660,6 @@ class Client(_Settings):
         except Exception as err:  # a closed channel, say: no caller waits for an answer that will not come
             _core.fail_round([it for it in items if it.outcome is None],
                              _core.rpc_error(_C.CANCELLED, "idemcoord: the batch could not be sent: %s" % err))
-        finally:
-            for it in items:
-                it.answered = True
-                it.waiter.set()
 
     def _each_unary(self, items: Sequence[_core.BatchItem]) -> None:
         """Makes each call as its own unary RPC, all at once."""
