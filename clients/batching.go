@@ -43,8 +43,8 @@ const (
 // alone; the calls that arrive while all are in flight go together in the
 // next RPC. Under load this divides the fixed costs of a call (HTTP/2
 // frames, gRPC's paths on both sides, logging) by the calls per RPC and
-// hands the coordinator larger batches to write in one transaction. 2 is a good value; 0 (the default)
-// sends every call as its own unary RPC.
+// hands the coordinator larger batches to write in one transaction. 2 is a
+// good value; 0 (the default) sends every call as its own unary RPC.
 //
 // Each call keeps what a unary call has: its own answer or its own error
 // (the same codes and details), its own deadline (sent as the call's
