@@ -635,11 +635,13 @@ class BatchRounds:
     """Which calls go together in which Batch RPC, without I/O: not thread-safe (the sync client holds a lock).
 
     Nothing waits for a batch to fill: while fewer than max_in_flight
-    Batch RPCs are in flight, a call is sent at once (alone, if it is
-    alone); the calls that arrive while all are in flight go together in
-    the next RPC of whichever finishes first. add returns the round the
-    caller must send now, and next_round, called by a sender when its RPC
-    is answered, the next one it must send (None: stop).
+    Batch RPCs are in flight (and no sender is about to take the queue:
+    taking), a call takes a free slot for a sender to start, which sends
+    what is queued by then; the calls that arrive while all are in flight
+    go together in the next RPC of whichever finishes first. reserve says
+    whether a call took a slot, and next_round, called by a sender when it
+    starts and when its RPC is answered, the round it must send (None:
+    stop, its slot is free).
     """
 
     def __init__(self, max_in_flight: int):
@@ -658,12 +660,6 @@ class BatchRounds:
             return None  # a batched Begin never waits
         size = int(request.ByteSize())
         return size if size <= BATCH_MAX_CALL_BYTES else None
-
-    def add(self, item: BatchItem) -> Optional[List[BatchItem]]:
-        """Queues item; returns the round to send now when an RPC slot is free, else None (a sender takes it)."""
-        if not self.reserve(item):
-            return None
-        return self._take()
 
     def reserve(self, item: BatchItem) -> bool:
         """Queues item; whether it took a free RPC slot, for a sender to start that takes its first round with next_round.

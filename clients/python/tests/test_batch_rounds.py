@@ -12,21 +12,26 @@ def item(method="Lookup", size=10, deadline=5.0, **fields):
     return _core.BatchItem(method, _api.REQUESTS[method](**fields), size, deadline)
 
 
+def sent_now(r, it):
+    """Queues it; the round a sender started for it sends at once, or None when no slot was free."""
+    return r.next_round() if r.reserve(it) else None
+
+
 class BatchRoundsTest(unittest.TestCase):
     def test_a_call_goes_at_once_while_a_slot_is_free_then_the_rest_wait_together(self):
         r = _core.BatchRounds(2)
         a, b = item(), item()
-        self.assertEqual(r.add(a), [a])
-        self.assertEqual(r.add(b), [b])
+        self.assertEqual(sent_now(r, a), [a])
+        self.assertEqual(sent_now(r, b), [b])
         waiting = [item() for _ in range(5)]
         for it in waiting:
-            self.assertIsNone(r.add(it), "sent while both slots were busy")
+            self.assertIsNone(sent_now(r, it), "sent while both slots were busy")
         self.assertEqual(r.next_round(), waiting)  # the first sender to finish takes them all
         self.assertIsNone(r.next_round())  # that sender's slot frees
         self.assertIsNone(r.next_round())  # and the other's
         self.assertEqual(r.in_flight, 0)
         c = item()
-        self.assertEqual(r.add(c), [c])
+        self.assertEqual(sent_now(r, c), [c])
 
     def test_a_reserved_slot_sends_what_is_queued_when_its_sender_starts(self):
         r = _core.BatchRounds(2)
@@ -44,27 +49,37 @@ class BatchRoundsTest(unittest.TestCase):
         self.assertIsNone(r.next_round())
         self.assertEqual(r.in_flight, 0)
 
+    def test_a_sender_about_to_take_the_queue_keeps_the_others_from_starting(self):
+        r = _core.BatchRounds(2)
+        a, b = item(), item()
+        self.assertTrue(r.reserve(a))
+        r.taking = True  # as the sync client's sender sets it until it takes the queue
+        self.assertFalse(r.reserve(b), "a second sender started for calls the first is about to take")
+        r.taking = False
+        self.assertEqual(r.next_round(), [a, b])
+        self.assertEqual(r.in_flight, 1)
+
     def test_a_round_holds_at_most_128_calls_and_2_mib(self):
         r = _core.BatchRounds(1)
-        r.add(item())
+        sent_now(r, item())
         small = [item() for _ in range(200)]
         for it in small:
-            r.add(it)
+            sent_now(r, it)
         self.assertEqual(r.next_round(), small[:128])
         self.assertEqual(r.next_round(), small[128:])
         big = [item(size=60 << 10) for _ in range(40)]
         for it in big:
-            r.add(it)
+            sent_now(r, it)
         first = r.next_round()
         self.assertEqual(len(first), (2 << 20) // (60 << 10))
         self.assertEqual(first + r.next_round(), big)
 
     def test_a_withdrawn_call_is_not_sent(self):
         r = _core.BatchRounds(1)
-        r.add(item())
+        sent_now(r, item())
         a, b = item(), item()
-        r.add(a)
-        r.add(b)
+        sent_now(r, a)
+        sent_now(r, b)
         self.assertTrue(r.withdraw(a))
         self.assertFalse(r.withdraw(a))
         self.assertEqual(r.next_round(), [b])
