@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/idemcoord/idemcoord/bench/internal/floor"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
 
@@ -28,6 +29,10 @@ const (
 	// Pairs and replays through the generated stub (see paths.go).
 	kindStubPairs   cellKind = pathStub + "-pairs"
 	kindStubReplays cellKind = pathStub + "-replays"
+	// Pairs and replays through the generated stub against grpc-go alone
+	// (see floor.go).
+	kindFloorPairs   cellKind = pathFloor + "-pairs"
+	kindFloorReplays cellKind = pathFloor + "-replays"
 	// Pairs and replays on Citus (see citus.go): through the coordinator
 	// node's URL, and through the URL that spreads the coordinator's
 	// connections over every node.
@@ -40,6 +45,10 @@ const (
 // direct reports that the kind talks to PostgreSQL without the coordinator.
 func (k cellKind) direct() bool { return k == kindBaseline || k == kindLean }
 
+// floor reports that the kind's callers call the floor's server instead of
+// the coordinator.
+func (k cellKind) floor() bool { return k == kindFloorPairs || k == kindFloorReplays }
+
 // The calls whose latency a cell records, by kind.
 var cellCalls = map[cellKind][]string{
 	kindPairs:    {"begin", "complete"},
@@ -49,6 +58,9 @@ var cellCalls = map[cellKind][]string{
 
 	kindStubPairs:   {"begin", "complete"},
 	kindStubReplays: {"begin"},
+
+	kindFloorPairs:   {"begin", "complete"},
+	kindFloorReplays: {"begin"},
 
 	kindCitusPairs:         {"begin", "complete"},
 	kindCitusReplays:       {"begin"},
@@ -85,7 +97,7 @@ func newKey(r *rand.Rand) string {
 }
 
 // replayKey is the i-th COMPLETED key of the replay cells (and of ghz).
-func replayKey(i int) string { return fmt.Sprintf("replay-%d", i) }
+func replayKey(i int) string { return fmt.Sprintf("%s%d", floor.ReplayPrefix, i) }
 
 // newToken returns a lease token shaped like the coordinator's.
 func newToken(r *rand.Rand) string {
@@ -110,6 +122,10 @@ func (e *environment) op(kind cellKind) op {
 		return e.pairOp(e.stub)
 	case kindStubReplays:
 		return e.replayOp(e.stub)
+	case kindFloorPairs:
+		return e.pairOp(e.floorStub)
+	case kindFloorReplays:
+		return e.replayOp(e.floorStub)
 	case kindLean:
 		return e.leanPair
 	default:
@@ -262,10 +278,8 @@ type callerStats struct {
 // count. during, when set, runs alongside the whole cell; stop closes when
 // the cell ends, and the cell waits for during to return.
 func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency int, during func(ctx context.Context, stop <-chan struct{})) (Cell, error) {
-	if !kind.direct() {
-		if err := e.coordinatorAlive(); err != nil {
-			return Cell{}, err
-		}
+	if err := e.serverAlive(kind); err != nil {
+		return Cell{}, err
 	}
 	// Each cell starts from a fresh checkpoint, so none of them pays for
 	// another's dirty pages or meets a timed checkpoint by chance.
@@ -313,7 +327,10 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	}
 
 	pid := 0
-	if !kind.direct() {
+	switch {
+	case kind.floor():
+		pid = e.floor.cmd.Process.Pid
+	case !kind.direct():
 		pid = e.coord.Process.Pid
 	}
 	sleep(ctx, e.s.Warmup)
@@ -367,10 +384,8 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	cell.OpsPerSec = float64(cell.Ops) / cell.Seconds
 	logf("%-8s %4d callers: %9.0f/s  %s%s%s", kind, concurrency, cell.OpsPerSec, latencySummary(cell, calls), errorSummary(cell), busySummary(cell))
 	if cell.Ops == 0 {
-		if !kind.direct() {
-			if err := e.coordinatorAlive(); err != nil {
-				return cell, err
-			}
+		if err := e.serverAlive(kind); err != nil {
+			return cell, err
 		}
 		if firstErr == nil {
 			firstErr = errors.New("no iteration ended within the measured time")
@@ -378,6 +393,18 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 		return cell, fmt.Errorf("%s at %d callers: nothing succeeded: %w", kind, concurrency, firstErr)
 	}
 	return cell, nil
+}
+
+// serverAlive returns an error once the server kind's callers call (the
+// coordinator, or the floor's) has exited; nil for the direct kinds.
+func (e *environment) serverAlive(kind cellKind) error {
+	switch {
+	case kind.floor():
+		return e.floorAlive()
+	case kind.direct():
+		return nil
+	}
+	return e.coordinatorAlive()
 }
 
 func latencySummary(c Cell, calls []string) string {

@@ -50,6 +50,8 @@ type environment struct {
 	conns    []*grpc.ClientConn
 	clients  []coordinatorCalls // one per connection, of the -client kind
 	stubs    []coordinatorCalls // one per connection, the generated stub (the stub path)
+	// floor, while the floor's cells run, is their server (see floor.go).
+	floor *floorServer
 	// admin runs the bench's own statements (CHECKPOINT, the scale
 	// check's loads and counts); baseline and lean are the baselines'
 	// pools, open only during their cells.
@@ -316,6 +318,7 @@ func (e *environment) close() {
 		_ = c.Close()
 	}
 	e.stopCoordinator()
+	e.stopFloor()
 	for _, p := range []*pgxpool.Pool{e.admin, e.baseline, e.lean} {
 		if p != nil {
 			p.Close()

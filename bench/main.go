@@ -29,12 +29,16 @@
 //     client), from /proc, and the coordinator's peak RSS (VmHWM, reset
 //     before each cell through /proc/<pid>/clear_refs).
 //
-// Then replays/s measured by ghz, a third-party load generator, and a scale
-// check: Begin latency and pairs/s on an empty table and after bulk-loading
-// millions of records, the cost of the idempotency_records gauge at that
-// size (and of the whole-table count it replaced), and the coordinator's
-// own reaper, at its default settings, working through a backlog of
-// records to expire and to delete while pairs run. It prints one table
+// Then the other ways of calling the coordinator (-paths), and with the
+// generated stub its floor: the same callers against a grpc-go server of
+// canned answers (bench/internal/floor), what grpc-go itself allows unary
+// callers on the machine. Then replays/s measured by ghz, a third-party
+// load generator, and a scale check: Begin latency and pairs/s on an empty
+// table and after bulk-loading millions of records, the cost of the
+// idempotency_records gauge at that size (and of the whole-table count it
+// replaced), and the coordinator's own reaper, at its default settings,
+// working through a backlog of records to expire and to delete while
+// pairs run. It prints one table
 // with the goals (speed, scale, footprint) marked met or not, and writes it as
 // JSON to <out>/<UTC timestamp>.json and <out>/latest.json.
 //
@@ -57,6 +61,10 @@ import (
 )
 
 func main() {
+	if served, err := serveFloor(os.Args[1:]); served {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:])
 	stop()
@@ -136,7 +144,8 @@ func parseFlags(args []string) (*settings, error) {
 	fs.IntVar(&s.ClientBatching, "client-batching", envInt("BENCH_CLIENT_BATCHING", 2), "with -client go: the Go client's clients.WithCallBatching, "+
 		"how many Batch RPCs its calls share at a time (0: every call unary; must be 0 with -client stub) (BENCH_CLIENT_BATCHING)")
 	paths := fs.String("paths", env("BENCH_PATHS", "stub,node,python"), "other ways of calling the coordinator measured in the same run, "+
-		"pairs and replays each: stub (the generated client, one unary RPC per call), node and python (their libraries' clients, "+
+		"pairs and replays each: stub (the generated client, one unary RPC per call; with it, the same callers against grpc-go alone, "+
+		"the floor rows), node and python (their libraries' clients, "+
 		"with call batching as -client-batching says, driven by clients/node/bench and clients/python/bench); empty for none (BENCH_PATHS)")
 	pathConc := fs.String("paths-concurrency", env("BENCH_PATHS_CONCURRENCY", "64,256"), "callers of the -paths cells (BENCH_PATHS_CONCURRENCY)")
 	fs.BoolVar(&s.Citus, "citus", env("BENCH_CITUS", "1") != "0", "after the single PostgreSQL's cells, run pairs and replays at the -paths-concurrency callers "+

@@ -232,7 +232,8 @@ func (l *limitedWriter) Write(p []byte) (int, error) {
 // over the same connections as the main table's callers; Node and Python
 // run their load generators (with their clients' call batching when the
 // main table's Go client batches, at the same setting). A path whose
-// runtime is missing is reported skipped.
+// runtime is missing is reported skipped. With the stub, the floor's
+// cells follow (floor.go): the stub's callers against grpc-go alone.
 func (e *environment) runPaths(ctx context.Context) ([]Cell, []PathRow, error) {
 	var cells []Cell
 	var skipped []PathRow
@@ -274,6 +275,13 @@ func (e *environment) runPaths(ctx context.Context) ([]Cell, []PathRow, error) {
 			}
 		}
 	}
+	if slices.Contains(e.s.Paths, pathStub) {
+		floorCells, err := e.runFloor(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		cells = append(cells, floorCells...)
+	}
 	return cells, skipped, nil
 }
 
@@ -286,7 +294,7 @@ func (e *environment) stub(w int) coordinatorCalls {
 // pathRows derives the paths' rows from the cells, beside the main rows.
 func (r *report) pathRows(skipped []PathRow) []PathRow {
 	var rows []PathRow
-	for _, path := range r.Settings.Paths {
+	for _, path := range append(slices.Clone(r.Settings.Paths), pathFloor) {
 		for _, c := range r.Settings.PathConcurrency {
 			pc, rc := r.cells(pathKind(path, false), c), r.cells(pathKind(path, true), c)
 			if len(pc) == 0 || len(rc) == 0 {

@@ -26,15 +26,19 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/idemcoord/idemcoord/bench/internal/floor"
 	"github.com/idemcoord/idemcoord/bench/internal/procstat"
 	idempotencyv1 "github.com/idemcoord/idemcoord/gen/idempotency/v1"
 )
 
+// bodyBytes is the size of the stored response in the answers and in
+// the callers' Completes.
+const bodyBytes = 150
+
 func main() {
 	if len(os.Args) == 3 && os.Args[1] == "serve" {
-		if err := serve(os.Args[2]); err != nil {
+		if err := floor.Serve(os.Args[2], bodyBytes); err != nil {
 			fmt.Fprintln(os.Stderr, "grpcfloor:", err)
 			os.Exit(1)
 		}
@@ -50,50 +54,6 @@ func main() {
 			os.Exit(1)
 		}
 	}
-}
-
-// floorServer answers every Begin and Complete with the same answer.
-type floorServer struct {
-	idempotencyv1.UnimplementedCoordinatorServer
-	begin    *idempotencyv1.BeginResponse
-	complete *idempotencyv1.CompleteResponse
-}
-
-// Begin answers ACQUIRED.
-func (s *floorServer) Begin(context.Context, *idempotencyv1.BeginRequest) (*idempotencyv1.BeginResponse, error) {
-	return s.begin, nil
-}
-
-// Complete answers with a COMPLETED record holding a 150-byte response.
-func (s *floorServer) Complete(context.Context, *idempotencyv1.CompleteRequest) (*idempotencyv1.CompleteResponse, error) {
-	return s.complete, nil
-}
-
-// record is a record of the size the coordinator answers with.
-func record(state idempotencyv1.State, body []byte) *idempotencyv1.Record {
-	now := timestamppb.Now()
-	rec := &idempotencyv1.Record{Scope: "bench", Key: "k-0123456789abcdef", State: state, Attempt: 1, Generation: 1,
-		Fingerprint: make([]byte, 32), CreatedAt: now, UpdatedAt: now, LeaseExpiresAt: now, ExpiresAt: now}
-	if body != nil {
-		rec.Response = &idempotencyv1.StoredResponse{Body: body}
-	}
-	return rec
-}
-
-// serve serves the canned answers on addr, with as many stream workers as
-// the coordinator runs, until killed.
-func serve(addr string) error {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return err
-	}
-	s := grpc.NewServer(grpc.NumStreamWorkers(256))
-	idempotencyv1.RegisterCoordinatorServer(s, &floorServer{
-		begin: &idempotencyv1.BeginResponse{Outcome: idempotencyv1.Outcome_OUTCOME_ACQUIRED,
-			LeaseToken: "0123456789abcdef0123456789abcdef", Record: record(idempotencyv1.State_STATE_IN_PROGRESS, nil)},
-		complete: &idempotencyv1.CompleteResponse{Record: record(idempotencyv1.State_STATE_COMPLETED, make([]byte, 150))},
-	})
-	return s.Serve(lis)
 }
 
 // run starts a server process, drives it and prints one line of figures.
@@ -145,7 +105,7 @@ func run(concurrency int, duration time.Duration) error {
 				r, err := c.Begin(ctx, &idempotencyv1.BeginRequest{Scope: "bench", Key: key, Fingerprint: make([]byte, 32)})
 				if err == nil {
 					_, err = c.Complete(ctx, &idempotencyv1.CompleteRequest{Scope: "bench", Key: key, LeaseToken: r.GetLeaseToken(),
-						Response: &idempotencyv1.StoredResponse{Body: make([]byte, 150)}})
+						Response: &idempotencyv1.StoredResponse{Body: make([]byte, bodyBytes)}})
 				}
 				if err != nil {
 					errs <- err

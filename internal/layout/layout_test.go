@@ -66,9 +66,13 @@ var layout = map[string]rule{
 	// The benchmark driver (go run ./bench) starts its own PostgreSQL.
 	// extra: clients, the Go client library the callers can drive the cells with (-client go).
 	// extra: bench/internal/procstat, the bench's and bench/grpcfloor's one reader of /proc.
-	"bench":                   {own: []string{"gen", "ledger", "internal/pgtest", "clients", "bench/internal/procstat"}},
+	// extra: bench/internal/floor, the grpc-go server of canned answers under the
+	// unary path (the bench's floor rows and bench/grpcfloor).
+	"bench":                   {own: []string{"gen", "ledger", "internal/pgtest", "clients", "bench/internal/procstat", "bench/internal/floor"}},
 	"bench/internal/procstat": {stdOnly: true},
-	"chaos":                   {own: []string{}}, // tests only
+	"bench/internal/floor": {own: []string{"gen"},
+		third: []string{"google.golang.org/grpc", "google.golang.org/protobuf"}},
+	"chaos": {own: []string{}}, // tests only
 	// The deployment files' checks (chart, alerts, dashboard, image, unit).
 	"deploy": {stdOnly: true}, // tests only
 	// Test helpers.
