@@ -337,7 +337,7 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	rssReset := pid != 0 && resetPeakRSS(pid) == nil
 	before := e.snapshot(pid)
 	phase.Store(phaseMeasure)
-	sleep(ctx, e.s.Duration)
+	sleep(ctx, e.measuredFor(kind))
 	phase.Store(phaseStop)
 	after := e.snapshot(pid)
 	cancel()
@@ -349,7 +349,7 @@ func (e *environment) runCell(ctx context.Context, kind cellKind, concurrency in
 	cell := Cell{Kind: kind, Concurrency: concurrency, Seconds: after.at.Sub(before.at).Seconds(),
 		LatencyMS:        map[string]Latency{},
 		CoordCPUSeconds:  after.coordCPU - before.coordCPU,
-		PGCPUSeconds:     after.pgCPU - before.pgCPU,
+		PGCPUSeconds:     max(after.pgCPU-before.pgCPU, 0), // a backend that exited took its share
 		DriverCPUSeconds: after.selfCPU - before.selfCPU,
 		WorkerCPUSeconds: after.workersCPU(before),
 		CoordPeakRSSMB:   after.coordHWM,

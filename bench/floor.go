@@ -136,8 +136,23 @@ func (e *environment) floorStub(w int) coordinatorCalls {
 	return e.floor.stubs[w%len(e.floor.stubs)]
 }
 
-// runFloor measures the floor's pairs and replays at every concurrency of
-// -paths-concurrency, with the stub path's callers.
+// floorReplayCallers is the one concurrency of the floor's replays cell:
+// the one the stub's replay goal reads.
+const floorReplayCallers = 64
+
+// measuredFor is the measured time of kind's cells: the floor's, whose
+// server answers at a steady rate, run half as long as the others (at
+// least a second), to keep make bench within its run time.
+func (e *environment) measuredFor(kind cellKind) time.Duration {
+	if kind.floor() {
+		return max(e.s.Duration/2, time.Second)
+	}
+	return e.s.Duration
+}
+
+// runFloor measures the floor's pairs at every concurrency of
+// -paths-concurrency, and its replays at floorReplayCallers, with the stub
+// path's callers.
 func (e *environment) runFloor(ctx context.Context) ([]Cell, error) {
 	if err := e.startFloor(ctx); err != nil {
 		return nil, err
@@ -146,6 +161,9 @@ func (e *environment) runFloor(ctx context.Context) ([]Cell, error) {
 	var cells []Cell
 	for _, c := range e.s.PathConcurrency {
 		for _, replays := range []bool{false, true} {
+			if replays && c != floorReplayCallers {
+				continue
+			}
 			cell, err := e.runCell(ctx, pathKind(pathFloor, replays), c, nil)
 			if err != nil {
 				return nil, err

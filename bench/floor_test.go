@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -75,7 +76,8 @@ func TestFloorNotes(t *testing.T) {
 			{Path: pathStub, Concurrency: 256, PairsPerSec: 6000, ReplaysPerSec: 20000, LeanRatio: 1.5, ReplayPairRatio: 3.3},
 			// The lean table did 5000 pairs/s at 64 callers.
 			{Path: pathFloor, Concurrency: 64, PairsPerSec: 10000, ReplaysPerSec: 21000, LeanRatio: 2.0, ReplayPairRatio: 2.1},
-			{Path: pathFloor, Concurrency: 256, PairsPerSec: 9000, ReplaysPerSec: 20000, LeanRatio: 2.25, ReplayPairRatio: 2.2},
+			// The floor's replays run at 64 callers only.
+			{Path: pathFloor, Concurrency: 256, PairsPerSec: 9000, LeanRatio: 2.25},
 		}}
 	notes := map[string]string{}
 	for _, g := range r.goals() {
@@ -100,6 +102,9 @@ func TestFloorNotes(t *testing.T) {
 	if !strings.Contains(out.String(), "floor: the stub's callers against grpc-go alone") {
 		t.Errorf("the report does not say what the floor rows are:\n%s", out.String())
 	}
+	if !regexp.MustCompile(`floor\s+256\s+9000\s+2\.25\s+0\.00\s+-\s+-\s`).MatchString(out.String()) {
+		t.Errorf("the floor's row at 256 callers, which has no replays, does not show them as -:\n%s", out.String())
+	}
 	// Without floor rows (an earlier report, or -paths without stub), no
 	// note and no footnote.
 	r.Paths = r.Paths[:2]
@@ -107,5 +112,41 @@ func TestFloorNotes(t *testing.T) {
 		if strings.Contains(g.Note, "floor") {
 			t.Errorf("goal %q notes a floor that was not measured: %q", g.Name, g.Note)
 		}
+	}
+}
+
+// TestFloorCells checks which cells the floor runs and for how long: its
+// pairs at every -paths-concurrency, its replays at 64 callers only (the
+// one concurrency a goal reads them at), each for half the measured time
+// of the other cells, and at least a second.
+func TestFloorCells(t *testing.T) {
+	for _, tc := range []struct {
+		d, want time.Duration
+	}{{6 * time.Second, 3 * time.Second}, {2 * time.Second, time.Second}, {time.Second, time.Second}} {
+		e := &environment{s: &settings{Duration: tc.d}}
+		if got := e.measuredFor(kindFloorPairs); got != tc.want {
+			t.Errorf("-duration %v: floor cells measured for %v, want %v", tc.d, got, tc.want)
+		}
+		if got := e.measuredFor(kindStubPairs); got != tc.d {
+			t.Errorf("-duration %v: stub cells measured for %v, want all of it", tc.d, got)
+		}
+	}
+	// The rows the report derives from the floor's cells: one per
+	// concurrency, with replays where they ran.
+	r := &report{Settings: &settings{Client: clientGo, Paths: []string{pathStub}, PathConcurrency: []int{64, 256}},
+		Cells: []Cell{
+			{Kind: kindFloorPairs, Concurrency: 64, Seconds: 3, Ops: 30000},
+			{Kind: kindFloorReplays, Concurrency: 64, Seconds: 3, Ops: 60000},
+			{Kind: kindFloorPairs, Concurrency: 256, Seconds: 3, Ops: 27000},
+		}}
+	rows := r.pathRows(nil)
+	if len(rows) != 2 {
+		t.Fatalf("floor rows %+v, want 2", rows)
+	}
+	if rows[0].Concurrency != 64 || rows[0].PairsPerSec != 10000 || rows[0].ReplaysPerSec != 20000 || rows[0].ReplayPairRatio != 2 {
+		t.Errorf("floor row at 64 callers: %+v", rows[0])
+	}
+	if rows[1].Concurrency != 256 || rows[1].PairsPerSec != 9000 || rows[1].ReplaysPerSec != 0 {
+		t.Errorf("floor row at 256 callers: %+v", rows[1])
 	}
 }

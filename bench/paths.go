@@ -185,7 +185,7 @@ func (e *environment) runExternal(ctx context.Context, g generator, path string,
 		Ops: res.Ops, Errors: res.Errors, FirstError: res.FirstError,
 		LatencyMS:        map[string]Latency{"begin": {P50: res.BeginP50MS, P99: res.BeginP99MS}},
 		CoordCPUSeconds:  after.coordCPU - before.coordCPU,
-		PGCPUSeconds:     after.pgCPU - before.pgCPU,
+		PGCPUSeconds:     max(after.pgCPU-before.pgCPU, 0), // a backend that exited took its share
 		DriverCPUSeconds: afterGen - beforeGen,
 		CoordPeakRSSMB:   after.coordHWM,
 	}
@@ -297,7 +297,7 @@ func (r *report) pathRows(skipped []PathRow) []PathRow {
 	for _, path := range append(slices.Clone(r.Settings.Paths), pathFloor) {
 		for _, c := range r.Settings.PathConcurrency {
 			pc, rc := r.cells(pathKind(path, false), c), r.cells(pathKind(path, true), c)
-			if len(pc) == 0 || len(rc) == 0 {
+			if len(pc) == 0 || (len(rc) == 0 && path != pathFloor) { // the floor's replays run at 64 callers only
 				continue
 			}
 			p, rp := pool(pc), pool(rc)

@@ -410,8 +410,12 @@ func (r *report) print(out io.Writer) error {
 				skipped = append(skipped, fmt.Sprintf("  %s at %d callers not measured: %s\n", p.Path, p.Concurrency, p.Skipped))
 				continue
 			}
-			fmt.Fprintf(tw, "%s\t%d\t%.0f\t%.2f\t%.2f\t%.0f\t%.2f\t%.2f\t%.3f+%.3f\t%.3f\t%d\t\n", p.Path, p.Concurrency,
-				p.PairsPerSec, p.LeanRatio, p.MainRatio, p.ReplaysPerSec, p.ReplayPairRatio, p.BeginP99MS,
+			replays, perPair := fmt.Sprintf("%.0f", p.ReplaysPerSec), fmt.Sprintf("%.2f", p.ReplayPairRatio)
+			if p.ReplaysPerSec == 0 && p.Path == pathFloor { // the floor's replays run at 64 callers only
+				replays, perPair = "-", "-"
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%.0f\t%.2f\t%.2f\t%s\t%s\t%.2f\t%.3f+%.3f\t%.3f\t%d\t\n", p.Path, p.Concurrency,
+				p.PairsPerSec, p.LeanRatio, p.MainRatio, replays, perPair, p.BeginP99MS,
 				p.CoordCPUPer1000, p.PGCPUPer1000, p.CallersCPUPer1000, p.Errors)
 		}
 		if err := tw.Flush(); err != nil {
