@@ -295,12 +295,12 @@ func (r *report) goals() []Goal {
 			val = p.ReplayPairRatio
 		}
 		g := add("speed", path+" replays/s vs pairs/s at 64 callers", ">= 8.0x", "x", val, p != nil, val >= 8.0)
-		if f := r.pathRow(pathFloor, 64); path == pathStub && f != nil && f.LeanRatio > 0 {
+		if f := r.pathRow(pathFloor, 64); path == pathStub && f != nil && has(row64) {
 			// A stub path that meets its pairs goal (the lean table's
 			// pairs/s) and this one answers 8 Begins a pair: the floor's
 			// Begins/s over the lean table's pairs/s bounds that ratio.
 			g.Note = fmt.Sprintf("reported, not a goal: grpc-go alone (floor) answers %.0f replays/s, %.2fx the lean table's pairs/s",
-				f.ReplaysPerSec, f.ReplaysPerSec/(f.PairsPerSec/f.LeanRatio))
+				f.ReplaysPerSec, f.ReplaysPerSec/row64.LeanPerSec)
 		}
 	}
 	pgCPU := v(row64, func(x *Row) float64 { return x.PGCPUPerPairRatio })
